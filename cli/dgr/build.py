@@ -1,0 +1,189 @@
+"""Configure and build the patched llama.cpp and the dgr-worker into ``build/<backend>/``.
+
+One CMake + Ninja tree per backend (``worker/CMakeLists.txt`` adds the patched llama.cpp as a
+static subproject). Only the requested targets are built; ccache is used when present.
+Refuses to build from an unverified or dirty pin, or a patched tree that differs from the
+committed series.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__, paths, patchstack
+from . import pin as pin_mod
+from .errors import DgrError
+
+BACKENDS = ("cpu", "vulkan", "cuda", "hip", "metal")
+DEFAULT_TARGETS = ("dgr-worker",)
+TEST_TARGETS = ("dgr-tests",)
+# Whole-model llama.cpp tools used as yardsticks and helpers (benchmarks, quantize, references).
+TOOL_TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-simple",
+                "llama-completion")
+BACKEND_CMAKE = {
+    "cpu": [],
+    "vulkan": ["-DGGML_VULKAN=ON"],
+    "cuda": ["-DGGML_CUDA=ON"],
+    "hip": ["-DGGML_HIP=ON"],
+    "metal": ["-DGGML_METAL=ON"],
+}
+VULKAN_MIN_HEADER = 309  # the pinned ggml-vulkan uses VK_EXT_layer_settings (headers 1.4.309 seen to work)
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    backend: str
+    build_dir: Path
+    bin_dir: Path
+    targets: tuple[str, ...]
+
+
+def check_toolchain(backend: str) -> list[str]:
+    """Return the CMake flags for ``backend`` or raise naming what is missing."""
+    if backend not in BACKENDS:
+        raise DgrError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    missing = [t for t in ("cmake", "ninja") if shutil.which(t) is None]
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        missing.append(f"C++ compiler ({cxx})")
+    if missing:
+        raise DgrError(f"build tools missing: {', '.join(missing)}",
+                       hint="apt-get install build-essential cmake ninja-build")
+    flags = list(BACKEND_CMAKE[backend])
+    if backend == "cuda":
+        nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+        if nvcc is None:
+            raise DgrError("backend cuda needs the CUDA toolkit (nvcc not found on PATH or in /usr/local/cuda/bin)")
+        flags.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+        if not os.environ.get("CUDAARCHS"):
+            flags.append("-DCMAKE_CUDA_ARCHITECTURES=native" if _has_nvidia_gpu() else "-DCMAKE_CUDA_ARCHITECTURES=80;89;90")
+    elif backend == "hip":
+        if shutil.which("hipcc") is None and not Path("/opt/rocm/bin/hipcc").exists():
+            raise DgrError("backend hip needs ROCm (hipcc not found on PATH or in /opt/rocm/bin)")
+    elif backend == "metal":
+        if platform.system() != "Darwin":
+            raise DgrError("backend metal builds only on macOS")
+    elif backend == "vulkan":
+        flags += _vulkan_flags()
+    return flags
+
+
+def _has_nvidia_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def _vulkan_flags() -> list[str]:
+    prefix = os.environ.get("DGR_VULKAN_PREFIX")
+    include_dirs = [Path(prefix) / "usr/include"] if prefix else []
+    include_dirs.append(Path("/usr/include"))
+    header = next((d / "vulkan/vulkan_core.h" for d in include_dirs if (d / "vulkan/vulkan_core.h").is_file()), None)
+    problems = []
+    if header is None:
+        problems.append("Vulkan headers (vulkan/vulkan_core.h)")
+    else:
+        m = re.search(r"#define VK_HEADER_VERSION (\d+)", header.read_text(errors="replace"))
+        ver = int(m.group(1)) if m else 0
+        if ver < VULKAN_MIN_HEADER or "VK_EXT_layer_settings" not in header.read_text(errors="replace"):
+            problems.append(f"Vulkan headers >= 1.3.{VULKAN_MIN_HEADER} with VK_EXT_layer_settings "
+                            f"({header} has VK_HEADER_VERSION {ver}); unpack newer libvulkan-dev + "
+                            "spirv-headers with dpkg -x into a prefix and set DGR_VULKAN_PREFIX")
+    if shutil.which("glslc") is None:
+        problems.append("glslc (apt-get install glslc)")
+    if not any(Path(p).exists() for p in ("/usr/lib/x86_64-linux-gnu/libvulkan.so.1", "/usr/lib/aarch64-linux-gnu/libvulkan.so.1", "/usr/lib/libvulkan.so.1")):
+        problems.append("the Vulkan loader (apt-get install libvulkan1)")
+    if problems:
+        raise DgrError("backend vulkan is missing: " + "; ".join(problems))
+    flags = []
+    if prefix:
+        flags.append(f"-DVulkan_INCLUDE_DIR={Path(prefix) / 'usr/include'}")
+    return flags
+
+
+def _ensure_sources() -> tuple[pin_mod.Pin, Path, str]:
+    pin = pin_mod.load_pin()
+    src = pin_mod.located_source()
+    pin_mod.verify_tree(src, pin)  # raises on a wrong commit or a dirty pinned tree
+    stack = patchstack.default_stack()
+    tree = paths.patched_source_dir()
+    st = patchstack.apply(stack, src, tree)  # idempotent; raises on local edits
+    if st.base != pin.commit:
+        raise DgrError(f"patched tree {tree} is based on {st.base}, the pin says {pin.commit}",
+                       hint="run `dgr patches apply --force`")
+    if st.unexported:
+        raise DgrError(f"patched tree {tree} differs from the committed series ({st.unexported[0]})",
+                       hint="run `dgr patches export` to keep the change, or `dgr patches apply --force`")
+    return pin, tree, stack.series_digest()
+
+
+def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> None:
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail.append(line.rstrip())
+        tail = tail[-40:]
+        sys.stderr.write(line)  # Ninja status lines ("[12/345] Building …") are the progress
+    if proc.wait() != 0:
+        raise DgrError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}); last lines:\n" + "\n".join(tail[-15:]))
+
+
+def build(backend: str = "cpu", *, jobs: int | None = None, clean: bool = False,
+          targets: tuple[str, ...] = DEFAULT_TARGETS, extra_cmake: tuple[str, ...] = ()) -> BuildResult:
+    flags = check_toolchain(backend)
+    pin, tree, digest = _ensure_sources()
+    bdir = paths.backend_build_dir(backend)
+    if clean and bdir.exists():
+        shutil.rmtree(bdir)
+    bdir.mkdir(parents=True, exist_ok=True)
+    config = [
+        "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+        f"-DDGR_LLAMA_SOURCE_DIR={tree}",
+        f"-DDGR_REPO_ROOT={paths.repo_root()}",
+        f"-DDGR_VERSION={__version__}",
+        f"-DDGR_PIN_COMMIT={pin.commit}",
+        f"-DDGR_PATCH_DIGEST={digest}",
+        f"-DDGR_BACKEND={backend}",
+        *flags, *extra_cmake,
+    ]
+    if shutil.which("ccache"):
+        config += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
+                   "-DGGML_CCACHE=OFF"]
+    stamp = bdir / "dgr-config.json"
+    previous = json.loads(stamp.read_text()) if stamp.is_file() else None
+    if previous != config or not (bdir / "build.ninja").is_file():
+        _run(["cmake", "-S", str(paths.repo_root() / "worker"), "-B", str(bdir), *config])
+        stamp.write_text(json.dumps(config, indent=1))
+    jobs = jobs or os.cpu_count() or 2
+    _run(["ninja", "-C", str(bdir), f"-j{jobs}", *targets])
+    # Upstream notices next to the binaries (also done at configure; re-copied in case of clean bin/).
+    bin_dir = bdir / "bin"
+    for notice in pin.notices:
+        if (tree / notice).is_file():
+            shutil.copyfile(tree / notice, bin_dir / f"llama.cpp-{notice}")
+    return BuildResult(backend, bdir, bin_dir, targets)
+
+
+def worker_binary(backend: str = "cpu") -> Path:
+    exe = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+    if not exe.is_file():
+        raise DgrError(f"{exe} not built", hint=f"run `dgr build --backend {backend}`")
+    return exe
+
+
+def tool_binary(name: str, backend: str = "cpu", *, build_missing: bool = True) -> Path:
+    exe = paths.backend_build_dir(backend) / "bin" / name
+    if not exe.is_file():
+        if not build_missing:
+            raise DgrError(f"{exe} not built", hint=f"run `dgr build --backend {backend} --target {name}`")
+        build(backend, targets=(name,))
+    return exe

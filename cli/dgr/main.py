@@ -1,0 +1,81 @@
+"""The `dgr` command line: a thin Typer root composing one sub-app per command group.
+
+Commands parse arguments, call a logic module (which never imports Typer) and print.
+Expected failures are :class:`dgr.errors.DgrError`, printed as one line with exit code 1.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from . import __version__
+from .errors import DgrError
+
+app = typer.Typer(
+    name="dgr",
+    help="dgr - run one GGUF model split by layer ranges (Shards) across several machines.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _version_text() -> str:
+    from . import pin as pin_mod
+    from . import patchstack
+
+    lines = [f"dgr {__version__}"]
+    try:
+        p = pin_mod.load_pin()
+        lines.append(f"llama.cpp {p.commit} ({p.date})")
+    except DgrError as exc:
+        lines.append(f"llama.cpp pin: unavailable ({exc.one_line()})")
+    try:
+        lines.append(f"patch series {patchstack.default_stack().series_digest()}")
+    except DgrError as exc:
+        lines.append(f"patch series: unavailable ({exc.one_line()})")
+    return "\n".join(lines)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(_version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version_callback, is_eager=True,
+        help="Print the dgr version, the pinned llama.cpp commit and the patch-series digest.",
+    ),
+) -> None:
+    """dgr - distributed GGUF runtime toolkit."""
+
+
+def _register() -> None:
+    # One sub-app per command group (cli/dgr/commands/<group>.py exposes `app`).
+    from .commands import pin, patches, build
+
+    app.add_typer(pin.app, name="pin", help="The exact llama.cpp pin: show, fetch, verify.")
+    app.add_typer(patches.app, name="patches", help="The llama.cpp patch stack: apply, export, verify, status.")
+    app.add_typer(build.app, name="build", help="Build the patched llama.cpp and the dgr-worker.")
+    # app.add_typer(accept.app, name="accept", help="Run an acceptance story and write its evidence folder.")
+    # Further command groups register here.
+
+
+_register()
+
+
+def main() -> None:
+    try:
+        app()
+    except DgrError as exc:
+        typer.echo(f"dgr: error: {exc.one_line()}", err=True)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()
