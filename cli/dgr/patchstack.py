@@ -262,10 +262,15 @@ def verify(stack: Stack, source: Path, scratch: Path | None = None) -> VerifyRep
         tmpdir = tempfile.TemporaryDirectory(prefix="dgr-verify-")
         scratch = Path(tmpdir.name) / "tree"
     try:
+        if stack.assumptions_file is not None:
+            try:
+                problems.extend(check_file_assumptions(stack, source))
+            except PatchError as exc:
+                problems.append(str(exc))
         try:
             apply(stack, source, scratch, force=True)
         except PatchError as exc:
-            problems.append(str(exc))
+            problems.insert(0, str(exc))
             return VerifyReport(False, problems, names, stack.series_digest())
         with tempfile.TemporaryDirectory(prefix="dgr-reexport-") as tmp:
             produced = _format_patches(scratch, stack.base_commit, Path(tmp))
@@ -278,8 +283,8 @@ def verify(stack: Stack, source: Path, scratch: Path | None = None) -> VerifyRep
                 elif produced[i].read_bytes() != (stack.patches_dir / n).read_bytes():
                     problems.append(f"{n}: stale: re-export differs from the committed file "
                                     "(run `dgr patches apply && dgr patches export`)")
-        if stack.assumptions_file is not None:
-            problems.extend(check_assumptions(stack, scratch))
+        if stack.assumptions_file is not None and stack.assumptions_file.is_file():
+            problems.extend(check_tree_assumptions(stack, scratch))
     finally:
         if tmpdir is not None:
             tmpdir.cleanup()
@@ -303,26 +308,34 @@ def touched_files(tree: Path, base: str) -> list[str]:
     return sorted({ln for ln in out.splitlines() if ln})
 
 
-def check_assumptions(stack: Stack, patched: Path) -> list[str]:
-    """Every upstream file the patches touch must be listed with its blob at the base, each
-    listed blob must still match, and every listed symbol must still be found in the patched
-    tree. Returns one line per changed assumption."""
+def check_file_assumptions(stack: Stack, repo: Path) -> list[str]:
+    """Each listed upstream file must still be the listed blob at the base (checked in any
+    repository holding the base commit, so it also works when the patches no longer apply)."""
     data = load_assumptions(stack.assumptions_file)  # type: ignore[arg-type]
     problems = []
-    listed = {f["path"]: f["blob"] for f in data.get("file", [])}
     base = stack.base_commit
-    for path, blob in listed.items():
+    for f in data.get("file", []):
+        path, blob = f["path"], f["blob"]
         try:
-            actual = _git(patched, "rev-parse", f"{base}:{path}")
+            actual = _git(repo, "rev-parse", "--verify", "--quiet", f"{base}:{path}")
         except PatchError:
             actual = None
-        if actual is None:
+        if not actual:
             if blob != "new":
-                problems.append(f"assumption changed: upstream file {path} no longer exists at {base[:12]}")
+                problems.append(f"assumption changed: upstream file {path} does not exist at {base[:12]}")
         elif blob != actual:
             problems.append(f"assumption changed: upstream file {path} is blob {actual[:12]} at "
                             f"{base[:12]}, the assumptions file says {blob[:12]}")
-    for path in touched_files(patched, base):
+    return problems
+
+
+def check_tree_assumptions(stack: Stack, patched: Path) -> list[str]:
+    """Every file the series touches must be listed, and every listed symbol must be found
+    in the patched tree."""
+    data = load_assumptions(stack.assumptions_file)  # type: ignore[arg-type]
+    problems = []
+    listed = {f["path"] for f in data.get("file", [])}
+    for path in touched_files(patched, stack.base_commit):
         if path not in listed:
             problems.append(f"assumption missing: patches touch {path}, which the assumptions file does not list")
     for sym in data.get("symbol", []):
@@ -332,6 +345,10 @@ def check_assumptions(stack: Stack, patched: Path) -> list[str]:
         if not re.search(pattern, text, re.M):
             problems.append(f"assumption changed: symbol {sym['name']} not found in {sym['file']}")
     return problems
+
+
+def check_assumptions(stack: Stack, patched: Path) -> list[str]:
+    return check_file_assumptions(stack, patched) + check_tree_assumptions(stack, patched)
 
 
 def refresh_assumption_blobs(stack: Stack, patched: Path) -> list[str]:
