@@ -174,7 +174,10 @@ def _build_locked(backend: str, flags: list[str], *, jobs: int | None, clean: bo
         _run(["cmake", "-S", str(paths.repo_root() / "worker"), "-B", str(bdir), *config])
         stamp.write_text(json.dumps(config, indent=1))
     jobs = jobs or os.cpu_count() or 2
-    _run(["ninja", "-C", str(bdir), f"-j{jobs}", *targets])
+    # Rewrite absolute paths for ccache so scratch/clean trees reuse cached objects.
+    env = dict(os.environ)
+    env.setdefault("CCACHE_BASEDIR", "/")
+    _run(["ninja", "-C", str(bdir), f"-j{jobs}", *targets], env=env)
     # Upstream notices next to the binaries (also done at configure; re-copied in case of clean bin/).
     bin_dir = bdir / "bin"
     for notice in pin.notices:

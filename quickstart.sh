@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# dgr quick start: all set-up on a fresh Debian/Ubuntu machine, then the main job or the tests.
+#   ./quickstart.sh demo   # build what is missing and run the main job
+#   ./quickstart.sh test   # build what is missing and run the full test suite
+# Idempotent: the second run skips what is already installed/fetched/built.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+APT_PACKAGES=(build-essential cmake ninja-build git ccache pkg-config python3 python3-venv python3-dev
+              libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc)
+
+step() { printf '\n==> %s\n' "$*" >&2; }
+
+ensure_apt() {
+  local missing=()
+  for p in "${APT_PACKAGES[@]}"; do
+    if [ "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)" != "installed" ]; then
+      missing+=("$p")
+    fi
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "dgr: missing system packages: ${missing[*]}" >&2
+    echo "dgr: run this as root, then re-run $0:" >&2
+    echo "  apt-get update && apt-get install -y --no-install-recommends ${APT_PACKAGES[*]}" >&2
+    exit 2
+  fi
+  step "installing system packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+ensure_venv() {
+  local py=${PYTHON:-python3}
+  if ! "$py" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
+    echo "dgr: Python >= 3.11 is required ($py is $("$py" --version 2>&1))" >&2
+    exit 2
+  fi
+  [ -x .venv/bin/python ] || { step "creating .venv"; "$py" -m venv .venv; }
+  local stamp=.venv/.dgr-installed want
+  want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    step "installing dgr and its Python dependencies into .venv"
+    .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,model]'
+    echo "$want" > "$stamp"
+  fi
+}
+
+build_native() {
+  step "fetching and verifying the pinned llama.cpp"
+  .venv/bin/dgr pin fetch
+  step "building the patched llama.cpp and dgr-worker (first time: several minutes)"
+  .venv/bin/dgr build --backend cpu "$@"
+}
+
+case "${1:-}" in
+  demo)
+    ensure_apt; ensure_venv
+    build_native
+    step "dgr demo"
+    exec .venv/bin/dgr demo
+    ;;
+  test)
+    ensure_apt; ensure_venv
+    build_native --tests --tools
+    step "C++ tests (CTest)"
+    ctest_rc=0
+    ctest --test-dir build/cpu --output-on-failure || ctest_rc=$?
+    step "Python tests (pytest)"
+    pytest_rc=0
+    .venv/bin/python -m pytest -q "${@:2}" || pytest_rc=$?
+    if [ "$ctest_rc" -ne 0 ]; then echo "dgr: CTest failed (exit $ctest_rc)" >&2; exit "$ctest_rc"; fi
+    exit "$pytest_rc"
+    ;;
+  *)
+    echo "usage: $0 demo|test" >&2
+    exit 2
+    ;;
+esac

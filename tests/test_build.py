@@ -1,0 +1,58 @@
+"""Build driver: toolchain checks (no build needed) and the built worker's identity (native)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from dgr import build as build_mod
+from dgr import patchstack
+from dgr import pin as pin_mod
+from dgr.errors import DgrError
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(DgrError, match="unknown backend 'opencl'"):
+        build_mod.check_toolchain("opencl")
+
+
+def test_missing_toolchains_are_named(monkeypatch):
+    real_which = build_mod.shutil.which
+    monkeypatch.setattr(build_mod.shutil, "which", lambda name: None if name in ("nvcc", "hipcc", "glslc") else real_which(name))
+    monkeypatch.setattr(build_mod.Path, "exists", lambda self: False)
+    with pytest.raises(DgrError, match="backend cuda needs the CUDA toolkit"):
+        build_mod.check_toolchain("cuda")
+    with pytest.raises(DgrError, match="backend hip needs ROCm"):
+        build_mod.check_toolchain("hip")
+
+
+def test_old_vulkan_headers_are_explained(tmp_path, monkeypatch):
+    inc = tmp_path / "usr/include/vulkan"
+    inc.mkdir(parents=True)
+    (inc / "vulkan_core.h").write_text("#define VK_HEADER_VERSION 239\n")
+    monkeypatch.setenv("DGR_VULKAN_PREFIX", str(tmp_path))
+    monkeypatch.setattr(build_mod.shutil, "which", lambda name: None if name == "glslc" else "/usr/bin/" + name)
+    with pytest.raises(DgrError) as exc:
+        build_mod.check_toolchain("vulkan")
+    msg = str(exc.value)
+    assert "VK_HEADER_VERSION 239" in msg and "VK_EXT_layer_settings" in msg and "glslc" in msg
+
+
+def test_metal_only_on_macos(monkeypatch):
+    monkeypatch.setattr(build_mod.platform, "system", lambda: "Linux")
+    with pytest.raises(DgrError, match="metal builds only on macOS"):
+        build_mod.check_toolchain("metal")
+
+
+@pytest.mark.native
+def test_built_worker_reports_pin_digest_and_backend(native_bin):
+    out = subprocess.run([str(native_bin / "dgr-worker"), "--version"], capture_output=True, text=True, check=True).stdout
+    assert pin_mod.load_pin().commit in out
+    assert patchstack.default_stack().series_digest() in out
+    assert "backend cpu" in out
+    assert (native_bin / "llama.cpp-LICENSE").is_file() and (native_bin / "llama.cpp-AUTHORS").is_file()
+    smoke = subprocess.run([str(native_bin / "dgr-worker"), "--smoke"], capture_output=True, text=True)
+    assert smoke.returncode == 0 and "smoke: ok" in smoke.stdout
+    bad = subprocess.run([str(native_bin / "dgr-worker"), "--bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown argument" in bad.stderr
