@@ -1,0 +1,123 @@
+// The named-tensor bundle crossing an Activation Seam (dgr.shard.v1.TensorBundle) and the
+// stateless checks of a SessionRequest frame. Same rules as Python dgr.bundle; the rules are
+// written down in proto/dgr/shard/v1/shard_runtime.proto (NamedTensor, FrameHeader).
+#pragma once
+
+#include "dgr/shard/v1/shard_runtime.pb.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dgr::bundle {
+
+namespace pb = ::dgr::shard::v1;
+
+// Fragment size writers use unless the peer advertises a smaller max_fragment_bytes.
+constexpr size_t kDefaultFragmentBytes = size_t(1) << 20;
+// Most dimensions a tensor may have.
+constexpr int kMaxDims = 8;
+// The boundary bundle's one tensor in schema v1.
+inline constexpr const char * kResidual = "residual";
+// Schema versions accepted without a capability: [min, max].
+constexpr pb::SchemaVersion kMinSchema = pb::SCHEMA_VERSION_V1;
+constexpr pb::SchemaVersion kMaxSchema = pb::SCHEMA_VERSION_V1;
+
+// The numeric gRPC status code an ErrorReason maps to (UNKNOWN = 2 for unknown reasons).
+int grpc_code_for(pb::ErrorReason reason);
+
+// A frame or bundle broke the protocol.
+struct ProtocolError {
+    pb::ErrorReason reason = pb::ERROR_REASON_UNSPECIFIED;
+    std::string     message;
+    std::string     tensor; // empty when not about one tensor
+    uint64_t        limit = 0;
+
+    int         grpc_code() const { return grpc_code_for(reason); }
+    std::string reason_name() const;
+    // "ERROR_REASON_X: message (tensor 'name')"
+    std::string to_string() const;
+    pb::ShardError to_message(bool session_terminated = false) const;
+};
+
+using Result = std::optional<ProtocolError>; // nullopt = ok
+
+// Element size of a wire dtype; 0 when unknown.
+size_t dtype_size(int dtype);
+
+// A reassembled tensor; data in the host's native byte order.
+struct Tensor {
+    std::string           name;
+    std::vector<uint64_t> shape;
+    pb::TensorDtype       dtype = pb::TENSOR_DTYPE_UNSPECIFIED;
+    std::vector<uint8_t>  data;
+};
+
+// 0 = no limit.
+struct Limits {
+    uint64_t max_tensor_bytes   = 0;
+    uint64_t max_fragment_bytes = 0;
+};
+
+// Collects the bundle(s) of one step (one or several frames), validating as they arrive.
+class Assembler {
+  public:
+    explicit Assembler(Limits limits = {}, int compression = pb::COMPRESSION_UNSPECIFIED);
+
+    // Take one frame's bundle; the first violation is returned (and the assembler should be
+    // dropped). Fragments may arrive in any order, across any number of frames.
+    Result add(const pb::TensorBundle & bundle);
+    // Every fragment of every tensor seen so far has arrived (and at least one tensor).
+    bool complete() const;
+    // Missing fragment indices per incomplete tensor.
+    std::map<std::string, std::vector<uint32_t>> missing() const;
+    // Reassemble and verify length + checksum; tensors in arrival order of names.
+    Result finish(std::vector<Tensor> * out);
+
+  private:
+    struct Pending {
+        pb::NamedTensor                 meta; // without fragments
+        std::map<uint32_t, std::string> parts;
+        uint64_t                        received = 0;
+    };
+    Result check_meta(const pb::NamedTensor & t) const;
+
+    Limits               limits_;
+    int                  compression_;
+    std::vector<Pending> tensors_;
+};
+
+// Validate and reassemble one complete bundle.
+Result read_bundle(const pb::TensorBundle & bundle, std::vector<Tensor> * out, Limits limits = {},
+                   int compression = pb::COMPRESSION_UNSPECIFIED);
+// The v1 boundary bundle -> residual rows [n_tokens * n_embd] f32, checking it is exactly that.
+Result read_boundary(const pb::TensorBundle & bundle, uint32_t n_tokens, uint32_t n_embd,
+                     std::vector<float> * out, Limits limits = {});
+
+// One tensor (native-order bytes) -> NamedTensor, little-endian, CRC-32, bounded fragments.
+void write_tensor(pb::NamedTensor * out, const std::string & name, const std::vector<uint64_t> & shape,
+                  pb::TensorDtype dtype, const void * data, size_t size,
+                  size_t fragment_bytes = kDefaultFragmentBytes);
+// The v1 boundary bundle: "residual" [n_tokens, n_embd] f32.
+pb::TensorBundle boundary_bundle(const float * rows, uint32_t n_tokens, uint32_t n_embd,
+                                 size_t fragment_bytes = kDefaultFragmentBytes);
+
+// FrameHeader.payload_checksum values: token ids as 4-byte little-endian; a bundle's fragment
+// data in the order listed; CRC of nothing = 0.
+uint32_t tokens_payload_crc(const pb::TokenSpan & tokens);
+uint32_t bundle_payload_crc(const pb::TensorBundle & bundle);
+pb::Checksum crc_checksum(uint32_t value);
+// BAD_BUNDLE when a set checksum does not match; nothing to check when unset.
+Result verify_checksum(const pb::Checksum & expected, uint32_t actual, const char * what);
+
+// The sampling contract's value ranges (BAD_REQUEST).
+Result check_sampling(const pb::SamplingParams & s);
+// Stateless checks of one SessionRequest frame, in the order a worker applies them; with a
+// capability also fingerprint, range, role, vocabulary and chunk limits. Bundles are checked
+// separately by Assembler. Session-state checks (epoch, step, cache) are the worker's.
+Result check_request(const pb::SessionRequest & req, const pb::GetCapabilityResponse * cap = nullptr);
+
+} // namespace dgr::bundle
