@@ -63,6 +63,8 @@ def _register() -> None:
     app.add_typer(pin.app, name="pin", help="The exact llama.cpp pin: show, fetch, verify.")
     app.add_typer(patches.app, name="patches", help="The llama.cpp patch stack: apply, export, verify, status.")
     app.add_typer(build.app, name="build", help="Build the patched llama.cpp and the dgr-worker.")
+    from .commands import gguf
+    app.add_typer(gguf.app, name="gguf", help="Inspect, fingerprint, slice and verify GGUF files; synthetic models.")
     app.add_typer(accept.app, name="accept", help="Run an acceptance story and write its evidence folder.")
     app.add_typer(proto_cmd.app, name="proto", help="Shard protocol: generate/check Python code, golden vectors.")
     # Further command groups register here.

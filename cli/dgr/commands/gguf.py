@@ -1,0 +1,129 @@
+"""`dgr gguf …`: inspect, fingerprint, slice and verify GGUF files; write synthetic models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .. import gguf_inspect, gguf_slice, gguf_synth, identity
+from ..models import resolve_model
+
+app = typer.Typer(no_args_is_help=True)
+
+FileArg = typer.Argument(None, help="GGUF file (default: the embedded SmolLM2-135M).", show_default=False)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+@app.command("inspect")
+def inspect_cmd(
+    file: Optional[Path] = FileArg,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Architecture, hyper-parameters, tensors grouped by layer range, types, sizes, tokenizer."""
+    info = gguf_inspect.inspect(resolve_model(file))
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    typer.echo(f"{info['path']}  ({_mib(info['file_bytes'])}, GGUF v{info['gguf_version']})")
+    typer.echo(f"  name:          {info['name']}")
+    typer.echo(f"  architecture:  {info['architecture']}")
+    hp = info["hparams"]
+    typer.echo(f"  layers:        {hp.get('block_count')}   n_embd: {hp.get('embedding_length')}   "
+               f"n_ff: {hp.get('feed_forward_length')}   context: {hp.get('context_length')}")
+    typer.echo(f"  heads:         {hp.get('attention.head_count')} (KV heads {hp.get('attention.head_count_kv')})")
+    if info["tied_output"] is not None:
+        typer.echo(f"  output:        {'tied to token_embd' if info['tied_output'] else 'separate output.weight'}")
+    types = ", ".join(f"{k} x{v}" for k, v in info["types"].items())
+    typer.echo(f"  tensors:       {info['n_tensors']} ({_mib(info['tensor_bytes'])}): {types}")
+    for g in info["groups"]:
+        types = ", ".join(f"{k} x{v}" for k, v in g["types"].items())
+        extra = f", {_mib(g['bytes_per_layer'])}/layer" if "bytes_per_layer" in g else ""
+        names = ", ".join(g["names"]) if len(g["names"]) <= 4 else f"{len(g['names'])} per layer"
+        typer.echo(f"    {g['range']:<14} {g['tensors']:>4} tensors {_mib(g['bytes']):>12}{extra}  [{types}]  {names}")
+    tok = info["tokenizer"]
+    typer.echo(f"  tokenizer:     {tok['model']} (pre {tok['pre']}), vocab {tok['n_vocab']}, "
+               f"bos {tok.get('bos_token_id')}, eos {tok.get('eos_token_id')}"
+               + (f", merges {tok['n_merges']}" if "n_merges" in tok else "")
+               + (", chat template" if tok["chat_template"] else ""))
+    typer.echo(f"  tokenizer digest: {tok['digest']}")
+    if info["slice"]:
+        s = info["slice"]
+        typer.echo(f"  slice:         layers {s.get('layer_start')}:{s.get('layer_end')} of {s.get('n_layer')}"
+                   f" (head={s.get('head')}, tail={s.get('tail')})")
+        typer.echo(f"  source artifact id: {s.get('source_artifact_id')}")
+
+
+@app.command("fingerprint")
+def fingerprint_cmd(
+    file: Optional[Path] = FileArg,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON with every manifest entry."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Hash again even when cached."),
+) -> None:
+    """The artifact manifest and artifact id (sha256 of the canonical manifest), cached by (path, size, mtime)."""
+    ident = identity.identify(resolve_model(file), use_cache=not no_cache)
+    if as_json:
+        typer.echo(json.dumps(ident.to_json(), indent=2))
+        return
+    typer.echo(f"artifact id:      {ident.artifact_id}")
+    typer.echo(f"metadata digest:  {ident.metadata_digest}")
+    typer.echo(f"tokenizer digest: {ident.tokenizer_digest}")
+    typer.echo(f"architecture:     {ident.architecture}")
+    typer.echo(f"tensors:          {len(ident.manifest.tensors)} ({_mib(ident.manifest.total_bytes)})")
+    typer.echo(f"weight types:     {identity.weight_types_digest(ident.manifest)} "
+               f"{identity.weight_types_summary(ident.manifest)}")
+
+
+@app.command("slice")
+def slice_cmd(
+    src: Path = typer.Argument(..., help="Source GGUF (a whole artifact, never a slice)."),
+    layers: str = typer.Option(..., "--layers", help="Layer range START:END (END exclusive), e.g. 0:15."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output GGUF."),
+) -> None:
+    """Write the sub-GGUF a layer range owns, bound to the source artifact id (dgr.slice.* metadata)."""
+    res = gguf_slice.slice_gguf(resolve_model(src), gguf_slice.LayerRange.parse(layers), out)
+    roles = [r for r, on in (("head", res.range.is_head()), ("tail", res.range.is_tail(res.n_layer))) if on]
+    typer.echo(f"wrote {res.path}: layers {res.range} of {res.n_layer}"
+               f"{' (' + ', '.join(roles) + ')' if roles else ''}, {len(res.tensors)} tensors, "
+               f"{_mib(res.file_bytes)}; source artifact id {res.source_artifact_id}")
+
+
+@app.command("verify-slice")
+def verify_slice_cmd(
+    slice_file: Path = typer.Argument(..., metavar="SLICE", help="Slice GGUF."),
+    source: Optional[Path] = typer.Option(None, "--source", help="Also check against this source GGUF."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Expect exactly this range START:END."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Check a slice's tensors against its embedded manifest and, given --source, against the source."""
+    expect = gguf_slice.LayerRange.parse(layers) if layers else None
+    rep = gguf_slice.verify_slice(slice_file, resolve_model(source) if source else None, expect_range=expect)
+    if as_json:
+        typer.echo(json.dumps(rep.to_json(), indent=2))
+        return
+    typer.echo(f"ok: {rep.path} layers {rep.range} of {rep.n_layer}, source artifact id {rep.source_artifact_id}")
+    for c in rep.checks:
+        typer.echo(f"  - {c}")
+
+
+@app.command("synth")
+def synth_cmd(
+    out: Path = typer.Option(..., "-o", "--out", help="Output GGUF."),
+    arch: str = typer.Option("llama", "--arch", help=f"One of: {', '.join(gguf_synth.ARCHS)}."),
+    layers: int = typer.Option(4, "--layers", help="Number of layers."),
+    tied: bool = typer.Option(False, "--tied", help="Tie the output to the token embedding (no output.weight)."),
+    dtype: str = typer.Option("f32", "--dtype", help="Weight type of the matrices: f32, f16 or q8_0."),
+    seed: int = typer.Option(0, "--seed", help="Random seed (same seed, same bytes)."),
+    n_embd: int = typer.Option(64, "--n-embd", help="Embedding width."),
+) -> None:
+    """Write a tiny random-weight model with a small real tokenizer (llama.cpp loads and runs it)."""
+    spec = gguf_synth.SynthSpec(arch=arch, n_layer=layers, tied=tied, dtype=dtype, seed=seed,
+                                n_embd=n_embd, n_ff=3 * n_embd)
+    path = gguf_synth.synthesize(spec, out)
+    typer.echo(f"wrote {path} ({_mib(path.stat().st_size)}): {arch}, {layers} layers, n_embd {n_embd}, "
+               f"{dtype}{', tied' if tied else ''}, seed {seed}")
