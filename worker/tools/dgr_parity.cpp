@@ -63,6 +63,7 @@ struct KvLog {
 
 bool g_verbose = false;
 KvLog g_kv;        // last llama_kv_cache size line seen
+double g_model_buf_mib = 0.0;  // sum of the "model buffer size" lines (weights allocated or mapped)
 std::string g_line;
 
 void log_cb(ggml_log_level level, const char * text, void *) {
@@ -79,6 +80,10 @@ void log_cb(ggml_log_level level, const char * text, void *) {
             if (std::sscanf(p, "llama_kv_cache: size = %lf MiB (%u cells, %d layers", &mib, &cells, &layers) == 3) {
                 g_kv = {mib, (long) cells, (long) layers};
             }
+        }
+        const char * q = std::strstr(line.c_str(), "model buffer size =");
+        if (q) {
+            g_model_buf_mib += std::atof(q + std::strlen("model buffer size ="));
         }
         if (g_verbose || level == GGML_LOG_LEVEL_ERROR || level == GGML_LOG_LEVEL_WARN) {
             std::fprintf(stderr, "%s\n", line.c_str());
@@ -405,12 +410,24 @@ int run_memory(const Args & a) {
         return 2;
     }
     const ProcMem after = read_proc_mem(a.model);
+    // a shard without the token embedding must refuse token ids (boundary input only)
+    std::string token_input = "\"accepted\"";
+    if (!s.model->is_head()) {
+        dgr::ShardBatch tb;
+        const llama_token t0 = 1;
+        tb.add_tokens(&t0, 1, n, 0, true);
+        std::string why;
+        const dgr::DecodeStatus st = s.ctx->decode(tb, &why);
+        token_input = jstr(dgr::decode_status_name(st));
+    }
     std::printf("{\"mode\":\"memory\",\"model\":%s,\"range\":[%d,%d],\"n_layer\":%d,\"head\":%s,\"tail\":%s,"
-                "\"n_ctx\":%u,\"mmap\":%s,\"before_load\":%s,\"after_load\":%s,\"after_decode\":%s,\"kv\":%s}\n",
+                "\"n_ctx\":%u,\"mmap\":%s,\"model_buffer_mib_logged\":%s,"
+                "\"token_input\":%s,\"before_load\":%s,\"after_load\":%s,\"after_decode\":%s,\"kv\":%s}\n",
                 jstr(a.model).c_str(), s.model->layer_start(), s.model->layer_end(), s.model->n_layer(),
                 s.model->is_head() ? "true" : "false", s.model->is_tail() ? "true" : "false", n_ctx,
-                a.no_mmap ? "false" : "true", mem_json(before).c_str(), mem_json(loaded).c_str(),
-                mem_json(after).c_str(), kv_json(s.kv, *s.model).c_str());
+                a.no_mmap ? "false" : "true", jnum(g_model_buf_mib).c_str(), token_input.c_str(),
+                mem_json(before).c_str(), mem_json(loaded).c_str(), mem_json(after).c_str(),
+                kv_json(s.kv, *s.model).c_str());
     return 0;
 }
 
