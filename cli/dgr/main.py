@@ -67,6 +67,8 @@ def _register() -> None:
     app.add_typer(gguf.app, name="gguf", help="Inspect, fingerprint, slice and verify GGUF files; synthetic models.")
     app.add_typer(accept.app, name="accept", help="Run an acceptance story and write its evidence folder.")
     app.add_typer(proto_cmd.app, name="proto", help="Shard protocol: generate/check Python code, golden vectors.")
+    from .commands import bench
+    app.add_typer(bench.app, name="bench", help="Measure against baselines (JSON out); check results against the contract.")
     # Further command groups register here.
 
 

@@ -5,6 +5,7 @@
 //   gen N id...      prefill the prompt (logits for every prompt position are appended as raw
 //                    float32 rows to --logits-out), then N greedy tokens; reports the ids,
 //                    time to first token and per-token decode latencies.
+//   run N id...      the same without saving logits (timing runs, warm-up).
 //   score C id...    log-likelihood of the ids in non-overlapping chunks of C tokens (every
 //                    position but the first of a chunk is scored); reports the summed NLL and
 //                    the top-1 id predicted at each scored position.
@@ -117,14 +118,15 @@ int main(int argc, char ** argv) {
             rc = 1;
             break;
         }
-        if (kind == "gen") {
+        if (kind == "gen" || kind == "run") {
+            const bool save = kind == "gen";
             if ((int) ids.size() + arg > n_ctx) { fprintf(stderr, "%s: error: job %d exceeds the context\n", __func__, job); rc = 1; break; }
             const double t0 = now_s();
             int code = decode(ctx, batch, ids, 0, true);
             if (code != 0) { fprintf(stderr, "%s: error: llama_decode returned %d\n", __func__, code); rc = 1; break; }
             int tok = argmax(llama_get_logits_ith(ctx, -1), n_vocab);
             const double ttft = now_s() - t0;
-            if (logits_out.is_open()) {
+            if (save && logits_out.is_open()) {
                 for (size_t i = 0; i < ids.size(); i++) {
                     logits_out.write(reinterpret_cast<const char *>(llama_get_logits_ith(ctx, (int) i)), sizeof(float) * n_vocab);
                 }
@@ -140,7 +142,7 @@ int main(int argc, char ** argv) {
                 lat.push_back(now_s() - t1);
                 out.push_back(tok);
             }
-            printf("{\"job\": %d, \"kind\": \"gen\", \"n_prompt\": %zu, \"ttft_s\": %.6f, \"tokens\": [", job, ids.size(), ttft);
+            printf("{\"job\": %d, \"kind\": \"%s\", \"n_prompt\": %zu, \"ttft_s\": %.6f, \"tokens\": [", job, kind.c_str(), ids.size(), ttft);
             for (size_t i = 0; i < out.size(); i++) printf("%s%d", i ? ", " : "", out[i]);
             printf("], \"token_latency_s\": [");
             for (size_t i = 0; i < lat.size(); i++) printf("%s%.6f", i ? ", " : "", lat[i]);

@@ -1,0 +1,75 @@
+"""`dgr bench`: measure against baselines (JSON out) and check results against the contract."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import DgrError
+
+app = typer.Typer(no_args_is_help=True)
+
+
+@app.command("baseline")
+def baseline(
+    model: Optional[Path] = typer.Option(None, "--model", help="Source GGUF (default: embedded SmolLM2-135M Q4_1)."),
+    out: Path = typer.Option(Path("baseline.json"), "--out", help="Where to write the results JSON."),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda (both lanes)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every recipe (default: CPU count)."),
+    quick: bool = typer.Option(False, "--quick", help="Short prompts and outputs: a smoke run of a few minutes."),
+) -> None:
+    """Transformers/safetensors (fp32, bf16) vs whole-model llama.cpp (F32, Q8_0, Q4_1), side by side."""
+    from .. import baseline as bl
+    from ..models import refuse_home, resolve_model
+
+    src = resolve_model(model)
+    refuse_home(out.parent if out.parent != Path("") else Path.cwd(), "output folder")
+    cfg = bl.BaselineConfig.make(device=device, threads=threads, quick=quick)
+    doc = bl.run_baseline(src, cfg, progress=lambda s: typer.echo(s, err=True))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    typer.echo(bl.summary(doc))
+    typer.echo(f"results written to {out}")
+    if doc["failures"]:
+        raise typer.Exit(1)
+
+
+@app.command("contract")
+def contract(
+    results: Path = typer.Argument(..., help="A `dgr bench baseline` results JSON."),
+    out: Path = typer.Option(Path("performance-contract.json"), "--out", help="Where to write the contract."),
+) -> None:
+    """Write a performance contract from baseline results (`dgr accept DGR-001` does this)."""
+    from .. import bench_contract as bc
+
+    doc = json.loads(results.read_text())
+    c = bc.build_contract(doc)
+    out.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
+    typer.echo(f"contract (schema_version {c['schema_version']}) written to {out}; "
+               f"stop condition now: {c['stop_condition']['verdict_now']}")
+
+
+@app.command("check")
+def check(
+    results: Path = typer.Argument(..., help=f"A results JSON (schema dgr.bench.results/1)."),
+    contract: Path = typer.Option(..., "--contract", help="evidence/DGR-001/performance-contract.json"),
+) -> None:
+    """Evaluate results against the contract: pass/fail per threshold; exit 1 on any fail."""
+    from .. import bench_contract as bc
+
+    c = bc.load_contract(contract)
+    r = bc.load_results(results)
+    note = bc.hardware_note(c, r)
+    if note:
+        typer.echo(f"note: {note}")
+    verdicts = bc.check(c, r)
+    for v in verdicts:
+        typer.echo(f"{v.status.upper():4}  {v.id}: {v.detail}")
+    failed = [v for v in verdicts if v.status == "fail"]
+    typer.echo(f"{sum(v.status == 'pass' for v in verdicts)} passed, {len(failed)} failed, "
+               f"{sum(v.status == 'skip' for v in verdicts)} skipped")
+    if failed:
+        raise typer.Exit(1)
