@@ -182,9 +182,9 @@ def environment_manifest(backend: str = "cpu", model: Path | None = None) -> dic
     if model is not None:
         env["model_file"] = model.name
         try:
-            from .identity import artifact_id  # provided by the identity module
+            from .identity import identify
 
-            env["model_artifact_id"] = artifact_id(model)
+            env["model_artifact_id"] = identify(model, progress=False).artifact_id
         except Exception as exc:  # identity is best-effort here; the story checks its own
             env["model_artifact_id"] = f"unavailable: {exc}"
     return env
