@@ -1,0 +1,341 @@
+"""Route driver: runs Route Sessions across the Shards of an Inference Route (v1, client-driven).
+
+For each session the driver opens one long-lived bidirectional ``Session`` stream per Shard.
+Prefill goes in bounded chunks (``max_prefill_chunk_tokens`` of the smallest shard): the head
+takes token ids, every next Shard takes the previous Shard's boundary bundle (forwarded as
+received — the driver never decodes activations), and the tail samples under the session's
+sampling contract. Decode steps then use the compact ``FastDecodeFrame``. Many sessions run
+concurrently on one asyncio loop over shared channels; workers batch them.
+
+A failure on any Shard ends that session with :class:`RouteSessionError` naming the Shard;
+other sessions continue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Sequence
+
+import grpc
+
+from dgr.bundle import frame_payload_checksum
+from dgr.errors import DgrError
+from dgr.shard.v1 import shard_runtime_pb2 as pb
+from dgr.shard.v1 import shard_runtime_pb2_grpc as pbg
+
+from .telemetry import GenerationTelemetry, NodeTiming
+
+DEFAULT_TIMEOUT_S = 60.0
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class RouteError(DgrError):
+    """The route cannot be used (incomplete, incompatible, unreachable)."""
+
+
+class RouteSessionError(DgrError):
+    """One route session failed; names the Shard and the structured reason."""
+
+    def __init__(self, shard: "ShardHandle", reason: str, message: str, *, grpc_code: int | None = None) -> None:
+        self.shard_endpoint = shard.endpoint
+        self.shard_range = (shard.start, shard.end)
+        self.reason = reason
+        self.grpc_code = grpc_code
+        super().__init__(f"shard {shard.endpoint} [{shard.start}:{shard.end}) failed: {reason}: {message}")
+
+
+@dataclass
+class ShardHandle:
+    endpoint: str
+    channel: grpc.aio.Channel
+    stub: pbg.ShardRuntimeServiceStub
+    capability: pb.GetCapabilityResponse
+
+    @property
+    def start(self) -> int:
+        return self.capability.identity.range.start
+
+    @property
+    def end(self) -> int:
+        return self.capability.identity.range.end
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0       # 0 -> greedy
+    top_k: int = 0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    seed: int = 0
+    top_logprobs: int = 0
+    ignore_eog: bool = False
+
+    def to_proto(self) -> pb.SamplingParams:
+        if self.temperature <= 0:
+            return pb.SamplingParams(mode=pb.SAMPLING_MODE_GREEDY, top_logprobs=self.top_logprobs,
+                                     ignore_eog=self.ignore_eog)
+        return pb.SamplingParams(mode=pb.SAMPLING_MODE_STOCHASTIC, temperature=self.temperature,
+                                 top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+                                 top_logprobs=self.top_logprobs, ignore_eog=self.ignore_eog)
+
+
+@dataclass
+class GenerationResult:
+    session_id: str
+    prompt_tokens: list[int]
+    tokens: list[int]
+    finish_reason: str
+    telemetry: GenerationTelemetry
+    error: RouteSessionError | None = None
+
+
+class _Stream:
+    """One Session stream to one Shard: write a request, read the response(s) of that step."""
+
+    def __init__(self, shard: ShardHandle, timeout: float) -> None:
+        self.shard = shard
+        self.call = shard.stub.Session(timeout=None)
+        self.timeout = timeout
+        self.step = 0
+        self.busy_s = 0.0
+        self.seam_bytes_in = 0
+
+    async def exchange(self, req: pb.SessionRequest) -> pb.SessionResponse:
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(self.call.write(req), self.timeout)
+            resp = await asyncio.wait_for(self.call.read(), self.timeout)
+            if resp is grpc.aio.EOF:
+                raise RouteSessionError(self.shard, "STREAM_CLOSED", "the worker closed the session stream")
+            if resp.WhichOneof("result") == "boundary":
+                resp = await self._complete_boundary(resp)
+        except asyncio.TimeoutError:
+            raise RouteSessionError(self.shard, "DEADLINE_EXCEEDED", f"no answer within {self.timeout:.0f}s") from None
+        except grpc.aio.AioRpcError as exc:
+            raise RouteSessionError(self.shard, exc.code().name, exc.details() or "", grpc_code=exc.code().value[0]) from None
+        self.busy_s += time.perf_counter() - t0
+        if resp.WhichOneof("result") == "error":
+            e = resp.error
+            raise RouteSessionError(self.shard, pb.ErrorReason.Name(e.reason), e.message, grpc_code=e.grpc_code)
+        return resp
+
+    async def _complete_boundary(self, resp: pb.SessionResponse) -> pb.SessionResponse:
+        """A boundary bundle may be spread over several responses with the same header."""
+        def missing(b: pb.TensorBundle) -> bool:
+            have: dict[str, int] = {}
+            for t in b.tensors:
+                have[t.name] = have.get(t.name, 0) + len(t.fragments)
+            return any(have[t.name] < t.fragment_count for t in b.tensors)
+
+        while missing(resp.boundary):
+            more = await asyncio.wait_for(self.call.read(), self.timeout)
+            if more is grpc.aio.EOF or more.WhichOneof("result") != "boundary":
+                raise RouteSessionError(self.shard, "BAD_BUNDLE", "boundary bundle ended before all fragments arrived")
+            for t in more.boundary.tensors:
+                dst = next((d for d in resp.boundary.tensors if d.name == t.name), None)
+                if dst is None:
+                    resp.boundary.tensors.append(t)
+                else:
+                    dst.fragments.extend(t.fragments)
+        return resp
+
+    async def close(self) -> None:
+        try:
+            await self.call.done_writing()
+        except Exception:
+            pass
+        self.call.cancel()
+
+
+def _bundle_bytes(b: pb.TensorBundle) -> int:
+    return sum(len(f.data) for t in b.tensors for f in t.fragments)
+
+
+class RouteDriver:
+    """Drives sessions over an ordered list of worker endpoints covering [0, n_layer)."""
+
+    def __init__(self, endpoints: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        if not endpoints:
+            raise RouteError("a route needs at least one shard endpoint")
+        self.endpoints = list(endpoints)
+        self.timeout = timeout
+        self.shards: list[ShardHandle] = []
+        self._ids = itertools.count(1)
+
+    async def connect(self) -> "RouteDriver":
+        for ep in self.endpoints:
+            ch = grpc.aio.insecure_channel(ep, options=CHANNEL_OPTIONS)
+            stub = pbg.ShardRuntimeServiceStub(ch)
+            try:
+                cap = await stub.GetCapability(pb.GetCapabilityRequest(), timeout=self.timeout)
+            except grpc.aio.AioRpcError as exc:
+                await ch.close()
+                raise RouteError(f"shard {ep} is unreachable: {exc.code().name}: {exc.details()}") from None
+            self.shards.append(ShardHandle(ep, ch, stub, cap))
+        self._validate()
+        return self
+
+    def _validate(self) -> None:
+        ids = [s.capability.identity for s in self.shards]
+        fps = {i.compatibility_fingerprint for i in ids}
+        if len(fps) != 1:
+            raise RouteError("shards disagree on the compatibility fingerprint: "
+                             + ", ".join(f"{s.endpoint}={s.capability.identity.compatibility_fingerprint[:12]}" for s in self.shards))
+        if len({i.artifact_id for i in ids}) != 1:
+            raise RouteError("shards serve different artifacts")
+        n_layer = ids[0].n_layer
+        pos = 0
+        for s in self.shards:
+            if s.start != pos:
+                raise RouteError(f"route is not contiguous: {s.endpoint} serves [{s.start}:{s.end}), expected start {pos}")
+            pos = s.end
+        if pos != n_layer:
+            raise RouteError(f"route ends at layer {pos}, the model has {n_layer}")
+        if not ids[0].head or not ids[-1].tail:
+            raise RouteError("the first shard must be the head and the last the tail")
+
+    @property
+    def fingerprint(self) -> str:
+        return self.shards[0].capability.identity.compatibility_fingerprint
+
+    @property
+    def chunk_tokens(self) -> int:
+        return max(1, min(s.capability.capacity.max_prefill_chunk_tokens or 512 for s in self.shards))
+
+    @property
+    def head(self) -> ShardHandle:
+        return self.shards[0]
+
+    async def close(self) -> None:
+        for s in self.shards:
+            await s.channel.close()
+
+    async def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        r = await self.head.stub.Tokenize(pb.TokenizeRequest(text=text, add_special=add_special,
+                                                             parse_special=parse_special), timeout=self.timeout)
+        return list(r.token_ids)
+
+    async def detokenize(self, ids: Sequence[int]) -> bytes:
+        r = await self.head.stub.Detokenize(pb.DetokenizeRequest(token_ids=list(ids)), timeout=self.timeout)
+        return r.text
+
+    def _header(self, shard: ShardHandle, sid: str, epoch: int, step: int, phase: int, start: int, end: int,
+                expect: pb.CacheExpectation, request_id: str) -> pb.FrameHeader:
+        return pb.FrameHeader(
+            schema_version=pb.SCHEMA_VERSION_V1, request_id=request_id, session_id=sid, route_epoch=epoch,
+            compatibility_fingerprint=self.fingerprint,
+            shard_range=pb.ShardRange(start=shard.start, end=shard.end), effective_start=shard.start,
+            phase=phase, positions=pb.PositionRange(start=start, end=end), step=step,
+            cache_expectation=expect, compression=pb.COMPRESSION_NONE)
+
+    async def generate(self, prompt_tokens: Sequence[int], *, max_tokens: int = 32,
+                       sampling: Sampling = Sampling(), session_id: str | None = None, epoch: int = 1,
+                       on_token: Callable[[int], Awaitable[None] | None] | None = None,
+                       stop_on_eog: bool = True) -> GenerationResult:
+        sid = session_id or f"s-{uuid.uuid4().hex[:12]}"
+        tel = GenerationTelemetry(request_id=f"r-{uuid.uuid4().hex[:12]}", session_id=sid, route_epoch=epoch,
+                                  route=[f"{s.endpoint}[{s.start}:{s.end})" for s in self.shards],
+                                  prompt_tokens=len(prompt_tokens))
+        streams = [_Stream(s, self.timeout) for s in self.shards]
+        out: list[int] = []
+        finish = "length"
+        t0 = time.perf_counter()
+        try:
+            if not prompt_tokens:
+                raise RouteError("the prompt is empty")
+            n = len(prompt_tokens)
+            chunk = self.chunk_tokens
+            samp = sampling.to_proto()
+            for ci, a in enumerate(range(0, n, chunk)):
+                b = min(n, a + chunk)
+                expect = pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_EMPTY) if a == 0 else \
+                    pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_POSITION, position=a)
+                last = b == n
+                payload: pb.TokenSpan | pb.TensorBundle = pb.TokenSpan(token_ids=list(prompt_tokens[a:b]))
+                resp = None
+                for i, st in enumerate(streams):
+                    h = self._header(st.shard, sid, epoch, st.step, pb.PHASE_PREFILL, a, b, expect, tel.request_id)
+                    h.payload_checksum.CopyFrom(frame_payload_checksum(payload))
+                    frame = pb.StepFrame(header=h, sample=last)
+                    if isinstance(payload, pb.TokenSpan):
+                        frame.tokens.CopyFrom(payload)
+                    else:
+                        frame.bundle.CopyFrom(payload)
+                        st.seam_bytes_in += _bundle_bytes(payload)
+                    if i == len(streams) - 1 and ci == 0:
+                        frame.sampling.CopyFrom(samp)
+                    resp = await st.exchange(pb.SessionRequest(step=frame))
+                    st.step += 1
+                    if i < len(streams) - 1:
+                        payload = resp.boundary
+                tok_out = resp.tail.tokens if resp is not None else []
+            tel.ttft_s = time.perf_counter() - t0
+            tel.prefill_s = tel.ttft_s
+            if not tok_out:
+                raise RouteSessionError(self.shards[-1], "BAD_RESPONSE", "the tail returned no token after prefill")
+            pos = n
+            t_dec = time.perf_counter()
+            while True:
+                st_tok = tok_out[0]
+                out.append(st_tok.token_id)
+                if on_token is not None:
+                    r = on_token(st_tok.token_id)
+                    if asyncio.iscoroutine(r):
+                        await r
+                if stop_on_eog and st_tok.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    finish = pb.FinishReason.Name(st_tok.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    break
+                if len(out) >= max_tokens:
+                    break
+                fast_payload: int | pb.TensorBundle = st_tok.token_id
+                for i, st in enumerate(streams):
+                    fd = pb.FastDecodeFrame(session_id=sid, route_epoch=epoch, step=st.step, position=pos,
+                                            request_id=tel.request_id)
+                    if isinstance(fast_payload, int):
+                        fd.token_id = fast_payload
+                    else:
+                        fd.bundle.CopyFrom(fast_payload)
+                        st.seam_bytes_in += _bundle_bytes(fast_payload)
+                    resp = await st.exchange(pb.SessionRequest(fast_decode=fd))
+                    st.step += 1
+                    if i < len(streams) - 1:
+                        fast_payload = resp.boundary
+                tok_out = resp.tail.tokens
+                if not tok_out:
+                    raise RouteSessionError(self.shards[-1], "BAD_RESPONSE", "the tail returned no token")
+                pos += 1
+            tel.decode_s = time.perf_counter() - t_dec
+            tel.status = "completed"
+            return GenerationResult(sid, list(prompt_tokens), out, finish, tel)
+        except RouteSessionError as exc:
+            tel.status = "cancelled" if exc.reason in ("CANCELLED", "ERROR_REASON_CANCELLED") else "failed"
+            tel.error = str(exc)
+            return GenerationResult(sid, list(prompt_tokens), out, "error", tel, error=exc)
+        except asyncio.CancelledError:
+            tel.status = "cancelled"
+            raise
+        finally:
+            tel.completion_tokens = len(out)
+            tel.total_s = time.perf_counter() - t0
+            tel.nodes = [NodeTiming(f"{st.shard.endpoint}[{st.shard.start}:{st.shard.end})", st.busy_s,
+                                    st.step, st.seam_bytes_in) for st in streams]
+            await asyncio.gather(*(self._release(st, sid, epoch) for st in streams), return_exceptions=True)
+
+    async def _release(self, st: _Stream, sid: str, epoch: int) -> None:
+        await st.close()
+        try:
+            await st.shard.stub.ReleaseSession(pb.ReleaseSessionRequest(session_id=sid, route_epoch=epoch),
+                                               timeout=5)
+        except grpc.aio.AioRpcError:
+            pass
