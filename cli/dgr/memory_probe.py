@@ -73,30 +73,39 @@ def owned_tensors(path: Path, start: int, end: int) -> tuple[list[str], int, int
     return sorted(owned), sum(names[n] for n in owned), n_layer
 
 
+def parse_report(stdout: str, stderr: str = "", name: str = "dgr-parity") -> dict[str, Any]:
+    """The JSON report dgr-parity prints as its last stdout line."""
+    try:
+        return json.loads(stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise ProbeError(f"{name} printed no JSON report: {stderr.strip()[-500:]}") from None
+
+
 def _run_json(cmd: list[str], timeout: float) -> dict[str, Any]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode not in (0, 1):
         raise ProbeError(f"{Path(cmd[0]).name} exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
-    try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise ProbeError(f"{Path(cmd[0]).name} printed no JSON report: {proc.stderr.strip()[-500:]}") from None
+    return parse_report(proc.stdout, proc.stderr, Path(cmd[0]).name)
+
+
+def memory_command(parity_bin: Path, shard: ShardSpec, *, n_ctx: int = 2048, mmap: bool = True,
+                   threads: int = 2) -> list[str]:
+    cmd = [str(parity_bin), "--model", str(shard.path), "--memory", "--range", shard.label,
+           "--n-ctx", str(n_ctx), "--threads", str(threads)]
+    if not mmap:
+        cmd.append("--no-mmap")
+    return cmd
 
 
 def probe(parity_bin: Path, shard: ShardSpec, *, n_ctx: int = 2048, mmap: bool = True,
           threads: int = 2, timeout: float = 600) -> dict[str, Any]:
     """Memory report of one shard, measured in its own process."""
-    cmd = [str(parity_bin), "--model", str(shard.path), "--memory", "--range", shard.label,
-           "--n-ctx", str(n_ctx), "--threads", str(threads)]
-    if not mmap:
-        cmd.append("--no-mmap")
-    return _run_json(cmd, timeout)
+    return _run_json(memory_command(parity_bin, shard, n_ctx=n_ctx, mmap=mmap, threads=threads), timeout)
 
 
-def parity(parity_bin: Path, model: Path, splits: list[str], *, prompt: str | None = None,
-           tokens: list[int] | None = None, n_random: int = 0, n_predict: int = 32,
-           slices: list[Path] | None = None, threads: int = 2, timeout: float = 1800) -> dict[str, Any]:
-    """Run whole vs split parity; returns dgr-parity's JSON report."""
+def parity_command(parity_bin: Path, model: Path, splits: list[str], *, prompt: str | None = None,
+                   tokens: list[int] | None = None, n_random: int = 0, n_predict: int = 32,
+                   slices: list[Path] | None = None, threads: int = 2) -> list[str]:
     cmd = [str(parity_bin), "--model", str(model), "--n-predict", str(n_predict), "--threads", str(threads)]
     for s in splits:
         cmd += ["--split", s]
@@ -108,7 +117,13 @@ def parity(parity_bin: Path, model: Path, splits: list[str], *, prompt: str | No
         cmd += ["--tokens", ",".join(str(t) for t in tokens)]
     else:
         cmd += ["--n-random", str(max(1, n_random))]
-    return _run_json(cmd, timeout)
+    return cmd
+
+
+def parity(parity_bin: Path, model: Path, splits: list[str], *, timeout: float = 1800,
+           **kwargs: Any) -> dict[str, Any]:
+    """Run whole vs split parity (see parity_command); returns dgr-parity's JSON report."""
+    return _run_json(parity_command(parity_bin, model, splits, **kwargs), timeout)
 
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
