@@ -295,3 +295,59 @@ def test_check_request_stateless_failures():
     assert _reason_of(pb.SessionRequest(fast_decode=pb.FastDecodeFrame(session_id="s")), None) == \
         "ERROR_REASON_BAD_REQUEST"
     assert _reason_of(pb.SessionRequest(step=pb.StepFrame()), None) == "ERROR_REASON_BAD_REQUEST"
+
+
+# ---- generated gRPC stubs over a loopback server -----------------------------------------------
+
+def test_generated_stubs_carry_a_session_stream_and_structured_errors():
+    from concurrent import futures
+
+    import grpc
+
+    class Toy(pb_grpc.ShardRuntimeServiceServicer):
+        """A stand-in tail Shard: validates frames, answers errors as frames, keeps the stream."""
+
+        def GetCapability(self, request, context):
+            return _cap(False)
+
+        def Session(self, request_iterator, context):
+            for req in request_iterator:
+                step = req.step.header.step if req.HasField("step") else req.fast_decode.step
+                header = pb.ResponseHeader(schema_version=pb.SCHEMA_VERSION_V1, step=step)
+                try:
+                    B.check_request(req, _cap(False))
+                except B.ShardProtocolError as exc:
+                    yield pb.SessionResponse(header=header, error=exc.to_message())
+                    continue
+                yield pb.SessionResponse(header=header, tail=pb.TailOutput(tokens=[pb.SampledToken(token_id=7)]))
+
+        def ReleaseSession(self, request, context):
+            err = B.ShardProtocolError(pb.ERROR_REASON_UNKNOWN_SESSION, f"no session {request.session_id!r}")
+            context.set_trailing_metadata((("dgr-error-bin", err.to_message().SerializeToString()),))
+            context.abort(grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == err.grpc_code)), str(err))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_ShardRuntimeServiceServicer_to_server(Toy(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.ShardRuntimeServiceStub(ch)
+            assert stub.GetCapability(pb.GetCapabilityRequest(), timeout=10).identity.tail
+            frames = [V._prefill_bundle(), V._fast_token(),
+                      V._prefill_bundle()]
+            frames[2].step.header.step = 2
+            answers = list(stub.Session(iter(frames), timeout=10))
+            assert [a.header.step for a in answers] == [1, 7, 2]
+            assert answers[0].tail.tokens[0].token_id == 7
+            # Tokens to a tail: an error frame, and the stream carries on with the next frame.
+            assert answers[1].error.reason == pb.ERROR_REASON_ROLE_MISMATCH and answers[1].error.grpc_code == 9
+            assert answers[2].WhichOneof("result") == "tail"
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.ReleaseSession(pb.ReleaseSessionRequest(session_id="nope"), timeout=10)
+            assert exc.value.code() == grpc.StatusCode.ABORTED
+            assert exc.value.details().startswith("ERROR_REASON_UNKNOWN_SESSION: ")
+            raw = dict(exc.value.trailing_metadata())["dgr-error-bin"]
+            assert pb.ShardError.FromString(raw).reason == pb.ERROR_REASON_UNKNOWN_SESSION
+    finally:
+        server.stop(None)
