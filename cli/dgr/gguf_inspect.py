@@ -196,7 +196,8 @@ class GgufFile:
                 raise _Corrupt(f"GGUF version {self.version} is not supported (2 or 3)")
             n_tensors, n_kv = cur.u64(), cur.u64()
             if n_tensors > self.size // 24 or n_kv > self.size // 12:
-                raise _Corrupt(f"implausible counts: {n_tensors} tensors, {n_kv} metadata pairs")
+                raise _Corrupt(f"the header declares {n_tensors} tensors and {n_kv} metadata pairs, "
+                               f"more than a {self.size}-byte file can hold")
             for _ in range(n_kv):
                 key = cur.string()
                 vtype = cur.u32()

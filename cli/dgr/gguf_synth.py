@@ -228,6 +228,9 @@ def synthesize(spec: SynthSpec, out: str | Path) -> Path:
     w.add_add_eos_token(False)
 
     residual_scale = 1.0 / math.sqrt(2.0 * spec.n_layer)
+    # Logits ~ N(0, 2) from a separate output matrix. A tied embedding is kept small so the
+    # layers, not the input token's own row, steer the final state (else greedy repeats it).
+    embd_gain = 0.25 if spec.tied else 2.0
     plan: Plan = [("token_embd.weight", (n_vocab, spec.n_embd), "embd")]
     plan += arch.blocks(spec)
     plan.append(("output_norm.weight", (spec.n_embd,), "norm"))
@@ -241,7 +244,7 @@ def synthesize(spec: SynthSpec, out: str | Path) -> Path:
             data = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
         else:
             fan_in = shape[-1]
-            std = {"embd": 2.0, "in": 1.0, "out": residual_scale}[kind] / math.sqrt(fan_in)
+            std = {"embd": embd_gain, "in": 1.0, "out": residual_scale}[kind] / math.sqrt(fan_in)
             data = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
         _add_tensor(w, name, data, spec.dtype if data.ndim == 2 else "f32")
 
