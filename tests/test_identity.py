@@ -44,7 +44,7 @@ def _tensor_offset(path: Path, name: str) -> int:
 
 def _kv_value_offset(path: Path, key: str) -> int:
     with open_gguf(path) as gf:
-        return gf._fields[key].start
+        return gf.kv_value_offset(key)
 
 
 def test_artifact_id_is_stable_and_cached(model: Path) -> None:

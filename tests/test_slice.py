@@ -128,7 +128,7 @@ def test_tampered_tensor_is_rejected(untied: Path, tmp_path: Path) -> None:
 def test_tampered_metadata_is_rejected(untied: Path, tmp_path: Path) -> None:
     s = _cut(untied, "0:2", tmp_path / "s.gguf")
     with open_gguf(s) as gf:
-        off = gf._fields["llama.rope.freq_base"].start + 4
+        off = gf.kv_value_offset("llama.rope.freq_base") + 4
     with open(s, "r+b") as f:
         f.seek(off)
         f.write(struct.pack("<f", 500000.0))
@@ -154,7 +154,7 @@ def test_wrong_range_is_rejected(untied: Path, tmp_path: Path) -> None:
         verify_slice(s, expect_range=LayerRange(0, 2), progress=False)
     # Forge the range metadata: the slice now claims 1:4 but lacks blk.1.
     with open_gguf(s) as gf:
-        off = gf._fields["dgr.slice.layer_start"].start + 4
+        off = gf.kv_value_offset("dgr.slice.layer_start") + 4
     with open(s, "r+b") as f:
         f.seek(off)
         f.write(struct.pack("<I", 1))
@@ -224,3 +224,20 @@ def test_smollm2_halves_verify_and_sizes_add_up(smollm2_path: Path, tmp_path: Pa
     assert abs(total - expected) < 0.02 * src, (total, expected)
     assert "token_embd.weight" in _names(a) and "token_embd.weight" in _names(b)
     assert "output_norm.weight" in _names(b) and "output_norm.weight" not in _names(a)
+
+
+@pytest.mark.native
+def test_whole_range_slice_runs_like_its_source(untied: Path, tmp_path: Path) -> None:
+    """A 0:n_layer slice is a complete model: stock llama.cpp loads it and greedy output is identical."""
+    import subprocess
+
+    exe = Path(__file__).resolve().parent.parent / "build" / "cpu" / "bin" / "llama-simple"
+    if not exe.is_file():
+        pytest.skip("build/cpu/bin/llama-simple missing: run `dgr build --target llama-simple`")
+    whole = _cut(untied, f"0:{N}", tmp_path / "whole.gguf")
+    outs = []
+    for model in (untied, whole):
+        r = subprocess.run([str(exe), "-m", str(model), "-n", "10", "hello world"], capture_output=True, timeout=120)
+        assert r.returncode == 0, r.stderr.decode("utf-8", "replace")[-2000:]
+        outs.append(r.stdout)
+    assert outs[0] == outs[1]

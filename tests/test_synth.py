@@ -92,3 +92,13 @@ def test_pinned_llama_cpp_runs_synth_models(tmp_path: Path, dtype: str, tied: bo
     assert out.startswith("<s> " + prompt)  # the tokenizer round-trips the prompt (byte fallback for ',')
     generated = out[len("<s> " + prompt):].strip()
     assert len(set(generated)) >= 2, f"greedy output is degenerate: {generated!r}"
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_pinned_llama_cpp_runs_other_architectures(tmp_path: Path, arch: str) -> None:
+    exe = _llama_simple()
+    p = synthesize(SynthSpec(arch=arch, n_layer=2, tied=True, seed=1), tmp_path / "m.gguf")
+    r = subprocess.run([str(exe), "-m", str(p), "-n", "6", "hello world"], capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode("utf-8", "replace")[-2000:]
+    assert r.stdout.decode("utf-8", "replace").startswith("<s> hello world")

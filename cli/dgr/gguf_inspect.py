@@ -179,9 +179,13 @@ class GgufFile:
         import gguf
 
         self.path = path
-        self._fh = open(path, "rb")
-        self.size = os.fstat(self._fh.fileno()).st_size
-        self._mm: Any = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self._fh = open(path, "rb")
+            self.size = os.fstat(self._fh.fileno()).st_size
+            self._mm: Any = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            self.close()
+            raise GgufError(f"cannot read {path}: {exc}") from None
         self._fields: dict[str, _KV] = {}
         cur = _Cursor(self._mm, self.size)
         try:
@@ -280,6 +284,10 @@ class GgufFile:
         if kv is None or kv.vtype != T_ARRAY:
             return None
         return struct.unpack_from("<Q", self._mm, kv.start + 8)[0]
+
+    def kv_value_offset(self, key: str) -> int:
+        """File offset of one pair's value type (u32); the value follows it."""
+        return self._fields[key].start
 
     def kv_value_bytes(self, key: str) -> bytes:
         """Canonical (little-endian GGUF v3) encoding of one pair's value: type u32, then the value."""
