@@ -151,3 +151,18 @@ def test_cpp_fingerprint_test_passes() -> None:
         pytest.skip("build/cpu/bin/fingerprint_test missing: run `dgr build --target fingerprint_test`")
     r = subprocess.run([str(exe)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_cli_recipe_json(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from dgr.main import app
+
+    src = synthesize(SynthSpec(n_layer=2, seed=4), tmp_path / "m.gguf")
+    r = CliRunner().invoke(app, ["gguf", "recipe", str(src), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["arch_adapter"] == "llama" and len(out["fingerprint"]) == 64
+    assert out["routable"] is False  # nothing is certified yet

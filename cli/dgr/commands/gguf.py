@@ -127,3 +127,27 @@ def synth_cmd(
     path = gguf_synth.synthesize(spec, out)
     typer.echo(f"wrote {path} ({_mib(path.stat().st_size)}): {arch}, {layers} layers, n_embd {n_embd}, "
                f"{dtype}{', tied' if tied else ''}, seed {seed}")
+
+
+@app.command("recipe")
+def recipe_cmd(
+    file: Optional[Path] = FileArg,
+    backend: str = typer.Option("cpu", "--backend", help="Backend this Shard would run on."),
+    activation_dtype: str = typer.Option("f32", "--activation-dtype", help="Activation dtype on the wire."),
+    kv_dtype: str = typer.Option("f16", "--kv-dtype", help="KV cache dtype."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """The runtime recipe a Shard of this GGUF (artifact or slice) would serve, its fingerprint and registry status."""
+    from .. import recipe as recipe_mod
+
+    r = recipe_mod.recipe_for(resolve_model(file), backend=backend, activation_dtype=activation_dtype,
+                              kv_dtype=kv_dtype)
+    reg = recipe_mod.load_registry()
+    entry = reg.lookup(r)
+    status = "unregistered" if entry is None else f"{entry.status} ({entry.name})"
+    if as_json:
+        typer.echo(json.dumps({**r.to_json(), "registry": status, "routable": reg.routable(r)}, indent=2))
+        return
+    for k, v in r.to_json().items():
+        typer.echo(f"{k + ':':<26}{v}")
+    typer.echo(f"{'registry:':<26}{status}; routable: {'yes' if reg.routable(r) else 'no'}")
