@@ -84,6 +84,20 @@ def test_text_prompt_through_the_head_tokenizer(parity_bin: Path, tmp_path: Path
     _assert_exact(report, 1)
 
 
+@pytest.mark.parametrize("kv_per_seq", [False, True], ids=["unified-kv", "kv-per-seq"])
+def test_several_sequences_per_batch_match_whole_model(parity_bin: Path, tmp_path: Path, kv_per_seq: bool) -> None:
+    """Continuous batching: 4 sequences share every batch; boundary rows must stay in batch order."""
+    model = _synth(tmp_path, tied=False, dtype="q8_0", seed=13)
+    report = parity(parity_bin, model, ["3", "2,5"], n_random=16, n_predict=32, n_seq=4, kv_per_seq=kv_per_seq)
+    assert report["n_seq"] == 4
+    per_seq = report["whole"]["tokens_per_seq"]
+    assert len(per_seq) == 4 and len({tuple(t) for t in per_seq}) > 1  # the sequences really differ
+    for s in report["splits"]:
+        assert s["prefill_positions"] == 4 * report["n_prompt"]
+        assert s["prefill_bit_identical"] is True and s["decode_max_abs_diff"] == 0.0
+        assert s["tokens_identical"] is True and s["tokens_per_seq"] == per_seq
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_slice_files_match_whole_model(parity_bin: Path, tmp_path: Path, tied: bool) -> None:
     from dgr.gguf_slice import LayerRange, slice_gguf

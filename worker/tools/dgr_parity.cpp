@@ -43,6 +43,8 @@ struct Args {
     int32_t n_random = 0;
     uint32_t seed = 1;
     int32_t n_predict = 32;
+    int32_t n_seq = 1;   // sequences decoded together in every batch
+    bool kv_unified = true;  // with n_seq > 1: one KV cell pool for all sequences (as the worker)
     uint32_t n_ctx = 0;  // 0: prompt + n_predict rounded up
     int32_t n_threads = 2;
     double tolerance = 1e-3;
@@ -100,9 +102,11 @@ void log_cb(ggml_log_level level, const char * text, void *) {
     std::fprintf(stderr,
         "usage: %s --model M.gguf [--split B1,B2,..,n_layer]... [--slices f1,f2,..]\n"
         "          [--prompt TEXT | --tokens ID,ID,.. | --n-random N [--seed S]] [--n-predict N]\n"
-        "          [--n-ctx N] [--threads N] [--tolerance X] [--verbose]\n"
+        "          [--n-seq K [--kv-per-seq]] [--n-ctx N] [--threads N] [--tolerance X] [--verbose]\n"
         "       %s --model M.gguf --memory --range A:B [--n-ctx N] [--n-random N] [--no-mmap]\n"
-        "  a split lists the end of every shard: 15,30 = [0,15) [15,30); 7:23:30 works too\n",
+        "  a split lists the end of every shard: 15,30 = [0,15) [15,30); 7:23:30 works too\n"
+        "  --n-seq K decodes K sequences (the prompt rotated by 0..K-1) together in every batch\n"
+        "  (one unified KV cache, as the worker; --kv-per-seq gives each sequence its own)\n",
         argv0, argv0);
     std::exit(2);
 }
@@ -153,6 +157,8 @@ Args parse_args(int argc, char ** argv) {
         else if (k == "--n-random") a.n_random = std::atoi(val().c_str());
         else if (k == "--seed") a.seed = (uint32_t) std::strtoul(val().c_str(), nullptr, 10);
         else if (k == "--n-predict" || k == "-n") a.n_predict = std::atoi(val().c_str());
+        else if (k == "--n-seq") a.n_seq = std::max(1, std::atoi(val().c_str()));
+        else if (k == "--kv-per-seq") a.kv_unified = false;
         else if (k == "--n-ctx" || k == "-c") a.n_ctx = (uint32_t) std::atoi(val().c_str());
         else if (k == "--threads" || k == "-t") a.n_threads = std::atoi(val().c_str());
         else if (k == "--tolerance") a.tolerance = std::atof(val().c_str());
@@ -174,7 +180,29 @@ Args parse_args(int argc, char ** argv) {
 
 // ---------------------------------------------------------------------------- JSON
 
-std::string jstr(const std::string & s) {
+// `s` with every byte that is not part of a valid UTF-8 sequence replaced by U+FFFD.
+std::string utf8_clean(const std::string & s) {
+    std::string o;
+    for (size_t i = 0; i < s.size();) {
+        const unsigned char c = (unsigned char) s[i];
+        const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+        bool ok = n > 0 && i + n <= s.size();
+        for (size_t k = 1; ok && k < n; ++k) {
+            ok = ((unsigned char) s[i + k] >> 6) == 0x2;
+        }
+        if (ok) {
+            o.append(s, i, n);
+            i += n;
+        } else {
+            o += "\xEF\xBF\xBD";
+            i += 1;
+        }
+    }
+    return o;
+}
+
+std::string jstr(const std::string & raw) {
+    const std::string s = utf8_clean(raw);
     std::string o = "\"";
     for (char c : s) {
         switch (c) {
@@ -212,6 +240,15 @@ std::string jarr(const std::vector<T> & v) {
     return o + "]";
 }
 
+template <typename T>
+std::string jarr2(const std::vector<std::vector<T>> & v) {
+    std::string o = "[";
+    for (size_t i = 0; i < v.size(); ++i) {
+        o += (i ? "," : "") + jarr(v[i]);
+    }
+    return o + "]";
+}
+
 // ---------------------------------------------------------------------------- running
 
 struct Shard {
@@ -233,6 +270,8 @@ bool open_shard(Shard & s, const std::string & path, int32_t start, int32_t end,
     co.n_ctx = n_ctx;
     co.n_batch = n_ctx;
     co.n_ubatch = std::min<uint32_t>(n_ctx, 512);
+    co.n_seq_max = (uint32_t) a.n_seq;
+    co.kv_unified = a.n_seq > 1 && a.kv_unified;
     co.n_threads = a.n_threads;
     g_kv = {};
     s.ctx = dgr::ShardContext::create(*s.model, co, err);
@@ -240,29 +279,38 @@ bool open_shard(Shard & s, const std::string & path, int32_t start, int32_t end,
     return (bool) s.ctx;
 }
 
-// Runs one forward over a chain of shards (a single shard = the whole model).
-// Input: token ids; output: logits of every row that asked for them (n_out x n_vocab).
-bool forward(std::vector<Shard> & chain, const std::vector<llama_token> & toks, llama_pos pos0, bool all_logits,
-             std::vector<float> & logits_out, std::string * err) {
-    const int32_t n = (int32_t) toks.size();
+// One row of a forward: a token of one sequence at one position.
+struct Row {
+    llama_token token;
+    llama_pos pos;
+    llama_seq_id seq;
+    bool logits;
+};
+
+// Runs one forward over a chain of shards (a single shard = the whole model): the head decodes
+// token ids, every later shard the boundary rows of the previous one. Returns the logits of the
+// rows that asked for them, in row order (n_out x n_vocab).
+bool forward(std::vector<Shard> & chain, const std::vector<Row> & in, std::vector<float> & logits_out,
+             std::string * err) {
+    const int32_t n = (int32_t) in.size();
     std::vector<float> rows;
     for (size_t i = 0; i < chain.size(); ++i) {
         Shard & s = chain[i];
         dgr::ShardBatch b;
-        if (i == 0) {
-            b.add_tokens(toks.data(), n, pos0, 0, true);
-        } else {
-            b.add_rows(rows.data(), n, s.model->n_embd(), pos0, 0, true);
-        }
-        if (all_logits) {
-            std::fill(b.logits.begin(), b.logits.end(), 1);
+        for (int32_t r = 0; r < n; ++r) {
+            if (i == 0) {
+                b.add_tokens(&in[r].token, 1, in[r].pos, in[r].seq, in[r].logits);
+            } else {
+                b.add_rows(rows.data() + (size_t) r * s.model->n_embd(), 1, s.model->n_embd(), in[r].pos, in[r].seq,
+                           in[r].logits);
+            }
         }
         const dgr::DecodeStatus st = s.ctx->decode(b, err);
         if (st != dgr::DecodeStatus::ok) return false;
         if (!s.model->is_tail()) {
             const float * out = s.ctx->boundary_output();
-            if (!out) {
-                if (err) *err = "non-tail shard returned no boundary output";
+            if (!out || s.ctx->boundary_rows() != n) {
+                if (err) *err = "non-tail shard returned no boundary output for every row";
                 return false;
             }
             rows.assign(out, out + (size_t) n * s.model->n_embd());
@@ -271,9 +319,9 @@ bool forward(std::vector<Shard> & chain, const std::vector<llama_token> & toks, 
     Shard & tail = chain.back();
     const int32_t n_vocab = tail.model->n_vocab();
     logits_out.clear();
-    for (int32_t i = 0; i < n; ++i) {
-        if (!all_logits && i != n - 1) continue;
-        const float * l = tail.ctx->logits_ith(i);
+    for (int32_t r = 0; r < n; ++r) {
+        if (!in[r].logits) continue;
+        const float * l = tail.ctx->logits_ith(r);
         if (!l) {
             if (err) *err = "tail returned no logits";
             return false;
@@ -287,24 +335,46 @@ int32_t argmax(const float * l, int32_t n) {
     return (int32_t) (std::max_element(l, l + n) - l);
 }
 
+// The prompt of sequence s: the prompt rotated by s positions (s = 0 is the prompt itself).
+std::vector<llama_token> seq_prompt(const std::vector<llama_token> & prompt, int32_t s) {
+    std::vector<llama_token> p(prompt);
+    std::rotate(p.begin(), p.begin() + (s % (int32_t) p.size()), p.end());
+    return p;
+}
+
 struct RunResult {
-    std::vector<float> prefill;             // n_prompt x n_vocab
-    std::vector<std::vector<float>> steps;  // logits used to pick each generated token
-    std::vector<llama_token> generated;
+    std::vector<float> prefill;             // (n_seq * n_prompt) x n_vocab, sequence-major
+    std::vector<std::vector<float>> steps;  // per step: n_seq x n_vocab logits that picked the tokens
+    std::vector<std::vector<llama_token>> generated;  // per sequence
 };
 
-bool run_chain(std::vector<Shard> & chain, const std::vector<llama_token> & prompt, int32_t n_predict,
-               RunResult & r, std::string * err) {
-    if (!forward(chain, prompt, 0, true, r.prefill, err)) return false;
+// Prefill of all sequences in one batch, then n_predict greedy steps, all sequences per batch.
+bool run_chain(std::vector<Shard> & chain, const std::vector<llama_token> & prompt, int32_t n_seq,
+               int32_t n_predict, RunResult & r, std::string * err) {
     const int32_t n_vocab = chain.back().model->n_vocab();
-    std::vector<float> last(r.prefill.end() - n_vocab, r.prefill.end());
-    llama_pos pos = (llama_pos) prompt.size();
+    const int32_t n_prompt = (int32_t) prompt.size();
+    std::vector<Row> rows;
+    for (int32_t s = 0; s < n_seq; ++s) {
+        const auto p = seq_prompt(prompt, s);
+        for (int32_t i = 0; i < n_prompt; ++i) rows.push_back({p[i], i, s, true});
+    }
+    if (!forward(chain, rows, r.prefill, err)) return false;
+    std::vector<float> last((size_t) n_seq * n_vocab);
+    for (int32_t s = 0; s < n_seq; ++s) {
+        std::copy_n(r.prefill.begin() + ((size_t) s * n_prompt + n_prompt - 1) * n_vocab, n_vocab,
+                    last.begin() + (size_t) s * n_vocab);
+    }
+    r.generated.assign(n_seq, {});
     for (int32_t k = 0; k < n_predict; ++k) {
-        const llama_token t = argmax(last.data(), n_vocab);
-        r.generated.push_back(t);
+        rows.clear();
+        for (int32_t s = 0; s < n_seq; ++s) {
+            const llama_token t = argmax(last.data() + (size_t) s * n_vocab, n_vocab);
+            r.generated[s].push_back(t);
+            rows.push_back({t, n_prompt + k, s, true});
+        }
         r.steps.push_back(last);
         if (k + 1 == n_predict) break;
-        if (!forward(chain, {t}, pos++, false, last, err)) return false;
+        if (!forward(chain, rows, last, err)) return false;
     }
     return true;
 }
@@ -378,6 +448,18 @@ std::vector<llama_token> prompt_tokens(const Args & a, const dgr::ShardModel & h
     std::vector<llama_token> t;
     for (int32_t i = 0; i < std::max(1, a.n_random); ++i) t.push_back(d(rng));
     return t;
+}
+
+// The pieces of `tokens` up to the first end-of-generation token (what llama-simple prints).
+std::string detokenize(const dgr::ShardModel & m, const std::vector<llama_token> & tokens) {
+    std::string out;
+    for (llama_token t : tokens) {
+        if (llama_vocab_is_eog(m.vocab(), t)) break;
+        char buf[256];
+        const int n = llama_token_to_piece(m.vocab(), t, buf, sizeof(buf), 0, true);
+        if (n > 0) out.append(buf, n);
+    }
+    return out;
 }
 
 int run_memory(const Args & a) {
@@ -466,12 +548,14 @@ int main(int argc, char ** argv) {
         return 2;
     }
     const int32_t n_layer = whole[0].model->n_layer();
-    const uint32_t n_ctx = a.n_ctx ? a.n_ctx : (uint32_t) ((prompt.size() + a.n_predict + 63) / 64 * 64);
+    const uint32_t n_ctx = a.n_ctx ? a.n_ctx : (uint32_t) ((a.n_seq * (prompt.size() + a.n_predict) + 63) / 64 * 64);
     {
         dgr::ShardContextOptions co;
         co.n_ctx = n_ctx;
         co.n_batch = n_ctx;
         co.n_ubatch = std::min<uint32_t>(n_ctx, 512);
+        co.n_seq_max = (uint32_t) a.n_seq;
+        co.kv_unified = a.n_seq > 1 && a.kv_unified;
         co.n_threads = a.n_threads;
         g_kv = {};
         whole[0].ctx = dgr::ShardContext::create(*whole[0].model, co, &err);
@@ -482,7 +566,7 @@ int main(int argc, char ** argv) {
         }
     }
     RunResult ref;
-    if (!run_chain(whole, prompt, a.n_predict, ref, &err)) {
+    if (!run_chain(whole, prompt, a.n_seq, a.n_predict, ref, &err)) {
         std::fprintf(stderr, "dgr-parity: error: whole model: %s\n", err.c_str());
         return 2;
     }
@@ -491,9 +575,11 @@ int main(int argc, char ** argv) {
     std::string out = "{\"model\":" + jstr(a.model) + ",\"n_layer\":" + std::to_string(n_layer) +
         ",\"n_embd\":" + std::to_string(whole[0].model->n_embd()) + ",\"n_vocab\":" + std::to_string(n_vocab) +
         ",\"n_ctx\":" + std::to_string(n_ctx) + ",\"n_prompt\":" + std::to_string(prompt.size()) +
-        ",\"n_predict\":" + std::to_string(a.n_predict) + ",\"tolerance\":" + jnum(a.tolerance) +
+        ",\"n_predict\":" + std::to_string(a.n_predict) + ",\"n_seq\":" + std::to_string(a.n_seq) +
+        ",\"tolerance\":" + jnum(a.tolerance) +
         ",\"prompt_tokens\":" + jarr(prompt) +
-        ",\"whole\":{\"tokens\":" + jarr(ref.generated) + ",\"kv\":" + kv_json(whole[0].kv, *whole[0].model) + "}" +
+        ",\"whole\":{\"tokens\":" + jarr(ref.generated[0]) + ",\"text_until_eog\":" +
+        jstr(detokenize(*whole[0].model, ref.generated[0])) + ",\"tokens_per_seq\":" + jarr2(ref.generated) + ",\"kv\":" + kv_json(whole[0].kv, *whole[0].model) + "}" +
         ",\"splits\":[";
     whole.clear();  // free the whole model before loading the shards
 
@@ -540,15 +626,16 @@ int main(int argc, char ** argv) {
         }
         roles += "]";
         RunResult got;
-        if (!run_chain(chain, prompt, a.n_predict, got, &err)) {
+        if (!run_chain(chain, prompt, a.n_seq, a.n_predict, got, &err)) {
             std::fprintf(stderr, "dgr-parity: error: split %zu: %s\n", si, err.c_str());
             return 2;
         }
-        // prefill: every prompt position
+        // prefill: every prompt position of every sequence
+        const size_t n_rows = (size_t) a.n_seq * prompt.size();
         double max_diff = 0.0;
         int32_t top1_agree = 0;
         bool identical = got.prefill.size() == ref.prefill.size();
-        for (size_t p = 0; identical && p < prompt.size(); ++p) {
+        for (size_t p = 0; identical && p < n_rows; ++p) {
             const float * x = ref.prefill.data() + p * n_vocab;
             const float * y = got.prefill.data() + p * n_vocab;
             for (int32_t v = 0; v < n_vocab; ++v) {
@@ -557,20 +644,27 @@ int main(int argc, char ** argv) {
             identical = identical && std::memcmp(x, y, sizeof(float) * n_vocab) == 0;
             top1_agree += argmax(x, n_vocab) == argmax(y, n_vocab);
         }
-        // decode: while the tokens agree, the logits that picked them
+        // decode: the first step where any sequence picks another token; before it, the logits
         int32_t first_div = -1;
-        double decode_max_diff = 0.0;
-        for (size_t k = 0; k < ref.generated.size(); ++k) {
-            if (k >= got.generated.size() || got.generated[k] != ref.generated[k]) {
-                first_div = (int32_t) k;
-                break;
+        for (int32_t sq = 0; sq < a.n_seq; ++sq) {
+            const auto & x = ref.generated[sq];
+            const auto & y = got.generated[sq];
+            for (size_t k = 0; k < x.size(); ++k) {
+                if (k >= y.size() || x[k] != y[k]) {
+                    first_div = first_div < 0 ? (int32_t) k : std::min(first_div, (int32_t) k);
+                    break;
+                }
             }
-            for (int32_t v = 0; v < n_vocab; ++v) {
+        }
+        double decode_max_diff = 0.0;
+        const size_t n_cmp = first_div < 0 ? ref.steps.size() : (size_t) first_div;
+        for (size_t k = 0; k < n_cmp && k < got.steps.size(); ++k) {
+            for (size_t v = 0; v < ref.steps[k].size(); ++v) {
                 decode_max_diff = std::max(decode_max_diff, (double) std::fabs(ref.steps[k][v] - got.steps[k][v]));
             }
         }
         const bool tokens_ok = first_div < 0;
-        const bool ok = tokens_ok && top1_agree == (int32_t) prompt.size() && max_diff <= a.tolerance &&
+        const bool ok = tokens_ok && top1_agree == (int32_t) n_rows && max_diff <= a.tolerance &&
                         decode_max_diff <= a.tolerance;
         all_ok = all_ok && ok;
         std::string rs = "[";
@@ -582,10 +676,10 @@ int main(int argc, char ** argv) {
         out += std::string(si ? "," : "") + "{\"ranges\":" + rs + ",\"shards\":" + roles +
             ",\"prefill_max_abs_diff\":" + jnum(max_diff) +
             ",\"prefill_top1_agree\":" + std::to_string(top1_agree) +
-            ",\"prefill_positions\":" + std::to_string(prompt.size()) +
+            ",\"prefill_positions\":" + std::to_string(n_rows) +
             ",\"prefill_bit_identical\":" + (identical ? "true" : "false") +
             ",\"decode_max_abs_diff\":" + jnum(decode_max_diff) +
-            ",\"tokens\":" + jarr(got.generated) +
+            ",\"tokens\":" + jarr(got.generated[0]) + ",\"tokens_per_seq\":" + jarr2(got.generated) +
             ",\"tokens_identical\":" + (tokens_ok ? "true" : "false") +
             ",\"first_divergence\":" + std::to_string(first_div) +
             ",\"ok\":" + (ok ? "true" : "false") + "}";

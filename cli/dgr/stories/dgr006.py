@@ -7,6 +7,8 @@ Synthetic llama models (tied/untied, f32/q8_0) run the same comparison as unit c
 
 from __future__ import annotations
 
+import sys
+
 from ..errors import DgrError
 from ..evidence import StoryContext, story
 from ..memory_probe import ShardSpec, memory_command, parity_command, parse_report
@@ -63,6 +65,27 @@ def run(ctx: StoryContext) -> None:
               "; ".join(f"{s['ranges']}: prefill {s['prefill_max_abs_diff']}, decode {s['decode_max_abs_diff']}"
                         for s in splits))
     ctx.results["n_layer"] = n_layer
+
+    # the whole-model reference is upstream llama.cpp's own greedy example on the same build
+    simple = ctx.build_bin / "llama-simple"
+    if not simple.is_file():
+        ctx.command([sys.executable, "-m", "dgr.main", "build", "--backend", ctx.backend,
+                     "--target", "llama-simple", "-j", "2"])
+    ref = ctx.command([str(simple), "-m", str(ctx.model), "-n", str(N_PREDICT), PROMPT])
+    text = rep["whole"]["text_until_eog"]
+    ctx.results["llama_simple_stdout"] = ref.stdout
+    ctx.check("the whole-model reference equals upstream llama-simple (greedy, same prompt, same build)",
+              ref.returncode == 0 and bool(text) and ref.stdout.rstrip("\n").endswith(text.rstrip("\n")),
+              f"continuation {text[:80]!r}…" if text else (ref.stderr.strip().splitlines() or [""])[-1][:200])
+
+    # continuous batching: 4 sequences in every batch, boundary rows must keep batch order
+    multi = _run(ctx, parity_command(exe, ctx.model, ["15,30"], prompt=PROMPT, n_predict=N_PREDICT, n_seq=4))
+    ctx.results["smollm2_4_sequences"] = multi
+    ms = multi["splits"][0]
+    ctx.check("4 sequences decoded together in every batch: split 15:30 identical to the whole model per sequence",
+              ms["ok"] and ms["tokens_identical"] and ms["prefill_bit_identical"] and ms["decode_max_abs_diff"] == 0.0,
+              f"{ms['prefill_positions']} prefill rows in one batch, 4 x {N_PREDICT} greedy tokens, "
+              f"first divergence {ms['first_divergence']}")
 
     # fail closed for uncertified architectures (tiny synthetic qwen2 and gemma3 written here)
     from ..gguf_synth import SynthSpec, synthesize

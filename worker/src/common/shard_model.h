@@ -70,6 +70,7 @@ struct ShardContextOptions {
     uint32_t n_batch   = 512;
     uint32_t n_ubatch  = 512;
     uint32_t n_seq_max = 1;
+    bool     kv_unified = false;  // one KV cell pool shared by all sequences
     int32_t  n_threads = 0;  // 0: llama.cpp default
 };
 
