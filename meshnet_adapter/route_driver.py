@@ -108,23 +108,39 @@ class _Stream:
         self.call = shard.stub.Session(timeout=None)
         self.timeout = timeout
         self.step = 0
-        self.busy_s = 0.0
-        self.seam_bytes_in = 0
+        self.busy_s = 0.0           # send -> complete response, all steps
+        self.decode_busy_s = 0.0    # the same, decode steps only
+        self.decode_steps = 0
+        self.seam_bytes_in = 0      # boundary payload bytes received by this shard (from the previous hop)
+        self.frame_bytes_in = 0     # serialized request frames sent to this shard
+        self.frame_bytes_out = 0    # serialized responses received from this shard
+        self.decode_frame_bytes_in = 0
 
     async def exchange(self, req: pb.SessionRequest) -> pb.SessionResponse:
         t0 = time.perf_counter()
         try:
-            await asyncio.wait_for(self.call.write(req), self.timeout)
-            resp = await asyncio.wait_for(self.call.read(), self.timeout)
-            if resp is grpc.aio.EOF:
-                raise RouteSessionError(self.shard, "STREAM_CLOSED", "the worker closed the session stream")
-            if resp.WhichOneof("result") == "boundary":
-                resp = await self._complete_boundary(resp)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout):
+                await self.call.write(req)
+                resp = await self.call.read()
+                if resp is grpc.aio.EOF:
+                    raise RouteSessionError(self.shard, "STREAM_CLOSED", "the worker closed the session stream")
+                if resp.WhichOneof("result") == "boundary":
+                    resp = await self._complete_boundary(resp)
+        except TimeoutError:
             raise RouteSessionError(self.shard, "DEADLINE_EXCEEDED", f"no answer within {self.timeout:.0f}s") from None
         except grpc.aio.AioRpcError as exc:
             raise RouteSessionError(self.shard, exc.code().name, exc.details() or "", grpc_code=exc.code().value[0]) from None
-        self.busy_s += time.perf_counter() - t0
+        except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:  # the call already ended
+            raise RouteSessionError(self.shard, "STREAM_CLOSED", str(exc) or "the session stream ended") from None
+        dt = time.perf_counter() - t0
+        self.busy_s += dt
+        nin, nout = req.ByteSize(), resp.ByteSize()
+        self.frame_bytes_in += nin
+        self.frame_bytes_out += nout
+        if req.WhichOneof("frame") == "fast_decode":
+            self.decode_busy_s += dt
+            self.decode_steps += 1
+            self.decode_frame_bytes_in += nin
         if resp.WhichOneof("result") == "error":
             e = resp.error
             raise RouteSessionError(self.shard, pb.ErrorReason.Name(e.reason), e.message, grpc_code=e.grpc_code)
@@ -139,7 +155,7 @@ class _Stream:
             return any(have[t.name] < t.fragment_count for t in b.tensors)
 
         while missing(resp.boundary):
-            more = await asyncio.wait_for(self.call.read(), self.timeout)
+            more = await self.call.read()
             if more is grpc.aio.EOF or more.WhichOneof("result") != "boundary":
                 raise RouteSessionError(self.shard, "BAD_BUNDLE", "boundary bundle ended before all fragments arrived")
             for t in more.boundary.tensors:
@@ -158,6 +174,10 @@ class _Stream:
         self.call.cancel()
 
 
+def exc_shard(driver: "RouteDriver", exc: RouteSessionError) -> ShardHandle:
+    return next(s for s in driver.shards if s.endpoint == exc.shard_endpoint)
+
+
 def _bundle_bytes(b: pb.TensorBundle) -> int:
     return sum(len(f.data) for t in b.tensors for f in t.fragments)
 
@@ -172,6 +192,8 @@ class RouteDriver:
         self.timeout = timeout
         self.shards: list[ShardHandle] = []
         self._ids = itertools.count(1)
+        self._active: dict[str, int] = {}   # session id -> epoch of sessions in flight
+        self._cancelled: set[str] = set()   # sessions cancelled through this driver
 
     async def connect(self) -> "RouteDriver":
         for ep in self.endpoints:
@@ -248,6 +270,7 @@ class RouteDriver:
                                   route=[f"{s.endpoint}[{s.start}:{s.end})" for s in self.shards],
                                   prompt_tokens=len(prompt_tokens))
         streams = [_Stream(s, self.timeout) for s in self.shards]
+        self._active[sid] = epoch
         out: list[int] = []
         finish = "length"
         t0 = time.perf_counter()
@@ -319,6 +342,10 @@ class RouteDriver:
             tel.status = "completed"
             return GenerationResult(sid, list(prompt_tokens), out, finish, tel)
         except RouteSessionError as exc:
+            if sid in self._cancelled and exc.reason not in ("CANCELLED", "ERROR_REASON_CANCELLED"):
+                # the stream may end before the CANCELLED frame is read (write on a closed call)
+                exc = RouteSessionError(exc_shard(self, exc), "ERROR_REASON_CANCELLED",
+                                        f"cancelled by the driver ({exc.reason})", grpc_code=1)
             tel.status = "cancelled" if exc.reason in ("CANCELLED", "ERROR_REASON_CANCELLED") else "failed"
             tel.error = str(exc)
             return GenerationResult(sid, list(prompt_tokens), out, "error", tel, error=exc)
@@ -329,8 +356,31 @@ class RouteDriver:
             tel.completion_tokens = len(out)
             tel.total_s = time.perf_counter() - t0
             tel.nodes = [NodeTiming(f"{st.shard.endpoint}[{st.shard.start}:{st.shard.end})", st.busy_s,
-                                    st.step, st.seam_bytes_in) for st in streams]
+                                    st.step, st.seam_bytes_in, decode_busy_s=st.decode_busy_s,
+                                    decode_steps=st.decode_steps, frame_bytes_in=st.frame_bytes_in,
+                                    frame_bytes_out=st.frame_bytes_out,
+                                    decode_frame_bytes_in=st.decode_frame_bytes_in) for st in streams]
+            self._active.pop(sid, None)
+            self._cancelled.discard(sid)
             await asyncio.gather(*(self._release(st, sid, epoch) for st in streams), return_exceptions=True)
+
+    @property
+    def active_sessions(self) -> dict[str, int]:
+        return dict(self._active)
+
+    async def cancel(self, session_id: str, epoch: int = 0) -> list[bool]:
+        """Cancels a session on every Shard of the route (CancelSession, idempotent). The
+        session's :meth:`generate` then returns with status ``cancelled``. Returns, per shard,
+        whether it held anything."""
+        async def one(s: ShardHandle) -> bool:
+            try:
+                r = await s.stub.CancelSession(pb.CancelSessionRequest(session_id=session_id, route_epoch=epoch),
+                                               timeout=5)
+                return r.cancelled
+            except grpc.aio.AioRpcError:
+                return False
+        self._cancelled.add(session_id)
+        return list(await asyncio.gather(*(one(s) for s in self.shards)))
 
     async def _release(self, st: _Stream, sid: str, epoch: int) -> None:
         await st.close()

@@ -14,7 +14,21 @@ class NodeTiming:
     node: str                 # endpoint[start:end)
     busy_s: float             # time the driver waited on this node (send -> response)
     steps: int                # steps the node executed for the session
-    seam_bytes_in: int = 0    # boundary bytes the node received
+    seam_bytes_in: int = 0    # boundary payload bytes the node received
+    decode_busy_s: float = 0.0          # busy_s of decode steps only
+    decode_steps: int = 0
+    frame_bytes_in: int = 0             # serialized request frames sent to the node
+    frame_bytes_out: int = 0            # serialized responses received from it
+    decode_frame_bytes_in: int = 0      # request frame bytes of decode steps
+
+    @property
+    def decode_step_s(self) -> float:
+        """Mean round trip of one decode step to this node, as the driver saw it."""
+        return self.decode_busy_s / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def decode_frame_bytes_per_token(self) -> float:
+        return self.decode_frame_bytes_in / self.decode_steps if self.decode_steps else 0.0
 
 
 @dataclass
@@ -46,4 +60,7 @@ class GenerationTelemetry:
         d = asdict(self)
         d["decode_tok_s"] = self.decode_tok_s
         d["prefill_tok_s"] = self.prefill_tok_s
+        for nd, n in zip(d["nodes"], self.nodes):
+            nd["decode_step_s"] = n.decode_step_s
+            nd["decode_frame_bytes_per_token"] = n.decode_frame_bytes_per_token
         return d

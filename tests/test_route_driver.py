@@ -1,0 +1,228 @@
+"""RouteDriver against real dgr-worker processes in --fake-model mode (seconds, no GGUF).
+
+The fake model is deterministic and range-splittable: a route over disjoint ranges must give
+exactly the tokens of one whole fake worker, for any chunking and any concurrency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dgr.shard.v1 import shard_runtime_pb2 as pb
+from meshnet_adapter.route_driver import RouteDriver, RouteError, RouteSessionError, Sampling
+from meshnet_adapter.worker_process import WorkerProcess
+
+pytestmark = pytest.mark.native
+
+
+def _start(native_bin, *args: str) -> WorkerProcess:
+    return WorkerProcess.start(["--fake-model", *args], binary=native_bin / "dgr-worker")
+
+
+@pytest.fixture(scope="module")
+def fake_workers(native_bin):
+    """whole [0:8), a 2-shard route 0:4,4:8 and a 3-shard route 0:3,3:5,5:8 with a small
+    prefill chunk on the middle shard (so prompts go in several chunks)."""
+    procs: dict[str, WorkerProcess] = {}
+    try:
+        procs["whole"] = _start(native_bin)
+        procs["0:4"] = _start(native_bin, "--layers", "0:4")
+        procs["4:8"] = _start(native_bin, "--layers", "4:8")
+        procs["0:3"] = _start(native_bin, "--layers", "0:3")
+        procs["3:5"] = _start(native_bin, "--layers", "3:5", "--max-prefill-chunk", "5")
+        procs["5:8"] = _start(native_bin, "--layers", "5:8")
+        yield procs
+    finally:
+        for p in procs.values():
+            p.kill()
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _generate_all(endpoints, prompts, **kw):
+    d = await RouteDriver(endpoints).connect()
+    try:
+        return await asyncio.gather(*(d.generate(p, **kw) for p in prompts))
+    finally:
+        await d.close()
+
+
+async def _whole(fake_workers, prompts, **kw):
+    return await _generate_all([fake_workers["whole"].target], prompts, **kw)
+
+
+PROMPTS = [[256, *b"hello world"], [256, *b"route sessions are isolated"], [256, *b"x"],
+           [256, *b"a longer prompt that needs several prefill chunks on the middle shard"]]
+
+
+@pytest.mark.parametrize("split", [("0:4", "4:8"), ("0:3", "3:5", "5:8")], ids=["2-shard", "3-shard"])
+def test_route_tokens_equal_whole_model(fake_workers, split):
+    eps = [fake_workers[r].target for r in split]
+    whole = _run(_whole(fake_workers, PROMPTS, max_tokens=24, stop_on_eog=False))
+    route = _run(_generate_all(eps, PROMPTS, max_tokens=24, stop_on_eog=False))
+    for w, r in zip(whole, route):
+        assert w.error is None and r.error is None, (w.error, r.error)
+        assert len(r.tokens) == 24
+        assert r.tokens == w.tokens
+        assert r.telemetry.status == "completed"
+        # every non-head shard received the boundary bundles; the head received tokens only
+        nodes = r.telemetry.nodes
+        assert nodes[0].seam_bytes_in == 0 and all(n.seam_bytes_in > 0 for n in nodes[1:])
+        assert all(n.decode_steps == 23 for n in nodes)
+
+
+def test_seam_bytes_per_decode_token_fit_the_target(fake_workers):
+    """FastDecodeFrame with a one-row f32 bundle: <= 2 * n_embd * 4 + 256 bytes per seam."""
+    (r,) = _run(_generate_all([fake_workers["0:4"].target, fake_workers["4:8"].target], PROMPTS[:1],
+                              max_tokens=8, stop_on_eog=False))
+    n_embd = 8
+    tail = r.telemetry.nodes[1]
+    assert tail.seam_bytes_in == (len(PROMPTS[0]) + 7) * n_embd * 4
+    assert 0 < tail.decode_frame_bytes_per_token <= 2 * n_embd * 4 + 256
+
+
+def test_concurrent_sessions_are_isolated_and_cleaned_up(fake_workers):
+    prompts = [[256, *f"session {i}: {'ab' * i}".encode()] for i in range(8)]
+    eps = [fake_workers[r].target for r in ("0:3", "3:5", "5:8")]
+    seq = [_run(_whole(fake_workers, [p], max_tokens=20, stop_on_eog=False))[0].tokens for p in prompts]
+    conc = _run(_generate_all(eps, prompts, max_tokens=20, stop_on_eog=False))
+    assert [c.tokens for c in conc] == seq
+    assert len({tuple(t) for t in seq}) > 1  # the prompts really differ
+    for r in ("0:3", "3:5", "5:8"):
+        with fake_workers[r].client() as c:
+            end = time.monotonic() + 10
+            while (load := c.load()).active_sessions or load.kv_cells_used:
+                assert time.monotonic() < end, f"worker {r} kept sessions: {load}"
+                time.sleep(0.02)
+
+
+def test_stochastic_sampling_is_reproducible_across_the_route(fake_workers):
+    s = Sampling(temperature=0.8, top_k=40, seed=1234)
+    eps = [fake_workers["0:4"].target, fake_workers["4:8"].target]
+    a = _run(_generate_all(eps, PROMPTS[:2], max_tokens=16, sampling=s, stop_on_eog=False))
+    b = _run(_whole(fake_workers, PROMPTS[:2], max_tokens=16, sampling=s, stop_on_eog=False))
+    assert [x.tokens for x in a] == [x.tokens for x in b]
+
+
+def test_connect_rejects_incomplete_or_incompatible_routes(fake_workers, native_bin):
+    async def connect(eps):
+        d = RouteDriver(eps)
+        try:
+            await d.connect()
+        finally:
+            await d.close()
+
+    with pytest.raises(RouteError, match="ends at layer 4"):
+        _run(connect([fake_workers["0:4"].target]))
+    with pytest.raises(RouteError, match="not contiguous"):
+        _run(connect([fake_workers["0:3"].target, fake_workers["4:8"].target]))
+    with _start(native_bin, "--layers", "4:8", "--fingerprint", "0" * 64) as other:
+        with pytest.raises(RouteError, match="fingerprint"):
+            _run(connect([fake_workers["0:4"].target, other.target]))
+    with pytest.raises(RouteError, match="unreachable"):
+        _run(connect(["127.0.0.1:1"]))
+
+
+def test_cancel_one_session_others_continue(fake_workers):
+    eps = [fake_workers["0:4"].target, fake_workers["4:8"].target]
+
+    async def main():
+        d = await RouteDriver(eps).connect()
+        try:
+            started = asyncio.Event()
+
+            def on_token(_t):
+                started.set()
+
+            victim = asyncio.create_task(d.generate(PROMPTS[0], max_tokens=100_000, session_id="victim",
+                                                    stop_on_eog=False, on_token=on_token))
+            others = [asyncio.create_task(d.generate(p, max_tokens=40, stop_on_eog=False)) for p in PROMPTS[1:]]
+            await asyncio.wait_for(started.wait(), 10)
+            assert any(await d.cancel("victim"))
+            v = await asyncio.wait_for(victim, 10)
+            rest = await asyncio.gather(*others)
+            return v, rest
+        finally:
+            await d.close()
+
+    v, rest = _run(main())
+    assert v.error is not None and v.telemetry.status == "cancelled"
+    assert "CANCELLED" in v.error.reason
+    assert all(r.error is None and len(r.tokens) == 40 for r in rest)
+
+
+def test_killed_worker_fails_its_sessions_bounded_and_names_the_shard(fake_workers, native_bin):
+    """Kill the tail of one route mid-generation: its sessions end with a structured error
+    naming that shard within a bound; sessions of another route keep going to completion."""
+    doomed = [_start(native_bin, "--layers", "0:4"), _start(native_bin, "--layers", "4:8")]
+    healthy = [fake_workers["0:4"].target, fake_workers["4:8"].target]
+    try:
+        async def main():
+            d_bad = await RouteDriver([w.target for w in doomed], timeout=20).connect()
+            d_ok = await RouteDriver(healthy).connect()
+            try:
+                progress = asyncio.Event()
+                count = {"n": 0}
+
+                def on_token(_t):
+                    count["n"] += 1
+                    if count["n"] >= 20:
+                        progress.set()
+
+                bad = [asyncio.create_task(d_bad.generate(p, max_tokens=100_000, stop_on_eog=False,
+                                                          on_token=on_token)) for p in PROMPTS]
+                ok = [asyncio.create_task(d_ok.generate(p, max_tokens=300, stop_on_eog=False)) for p in PROMPTS]
+                await asyncio.wait_for(progress.wait(), 10)
+                t0 = time.monotonic()
+                doomed[1].proc.kill()
+                bad_res = await asyncio.wait_for(asyncio.gather(*bad), 15)
+                failed_in = time.monotonic() - t0
+                ok_res = await asyncio.gather(*ok)
+                return bad_res, failed_in, ok_res
+            finally:
+                await d_bad.close()
+                await d_ok.close()
+
+        bad_res, failed_in, ok_res = _run(main())
+        assert failed_in < 15
+        for r in bad_res:
+            assert r.error is not None and r.telemetry.status == "failed"
+            assert r.error.shard_endpoint == doomed[1].target and r.error.shard_range == (4, 8)
+            assert doomed[1].target in str(r.error)
+        assert all(r.error is None and len(r.tokens) == 300 for r in ok_res)
+        # the surviving head of the broken route released its sessions
+        with doomed[0].client() as c:
+            end = time.monotonic() + 10
+            while c.load().active_sessions:
+                assert time.monotonic() < end
+                time.sleep(0.02)
+    finally:
+        for w in doomed:
+            w.kill()
+
+
+def test_driver_overhead_is_small_per_hop(fake_workers):
+    """Measured, not timed: the driver's own CPU per decode step per hop is recorded; the
+    sanity bound (20 ms) only catches a pathological regression (e.g. a sleep/poll loop)."""
+    eps = [fake_workers["0:4"].target, fake_workers["4:8"].target]
+
+    async def main():
+        d = await RouteDriver(eps).connect()
+        try:
+            await d.generate(PROMPTS[0], max_tokens=5, stop_on_eog=False)
+            c0 = time.process_time()
+            r = await d.generate(PROMPTS[0], max_tokens=200, stop_on_eog=False)
+            return r, time.process_time() - c0
+        finally:
+            await d.close()
+
+    r, cpu = _run(main())
+    per_hop = cpu / (200 * 2)
+    print(f"driver CPU per decode step per hop: {per_hop * 1e3:.3f} ms; "
+          f"round trip per hop {r.telemetry.nodes[1].decode_step_s * 1e3:.3f} ms")
+    assert per_hop < 0.02
