@@ -65,6 +65,8 @@ def _register() -> None:
     app.add_typer(build.app, name="build", help="Build the patched llama.cpp and the dgr-worker.")
     from .commands import gguf
     app.add_typer(gguf.app, name="gguf", help="Inspect, fingerprint, slice and verify GGUF files; synthetic models.")
+    from .commands import worker
+    app.add_typer(worker.app, name="worker", help="Serve one Shard with the native dgr-worker (gRPC).")
     app.add_typer(accept.app, name="accept", help="Run an acceptance story and write its evidence folder.")
     app.add_typer(proto_cmd.app, name="proto", help="Shard protocol: generate/check Python code, golden vectors.")
     from .commands import bench

@@ -1,6 +1,7 @@
-// dgr-worker: one process per Shard. For now it answers --version and --smoke (load the
-// llama.cpp backends and print system info); the gRPC service comes with the worker issue.
+// dgr-worker: one process per Shard. `serve` runs the gRPC Shard service (worker/serve.h);
+// --version and --smoke (load the llama.cpp backends and print system info) check a build.
 #include "version.h"
+#include "worker/serve.h"
 
 #include "llama.h"
 
@@ -16,7 +17,8 @@ static void print_version() {
 }
 
 static void print_usage(const char * argv0) {
-    std::printf("usage: %s [--version] [--smoke]\n", argv0);
+    std::printf("usage: %s [--version] [--smoke] | serve (--fake-model | --model FILE) [options]\n", argv0);
+    std::printf("  serve      run the gRPC Shard service (serve --help lists the options)\n");
     std::printf("  --version  print dgr version, pinned llama.cpp commit, patch digest, backend\n");
     std::printf("  --smoke    initialise llama.cpp backends and print system info\n");
 }
@@ -25,6 +27,9 @@ int main(int argc, char ** argv) {
     if (argc < 2) {
         print_usage(argv[0]);
         return 2;
+    }
+    if (std::strcmp(argv[1], "serve") == 0) {
+        return dgr::worker::serve_main(argc - 2, argv + 2);
     }
     if (std::strcmp(argv[1], "--version") == 0) {
         print_version();

@@ -1,0 +1,81 @@
+"""`dgr worker serve`: run build/<backend>/bin/dgr-worker for one Shard (see docs/worker.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .. import paths
+from ..errors import DgrError
+
+app = typer.Typer(no_args_is_help=True)
+
+
+@app.command("serve")
+def serve(
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (whole model or a `dgr gguf slice`)."),
+    fake_model: bool = typer.Option(False, "--fake-model", help="Deterministic arithmetic model (tests, no GGUF)."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Layer range A:B served (default: all)."),
+    n_layer: Optional[int] = typer.Option(None, "--n-layer", help="Fake model: number of layers (default 8)."),
+    listen: str = typer.Option("127.0.0.1:50151", "--listen", help="HOST:PORT (loopback by default)."),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow a non-loopback --listen without TLS."),
+    tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM server certificate (TLS)."),
+    tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM server key (TLS)."),
+    tls_client_ca: Optional[Path] = typer.Option(None, "--tls-client-ca", help="PEM CA for client certs (mTLS)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads."),
+    max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="Concurrent sessions (default 16)."),
+    ctx_per_session: Optional[int] = typer.Option(None, "--ctx-per-session", help="Positions per session (default 2048)."),
+    kv_budget_mb: Optional[float] = typer.Option(None, "--kv-budget-mb", help="KV budget in MiB."),
+    kv_cells: Optional[int] = typer.Option(None, "--kv-cells", help="KV budget in cells."),
+    queue_limit: Optional[int] = typer.Option(None, "--queue-limit", help="Unanswered frames (default 64)."),
+    max_batch_tokens: Optional[int] = typer.Option(None, "--max-batch-tokens", help="Rows per decode call (default 512)."),
+    max_prefill_chunk: Optional[int] = typer.Option(None, "--max-prefill-chunk", help="Rows per PREFILL step (default 256)."),
+    metrics_listen: Optional[str] = typer.Option(None, "--metrics-listen", help="HOST:PORT for Prometheus text."),
+    drain_timeout_s: Optional[float] = typer.Option(None, "--drain-timeout-s", help="SIGTERM drain deadline (default 10)."),
+    session_ttl_s: Optional[float] = typer.Option(None, "--session-ttl-s", help="Idle session TTL (default 600)."),
+    backend: str = typer.Option("cpu", "--backend", help="Which build/<backend> worker to run."),
+    identity: bool = typer.Option(True, "--identity/--no-identity",
+                                  help="Compute the artifact id and recipe fingerprint (dgr.recipe) and serve them."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the worker command line and exit."),
+) -> None:
+    """Serve one Shard over gRPC (ShardRuntimeService, health, reflection) until SIGTERM."""
+    binary = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+    argv = [str(binary), "serve", "--listen", listen]
+    if fake_model == (model is not None):
+        raise DgrError("give exactly one of --model FILE or --fake-model")
+    if model is not None:
+        from ..models import resolve_model
+
+        path = resolve_model(model)
+        argv += ["--model", str(path)]
+        if identity:
+            from ..recipe import recipe_for
+
+            recipe = recipe_for(path, backend=backend)
+            argv += ["--fingerprint", recipe.fingerprint(), "--artifact-id", recipe.artifact_id,
+                     "--recipe-json", json.dumps(recipe.to_json(), sort_keys=True, separators=(",", ":"))]
+    else:
+        argv.append("--fake-model")
+    opts = {
+        "--layers": layers, "--n-layer": n_layer, "--tls-cert": tls_cert, "--tls-key": tls_key,
+        "--tls-client-ca": tls_client_ca, "--threads": threads, "--max-sessions": max_sessions,
+        "--ctx-per-session": ctx_per_session, "--kv-budget-mb": kv_budget_mb, "--kv-cells": kv_cells,
+        "--queue-limit": queue_limit, "--max-batch-tokens": max_batch_tokens,
+        "--max-prefill-chunk": max_prefill_chunk, "--metrics-listen": metrics_listen,
+        "--drain-timeout-s": drain_timeout_s, "--session-ttl-s": session_ttl_s,
+    }
+    for flag, value in opts.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if allow_remote:
+        argv.append("--allow-remote")
+    if dry_run:
+        typer.echo(" ".join(argv))
+        return
+    if not binary.is_file():
+        raise DgrError(f"{binary} missing", hint=f"run `dgr build --backend {backend}`")
+    os.execv(str(binary), argv)

@@ -1,0 +1,503 @@
+"""dgr-worker in fake-model mode: real worker processes, the real gRPC service, sessions,
+batching, budgets and failures, without GGUF files (DGR-007/008/012)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from dgr.shard.v1 import shard_runtime_pb2 as pb
+from meshnet_adapter.client import Sampling, ShardError, WorkerError, WorkerUnavailable, boundary_rows, sampled
+from meshnet_adapter.worker_process import WorkerProcess
+
+pytestmark = pytest.mark.native
+
+PROMPTS = [[(7 * i + j * 13) % 250 + 1 for j in range(3 + i)] for i in range(8)]
+N_GEN = 24
+
+
+@pytest.fixture(scope="module")
+def worker_bin(native_bin: Path) -> Path:
+    env = os.environ.get("DGR_WORKER_BIN")
+    return Path(env) if env else native_bin / "dgr-worker"
+
+
+def start(worker_bin: Path, *args: str) -> WorkerProcess:
+    return WorkerProcess.start(["--fake-model", *args], binary=worker_bin)
+
+
+@pytest.fixture(scope="module")
+def worker(worker_bin: Path):
+    with start(worker_bin, "--session-ttl-s", "600") as w:
+        yield w
+
+
+def poll(fn, deadline_s: float = 10.0, what: str = "condition"):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_alone(client, prompt, n=N_GEN, sampling=None):
+    with client.open_session(sampling=sampling) as s:
+        first = s.prefill(prompt)
+        out = [first, *s.generate(first, n)]
+        s.release()
+    return out
+
+
+def test_capability_health_reflection(worker):
+    c = worker.client()
+    cap = c.capability()
+    assert cap.schema_version == pb.SCHEMA_VERSION_V1
+    ident = cap.identity
+    assert (ident.range.start, ident.range.end, ident.n_layer) == (0, 8, 8)
+    assert ident.head and ident.tail and ident.n_vocab == 320 and ident.compatibility_fingerprint
+    assert cap.capacity.max_sessions == 16 and cap.capacity.kv_cells > 0
+    assert list(cap.capacity.compressions) == [pb.COMPRESSION_NONE]
+    assert c.health() == "SERVING"
+    assert c.health("dgr.shard.v1.ShardRuntimeService") == "SERVING"
+    # server reflection lists the service (ServerReflectionRequest{list_services: ""}, hand-encoded)
+    call = c._channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                    request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    raw = b"".join(call(iter([b"\x3a\x00"]), timeout=5))
+    assert b"dgr.shard.v1.ShardRuntimeService" in raw
+    assert c.tokenize("hi") == [104, 105]
+    assert c.detokenize([104, 105]) == b"hi"
+    with pytest.raises(WorkerError) as ei:
+        c.detokenize([100000])
+    assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT and "TOKEN_OUT_OF_VOCAB" in ei.value.details
+
+
+def test_eight_concurrent_sessions_match_alone(worker):
+    c = worker.client()
+    alone = [run_alone(c, p) for p in PROMPTS]
+    assert len({tuple(a) for a in alone}) == 8  # the prompts really differ
+    base = c.load().kv_cells_used
+    batches0 = c.metric("dgr_batches_total")
+    steps0 = c.metric("dgr_steps_total")
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def run(i):
+        try:
+            barrier.wait(10)
+            results[i] = run_alone(c, PROMPTS[i])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert [results[i] for i in range(8)] == alone
+    # batching was in use: fewer decode calls than steps
+    batches = c.metric("dgr_batches_total") - batches0
+    steps = c.metric("dgr_steps_total") - steps0
+    assert batches < steps, (batches, steps)
+    assert poll(lambda: c.load().kv_cells_used == base, what="KV back to its level")
+
+
+@pytest.mark.parametrize("how", ["cancel", "release"])
+def test_stop_one_of_eight_mid_generation(worker, how):
+    c = worker.client()
+    alone = [run_alone(c, p) for p in PROMPTS]
+    base = c.load().kv_cells_used
+    victim = 3
+    results: dict[int, list[int]] = {}
+    stopped: dict[int, BaseException] = {}
+    errors: list[BaseException] = []
+    halfway = threading.Event()
+
+    def run(i):
+        try:
+            with c.open_session(f"{how}-{i}") as s:
+                first = s.prefill(PROMPTS[i])
+                out = [first]
+                tok = first
+                for k in range(N_GEN):
+                    if i == victim and k == N_GEN // 2:
+                        halfway.set()
+                        if how == "release":
+                            c.release(s.session_id)
+                        else:
+                            poll(lambda: stopped.get(-1), what="cancel sent")
+                    try:
+                        tok = s.decode(tok)
+                    except (ShardError, WorkerError) as exc:
+                        stopped[i] = exc
+                        return
+                    out.append(tok)
+                results[i] = out
+                s.release()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    halfway.wait(20)
+    if how == "cancel":
+        assert c.cancel(f"{how}-{victim}").cancelled
+        stopped[-1] = True  # type: ignore[assignment]
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for i in range(8):
+        if i != victim:
+            assert results[i] == alone[i], i
+    exc = stopped[victim]
+    if how == "cancel":
+        assert isinstance(exc, ShardError) and exc.reason == pb.ERROR_REASON_CANCELLED and exc.terminated
+    else:
+        assert isinstance(exc, ShardError) and exc.reason == pb.ERROR_REASON_SESSION_RELEASED
+    assert poll(lambda: c.load().kv_cells_used == base and c.load().active_sessions == 0,
+                what="KV and sessions back to their level")
+
+
+def _expect(fn, reason):
+    with pytest.raises(ShardError) as ei:
+        fn()
+    assert ei.value.reason == reason, ei.value
+    assert not ei.value.terminated
+    return ei.value
+
+
+def test_error_cases_leave_the_session_and_others_intact(worker):
+    c = worker.client()
+    other_alone = run_alone(c, PROMPTS[5])
+    other = c.open_session("bystander")
+    other_out = [other.prefill(PROMPTS[5])]
+
+    s = c.open_session("victim")
+    first = s.prefill([1, 2, 3])
+    # wrong fingerprint
+    bad = s._input_frame(pb.PHASE_DECODE, [first], None, True)
+    bad.step.header.compatibility_fingerprint = "0" * 64
+    _expect(lambda: s.exchange(bad), pb.ERROR_REASON_FINGERPRINT_MISMATCH)
+    # wrong range
+    bad = s._input_frame(pb.PHASE_DECODE, [first], None, True)
+    bad.step.header.shard_range.end = 4
+    _expect(lambda: s.exchange(bad), pb.ERROR_REASON_RANGE_MISMATCH)
+    # position gap
+    bad = s._input_frame(pb.PHASE_DECODE, [first], None, True)
+    bad.step.header.positions.start += 2
+    bad.step.header.positions.end += 2
+    bad.step.header.cache_expectation.kind = pb.CACHE_EXPECTATION_KIND_UNSPECIFIED
+    e = _expect(lambda: s.exchange(bad), pb.ERROR_REASON_POSITION_GAP)
+    assert e.proto.cached_positions == 3 and e.grpc_code == grpc.StatusCode.ABORTED.value[0]
+    # cache expectation at the wrong position
+    bad = s._input_frame(pb.PHASE_DECODE, [first], None, True)
+    bad.step.header.cache_expectation.position = 7
+    _expect(lambda: s.exchange(bad), pb.ERROR_REASON_CACHE_MISS)
+    # token out of vocabulary
+    bad = s._input_frame(pb.PHASE_DECODE, [first], None, True)
+    bad.step.tokens.token_ids[0] = 320
+    bad.step.header.payload_checksum.value = 0
+    bad.step.header.payload_checksum.algorithm = pb.CHECKSUM_ALGORITHM_UNSPECIFIED
+    _expect(lambda: s.exchange(bad), pb.ERROR_REASON_TOKEN_OUT_OF_VOCAB)
+    # checksum mismatch
+    bad = s._input_frame(pb.PHASE_DECODE, [first], None, True)
+    bad.step.header.payload_checksum.value ^= 1
+    _expect(lambda: s.exchange(bad), pb.ERROR_REASON_BAD_BUNDLE)
+    # a bundle to a head
+    bad = s._input_frame(pb.PHASE_DECODE, None, np.zeros((1, 8), np.float32), True)
+    _expect(lambda: s.exchange(bad), pb.ERROR_REASON_ROLE_MISMATCH)
+    # decode with two rows, prefill above the chunk limit
+    bad = s._input_frame(pb.PHASE_DECODE, [first, first], None, True)
+    _expect(lambda: s.exchange(bad), pb.ERROR_REASON_CHUNK_TOO_LARGE)
+    big = s._input_frame(pb.PHASE_PREFILL, [1] * 300, None, True)
+    e = _expect(lambda: s.exchange(big), pb.ERROR_REASON_CHUNK_TOO_LARGE)
+    assert e.proto.limit == c.capability().capacity.max_prefill_chunk_tokens
+    # step out of order
+    bad = s._input_frame(pb.PHASE_DECODE, [first], None, True)
+    bad.step.header.step = 5
+    _expect(lambda: s.exchange(bad), pb.ERROR_REASON_STEP_OUT_OF_ORDER)
+    # schema version unset
+    bad = s._input_frame(pb.PHASE_DECODE, [first], None, True)
+    bad.step.header.schema_version = 0
+    _expect(lambda: s.exchange(bad), pb.ERROR_REASON_SCHEMA_UNSUPPORTED)
+    # unsupported compression
+    bad = s._input_frame(pb.PHASE_DECODE, [first], None, True)
+    bad.step.header.compression = pb.COMPRESSION_F16
+    _expect(lambda: s.exchange(bad), pb.ERROR_REASON_UNSUPPORTED_COMPRESSION)
+    # bad sampling
+    bad = s._input_frame(pb.PHASE_DECODE, [first], None, True)
+    bad.step.sampling.CopyFrom(pb.SamplingParams(mode=pb.SAMPLING_MODE_STOCHASTIC, temperature=0))
+    _expect(lambda: s.exchange(bad), pb.ERROR_REASON_BAD_REQUEST)
+
+    # the session is intact: it continues exactly like an undisturbed one
+    out = [first, *s.generate(first, 5)]
+    ref = run_alone(c, [1, 2, 3], n=5)
+    assert out == ref
+    # duplicate step: the stored response comes back, nothing re-executed
+    last = s.step - 1
+    dup = pb.SessionRequest(fast_decode=pb.FastDecodeFrame(session_id="victim", route_epoch=1, step=last,
+                                                           position=s.positions - 1, token_id=out[-2]))
+    positions_before = c.load().kv_cells_used
+    r = s.exchange(dup)
+    assert r.header.replayed and sampled(r) == out[-1]
+    assert c.load().kv_cells_used == positions_before
+    # stale epoch after a newer epoch opened on another stream
+    s2 = c.open_session("victim", epoch=2)
+    s2.prefill([9, 9])
+    e = None
+    try:
+        s.decode(out[-1])
+    except ShardError as exc:
+        e = exc
+    assert e is not None and e.reason == pb.ERROR_REASON_STALE_EPOCH
+    old = c.open_session("victim", epoch=1)
+    with pytest.raises(ShardError) as ei:
+        old.prefill([1])
+    assert ei.value.reason == pb.ERROR_REASON_STALE_EPOCH and ei.value.proto.current_epoch == 2
+    # unknown session; released session
+    ghost = c.open_session("ghost")
+    ghost.step = 1
+    ghost.positions = 0
+    bad = ghost._input_frame(pb.PHASE_DECODE, [1], None, True)
+    bad.step.header.cache_expectation.kind = pb.CACHE_EXPECTATION_KIND_UNSPECIFIED
+    _expect(lambda: ghost.exchange(bad), pb.ERROR_REASON_UNKNOWN_SESSION)
+    s2.release()
+    again = s2._input_frame(pb.PHASE_DECODE, [1], None, True)
+    _expect(lambda: s2.exchange(again), pb.ERROR_REASON_SESSION_RELEASED)
+    # the bystander never noticed
+    other_out += other.generate(other_out[0], N_GEN)
+    assert other_out == other_alone
+    for x in (other, s, s2, old, ghost):
+        x.close()
+
+
+def test_truncate_and_sampling_are_deterministic(worker):
+    c = worker.client()
+    with c.open_session() as s:
+        first = s.prefill([5, 6, 7])
+        gen = s.generate(first, 6)
+        s.truncate(4)  # keep the prompt (0..2) and `first` (3)
+        assert s.positions == 4
+        again = s.generate(gen[0], 5)
+        assert again == gen[1:]
+    samp = Sampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.01, seed=1234, top_logprobs=3)
+    a = run_alone(c, [1, 2, 3], sampling=samp)
+    b = run_alone(c, [1, 2, 3], sampling=samp)
+    g = run_alone(c, [1, 2, 3])
+    assert a == b and a != g
+    with c.open_session(sampling=samp) as s:
+        s.prefill([1, 2])
+        r = s.decode_step(3)
+        tok = r.tail.tokens[0]
+        assert len(tok.top_logprobs) == 3 and tok.logprob <= 0
+        assert tok.top_logprobs[0].logprob >= tok.top_logprobs[1].logprob
+
+
+def test_range_split_matches_whole_model(worker_bin, worker):
+    """A head [0,4) and a tail [4,8) worker chained by boundary bundles give the whole model's tokens."""
+    whole = run_alone(worker.client(), PROMPTS[2], n=8)
+    with start(worker_bin, "--layers", "0:4") as hw, start(worker_bin, "--layers", "4:8") as tw:
+        h, t = hw.client(), tw.client()
+        assert h.capability().identity.head and not h.capability().identity.tail
+        assert t.capability().identity.tail and not t.capability().identity.head
+        hs, ts = h.open_session("r"), t.open_session("r")
+        rows = boundary_rows(hs.prefill_chunk(PROMPTS[2], sample=False), 8)
+        out = [sampled(ts.prefill_chunk(rows=rows))]
+        for _ in range(8):
+            r = hs.exchange(hs._input_frame(pb.PHASE_DECODE, [out[-1]], None, False))
+            hs._applied(r)
+            rows = boundary_rows(r, 8)
+            out.append(sampled(ts._applied(ts.exchange(ts._input_frame(pb.PHASE_DECODE, None, rows, True)))))
+        assert out == whole
+        # malformed / oversized bundles to the tail: structured errors, the session continues
+        good = ts._input_frame(pb.PHASE_DECODE, None, rows, True)
+        bad = pb.SessionRequest()
+        bad.CopyFrom(good)
+        bad.step.bundle.tensors[0].shape[1] = 9
+        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_BAD_BUNDLE)
+        bad.CopyFrom(good)
+        bad.step.bundle.tensors[0].checksum.value ^= 1
+        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_BAD_BUNDLE)
+        bad.CopyFrom(good)
+        bad.step.bundle.tensors[0].byte_size = 1 << 40
+        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_MESSAGE_TOO_LARGE)
+        bad = ts._input_frame(pb.PHASE_DECODE, [1], None, True)
+        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_ROLE_MISMATCH)
+        ts._applied(ts.exchange(good))  # still fine
+        # a step spread over two frames (fragments 0 and 1): one answer, after the second frame
+        r = hs.exchange(hs._input_frame(pb.PHASE_DECODE, [5], None, False))
+        hs._applied(r)
+        rows = boundary_rows(r, 8)
+        full = ts._input_frame(pb.PHASE_DECODE, None, rows, True)
+        t0 = full.step.bundle.tensors[0]
+        data = t0.fragments[0].data
+        parts = []
+        for k, piece in enumerate((data[:16], data[16:])):
+            f = pb.SessionRequest()
+            f.CopyFrom(full)
+            tt = f.step.bundle.tensors[0]
+            tt.fragment_count = 2
+            del tt.fragments[:]
+            tt.fragments.add(index=k, data=piece)
+            f.step.header.payload_checksum.value = zlib.crc32(piece)
+            parts.append(f)
+        ts.send(parts[0])
+        r = ts.exchange(parts[1])
+        assert sampled(r) is not None and r.header.cached_positions == ts.positions + 1
+        hs.close()
+        ts.close()
+
+
+def test_budgets_reject_with_resource_exhausted(worker_bin):
+    with start(worker_bin, "--max-sessions", "2", "--kv-cells", "64", "--ctx-per-session", "40") as w:
+        c = w.client()
+        a, b = c.open_session("a"), c.open_session("b")
+        a.prefill([1] * 30)
+        b.prefill([2] * 20)
+        third = c.open_session("c")
+        with pytest.raises(ShardError) as ei:
+            third.prefill([3])
+        e = ei.value
+        assert e.reason == pb.ERROR_REASON_OVER_BUDGET and e.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert e.proto.limit == 2 and "sessions" in str(e)
+        # KV budget: 30 + 20 held, 64 total -> 20 more rows do not fit
+        with pytest.raises(ShardError) as ei:
+            b.prefill_chunk([2] * 20)
+        assert ei.value.reason == pb.ERROR_REASON_OVER_BUDGET and ei.value.proto.limit == 64
+        # per-session limit
+        with pytest.raises(ShardError) as ei:
+            a.prefill_chunk([1] * 11)
+        assert ei.value.reason == pb.ERROR_REASON_OVER_BUDGET and ei.value.proto.limit == 40
+        assert c.metric("dgr_rejected_admissions_total", reason="sessions") >= 1
+        assert c.metric("dgr_rejected_admissions_total", reason="kv") >= 2
+        # both sessions still work; after a release the third is admitted
+        a.decode(1)
+        a.release()
+        assert third.prefill([3]) is not None
+        for s in (a, b, third):
+            s.close()
+
+
+def test_queue_limit_rejects_and_memory_stays_bounded(worker_bin):
+    with start(worker_bin, "--queue-limit", "4", "--fake-delay-ms", "20", "--max-sessions", "64") as w:
+        c = w.client()
+        rss0 = w.rss_bytes()
+        rejected = []
+        stop = time.monotonic() + 6.0
+
+        def flood(i):
+            try:
+                s = c.open_session(f"f{i}")
+                try:
+                    s.prefill([1, 2, 3])
+                except ShardError as exc:
+                    rejected.append(exc.reason)
+                while time.monotonic() < stop:
+                    # a frame the worker must read and answer: out-of-vocab prefill of max size
+                    req = s._input_frame(pb.PHASE_PREFILL, [999] * 200, None, True)
+                    try:
+                        s.exchange(req)
+                    except ShardError as exc:
+                        rejected.append(exc.reason)
+                s.close()
+            except WorkerError:
+                pass
+
+        threads = [threading.Thread(target=flood, args=(i,)) for i in range(48)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert pb.ERROR_REASON_OVER_BUDGET in rejected
+        assert c.metric("dgr_rejected_admissions_total", reason="queue") >= 1
+        rss1 = w.rss_bytes()
+        assert rss1 - rss0 < 96 << 20, (rss0, rss1)
+        assert poll(lambda: c.load().queued_steps == 0 and c.load().active_sessions == 0, what="queue drained")
+
+
+def test_ttl_eviction_gives_cache_miss(worker_bin):
+    with start(worker_bin, "--session-ttl-s", "0.3") as w:
+        c = w.client()
+        s = c.open_session("idle")
+        first = s.prefill([1, 2])
+        poll(lambda: c.metric("dgr_sessions_evicted_total") >= 1, what="eviction")
+        with pytest.raises(ShardError) as ei:
+            s.decode(first)
+        assert ei.value.reason == pb.ERROR_REASON_CACHE_MISS
+        assert c.load().kv_cells_used == 0
+        s.close()
+
+
+def test_prometheus_text(worker_bin):
+    with start(worker_bin, "--metrics-listen", "127.0.0.1:0") as w:
+        c = w.client()
+        run_alone(c, [1, 2, 3], n=3)
+        assert w.metrics_port
+        text = urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=5).read().decode()
+        for name in ("dgr_active_sessions", "dgr_queue_depth", "dgr_kv_cells_used", "dgr_kv_cells_total",
+                     "dgr_prefill_tokens_total", "dgr_decode_tokens_total", "dgr_rejected_admissions_total",
+                     "dgr_step_latency_seconds_bucket", "dgr_batch_occupancy_rows_bucket", "dgr_worker_info"):
+            assert name in text, name
+        assert "session" not in text.replace("dgr_active_sessions", "").replace("dgr_max_sessions", "") \
+            .replace("dgr_sessions_", "").replace('reason="sessions"', "")
+        assert "dgr_decode_tokens_total 3" in text
+
+
+def test_sigterm_drains_and_exits_zero(worker_bin):
+    w = start(worker_bin, "--fake-delay-ms", "5", "--drain-timeout-s", "1.5")
+    c = w.client()
+    s = c.open_session("busy")
+    tok = s.prefill([1, 2, 3])
+    outcome: list[object] = []
+    started = threading.Event()
+
+    def gen():
+        nonlocal tok
+        try:
+            while True:
+                tok = s.decode(tok)
+                started.set()
+        except (ShardError, WorkerError) as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=gen)
+    t.start()
+    started.wait(10)
+    t0 = time.monotonic()
+    rc = w.terminate(timeout=15)
+    elapsed = time.monotonic() - t0
+    t.join(10)
+    assert rc == 0
+    assert elapsed < 1.5 + 3.0
+    assert outcome, "the generating client saw the end"
+    exc = outcome[0]
+    assert (isinstance(exc, ShardError) and exc.reason == pb.ERROR_REASON_UNAVAILABLE) or \
+        (isinstance(exc, WorkerError) and exc.code == grpc.StatusCode.UNAVAILABLE)
+    assert any("drained" in line for line in w.stderr_lines)
+
+
+def test_kill9_gives_unavailable_quickly(worker_bin):
+    w = start(worker_bin, "--fake-delay-ms", "3000")
+    c = w.client(timeout=30)
+    s = c.open_session("doomed", step_timeout=30)
+    s.send(s._input_frame(pb.PHASE_PREFILL, [1, 2, 3], None, True))
+    poll(lambda: c.load().queued_steps >= 1, what="step queued")
+    t0 = time.monotonic()
+    w.kill()
+    with pytest.raises(WorkerUnavailable):
+        s.recv(timeout=20)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(WorkerUnavailable):
+        c.capability(refresh=True, timeout=5)

@@ -1,0 +1,76 @@
+// The model a Shard worker executes, seen by the scheduler through one small interface, so that
+// the same service, session table, batching and admission run over a deterministic fake model
+// (tests) and over llama.cpp (production).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dgr::worker {
+
+// What the loaded model is; served by GetCapability and checked against every frame.
+struct BackendInfo {
+    std::string architecture;
+    std::string artifact_id;
+    std::string recipe_json;
+    std::string fingerprint;
+    uint32_t n_layer = 0;
+    uint32_t layer_start = 0;  // [layer_start, layer_end)
+    uint32_t layer_end = 0;
+    bool head = false;
+    bool tail = false;
+    uint32_t n_embd = 0;
+    uint32_t n_vocab = 0;
+    uint32_t kv_cells = 0;        // cells of the context shared by all sequences
+    uint32_t max_batch_tokens = 0;
+    uint32_t n_seq_max = 0;       // sequences the context was created for
+};
+
+// One decode call: one row per (sequence, position); head rows carry token ids, other rows
+// n_embd floats of boundary input. `output[i]` asks for row i's output (tail: logits;
+// non-tail shards return every row's boundary output regardless).
+struct DecodeBatch {
+    std::vector<int32_t> tokens;
+    std::vector<float> embd;
+    std::vector<int32_t> pos;
+    std::vector<int32_t> seq;
+    std::vector<int8_t> output;
+    int32_t n_rows() const { return (int32_t) pos.size(); }
+    void clear() { tokens.clear(); embd.clear(); pos.clear(); seq.clear(); output.clear(); }
+};
+
+// llama_decode results, mapped as STYLE.md asks.
+enum class BackendStatus { ok, resource_exhausted, aborted, invalid_argument, internal };
+
+class ModelBackend {
+public:
+    virtual ~ModelBackend() = default;
+    virtual const BackendInfo & info() const = 0;
+    // Identity computed outside (dgr.recipe via `dgr worker serve`): non-empty values replace
+    // the backend's own.
+    void set_identity(const std::string & fingerprint, const std::string & artifact_id, const std::string & recipe_json) {
+        BackendInfo & in = mutable_info();
+        if (!fingerprint.empty()) in.fingerprint = fingerprint;
+        if (!artifact_id.empty()) in.artifact_id = artifact_id;
+        if (!recipe_json.empty()) in.recipe_json = recipe_json;
+    }
+    // Runs one batch; on failure `*error` says why and nothing of the batch is kept.
+    virtual BackendStatus decode(const DecodeBatch & batch, std::string * error) = 0;
+    // After a successful decode: tail -> logits of row i (n_vocab floats; only rows that asked);
+    // non-tail -> boundary output of row i (n_embd floats, the residual leaving the shard).
+    virtual const float * output_row(int32_t i) = 0;
+    // Drops positions [p0, p1) of a sequence (p1 < 0: to the end).
+    virtual void seq_rm(int32_t seq, int32_t p0, int32_t p1) = 0;
+    virtual bool tokenize(const std::string & text, bool add_special, bool parse_special,
+                          std::vector<int32_t> * out, std::string * error) = 0;
+    virtual std::string piece(int32_t token, bool unparse_special) = 0;
+    virtual std::string detokenize(const std::vector<int32_t> & tokens, bool remove_special,
+                                   bool unparse_special) = 0;
+    virtual bool is_eog(int32_t token) const = 0;
+
+protected:
+    virtual BackendInfo & mutable_info() = 0;
+};
+
+}  // namespace dgr::worker

@@ -1,0 +1,65 @@
+// The llama.cpp backend: one llama_model + one llama_context whose unified KV cache holds one
+// llama sequence per session (n_seq_max = max sessions, n_ctx = the KV cells budget).
+// On the stock pinned llama.cpp this serves the whole model (range 0:n_layer, head + tail:
+// tokens in, logits out). Range-aware loading and boundary rows come with the range patches
+// (worker/src/common/shard_model.h); until then a partial --layers is refused.
+#pragma once
+
+#include "worker/backend.h"
+
+#include "llama.h"
+
+#include <memory>
+#include <string>
+
+namespace dgr::worker {
+
+struct LlamaBackendOptions {
+    std::string path;
+    uint32_t layer_start = 0;
+    uint32_t layer_end = 0;  // 0: n_layer
+    int32_t threads = 0;     // 0: llama.cpp default
+    uint32_t kv_cells = 4096;
+    uint32_t n_seq_max = 16;
+    uint32_t max_batch_tokens = 512;
+    int32_t n_gpu_layers = -1;
+    std::string artifact_id;  // override (else derived from the model metadata, unverified)
+    std::string fingerprint;  // override
+};
+
+class LlamaBackend : public ModelBackend {
+public:
+    static std::unique_ptr<LlamaBackend> create(const LlamaBackendOptions & opts, std::string * error);
+    ~LlamaBackend() override;
+
+    const BackendInfo & info() const override { return info_; }
+    BackendStatus decode(const DecodeBatch & batch, std::string * error) override;
+    const float * output_row(int32_t i) override;
+    void seq_rm(int32_t seq, int32_t p0, int32_t p1) override;
+    bool tokenize(const std::string & text, bool add_special, bool parse_special,
+                  std::vector<int32_t> * out, std::string * error) override;
+    std::string piece(int32_t token, bool unparse_special) override;
+    std::string detokenize(const std::vector<int32_t> & tokens, bool remove_special,
+                           bool unparse_special) override;
+    bool is_eog(int32_t token) const override;
+
+    // bytes one KV cell takes (K + V, f16, every owned layer): sizes --kv-budget-mb
+    static uint64_t kv_bytes_per_cell(const llama_model * model);
+
+protected:
+    BackendInfo & mutable_info() override { return info_; }
+
+private:
+    LlamaBackend() = default;
+    BackendInfo info_;
+    llama_model * model_ = nullptr;
+    llama_context * ctx_ = nullptr;
+    const llama_vocab * vocab_ = nullptr;
+    llama_batch batch_{};
+    bool batch_init_ = false;
+};
+
+// Loads only the model (no context) to size the KV budget; caller frees with llama_model_free.
+llama_model * llama_backend_peek_model(const std::string & path, std::string * error);
+
+}  // namespace dgr::worker

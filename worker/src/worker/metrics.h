@@ -1,0 +1,87 @@
+// Worker metrics (Prometheus naming: dgr_ prefix, base units, _total for counters, no session
+// or request ids as labels), served by GetMetrics and as Prometheus text on --metrics-listen.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dgr::worker {
+
+struct Sample {
+    std::string name;
+    std::map<std::string, std::string> labels;
+    double value = 0.0;
+};
+
+class Histogram {
+public:
+    explicit Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
+    void observe(double v);
+    // Prometheus series: name_bucket{le=...}, name_sum, name_count
+    void append(const std::string & name, std::vector<Sample> * out) const;
+private:
+    mutable std::mutex mu_;
+    std::vector<double> bounds_;
+    std::vector<uint64_t> counts_;
+    double sum_ = 0.0;
+    uint64_t count_ = 0;
+};
+
+struct Gauges {
+    uint32_t active_sessions = 0;
+    uint32_t queued_steps = 0;
+    uint64_t kv_cells_used = 0;
+    uint64_t kv_cells_total = 0;
+    uint32_t max_sessions = 0;
+};
+
+class Metrics {
+public:
+    Metrics();
+    std::atomic<uint64_t> prefill_tokens{0};
+    std::atomic<uint64_t> decode_tokens{0};
+    std::atomic<uint64_t> batches{0};
+    std::atomic<uint64_t> batch_rows{0};
+    std::atomic<uint64_t> steps{0};
+    std::atomic<uint64_t> replayed_steps{0};
+    std::atomic<uint64_t> sessions_opened{0};
+    std::atomic<uint64_t> sessions_released{0};
+    std::atomic<uint64_t> sessions_evicted{0};
+    std::atomic<uint64_t> sessions_cancelled{0};
+    std::atomic<uint64_t> rejected_sessions{0};  // admission refused (max sessions, kv)
+    std::atomic<uint64_t> rejected_queue{0};     // queue limit
+    std::atomic<uint64_t> rejected_kv{0};        // append refused for KV budget
+    std::atomic<uint64_t> step_errors{0};
+    std::atomic<double> busy_seconds{0.0};       // time spent inside decode calls
+    Histogram step_latency;     // seconds from frame received to response handed to gRPC
+    Histogram batch_occupancy;  // rows per decode call
+    Histogram queue_wait;       // seconds a step waited before its batch
+
+    std::vector<Sample> samples(const Gauges & g) const;
+    static std::string prometheus_text(const std::vector<Sample> & samples);
+};
+
+// Minimal HTTP/1.0 listener: GET /metrics (anything else 404). One connection at a time.
+class MetricsHttpServer {
+public:
+    ~MetricsHttpServer();
+    // addr "host:port"; returns false with *error on failure.
+    bool start(const std::string & addr, std::function<std::string()> render, std::string * error);
+    void stop();
+    int port() const { return port_; }
+private:
+    void loop();
+    int fd_ = -1;
+    int port_ = 0;
+    std::atomic<bool> stop_{false};
+    std::thread thread_;
+    std::function<std::string()> render_;
+};
+
+}  // namespace dgr::worker

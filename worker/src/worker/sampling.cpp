@@ -1,0 +1,91 @@
+#include "worker/sampling.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace dgr::worker {
+
+std::string validate_sampling(const SamplingConfig & c) {
+    if (c.stochastic && !(c.temperature > 0.0f)) return "temperature must be > 0 for SAMPLING_MODE_STOCHASTIC";
+    if (c.top_p < 0.0f || c.top_p > 1.0f) return "top_p must be in (0, 1] or 0";
+    if (c.min_p < 0.0f || c.min_p >= 1.0f) return "min_p must be in [0, 1)";
+    if (c.top_logprobs > 64) return "top_logprobs must be <= 64";
+    return "";
+}
+
+double SamplingRng::uniform() {
+    uint64_t z = (state_ += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return (double) (z >> 11) * (1.0 / 9007199254740992.0);
+}
+
+SampleResult sample_logits(const float * logits, int32_t n_vocab, const SamplingConfig & c, SamplingRng & rng) {
+    SampleResult r;
+    // log-softmax of the raw logits (for logprobs)
+    float mx = -INFINITY;
+    int32_t arg = 0;
+    for (int32_t v = 0; v < n_vocab; ++v) {
+        if (logits[v] > mx) { mx = logits[v]; arg = v; }
+    }
+    double z = 0.0;
+    for (int32_t v = 0; v < n_vocab; ++v) z += std::exp((double) logits[v] - mx);
+    const double lse = mx + std::log(z);
+
+    if (!c.stochastic) {
+        r.token = arg;
+    } else {
+        std::vector<int32_t> idx(n_vocab);
+        std::iota(idx.begin(), idx.end(), 0);
+        // ties broken by the lower id, so the order is total and deterministic
+        auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+        size_t keep = (size_t) n_vocab;
+        if (c.top_k > 0 && c.top_k < keep) keep = c.top_k;
+        std::partial_sort(idx.begin(), idx.begin() + keep, idx.end(), better);
+        idx.resize(keep);
+        std::vector<double> p(keep);
+        double s = 0.0;
+        for (size_t i = 0; i < keep; ++i) { p[i] = std::exp((double) logits[idx[i]] - mx); s += p[i]; }
+        for (auto & x : p) x /= s;
+        if (c.top_p > 0.0f && c.top_p < 1.0f) {
+            double cum = 0.0;
+            size_t k = 0;
+            while (k < keep) { cum += p[k++]; if (cum >= c.top_p) break; }
+            keep = std::max<size_t>(k, 1);
+        }
+        if (c.min_p > 0.0f) {
+            size_t k = 1;
+            while (k < keep && p[k] >= c.min_p * p[0]) ++k;
+            keep = k;
+        }
+        // temperature on the kept logits
+        std::vector<double> w(keep);
+        double ws = 0.0;
+        for (size_t i = 0; i < keep; ++i) {
+            w[i] = std::exp(((double) logits[idx[i]] - mx) / c.temperature);
+            ws += w[i];
+        }
+        double u = rng.uniform() * ws;
+        size_t pick = keep - 1;
+        for (size_t i = 0; i < keep; ++i) {
+            if (u < w[i]) { pick = i; break; }
+            u -= w[i];
+        }
+        r.token = idx[pick];
+    }
+    r.logprob = (float) (logits[r.token] - lse);
+    if (c.top_logprobs > 0) {
+        const size_t k = std::min<size_t>(c.top_logprobs, (size_t) n_vocab);
+        std::vector<int32_t> idx(n_vocab);
+        std::iota(idx.begin(), idx.end(), 0);
+        std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
+            return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+        });
+        for (size_t i = 0; i < k; ++i) r.top.emplace_back(idx[i], (float) (logits[idx[i]] - lse));
+    }
+    return r;
+}
+
+}  // namespace dgr::worker

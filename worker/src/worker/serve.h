@@ -1,0 +1,9 @@
+// `dgr-worker serve`: options, model backend, gRPC server, metrics listener, signals.
+#pragma once
+
+namespace dgr::worker {
+
+// argv after "serve"; returns the process exit code.
+int serve_main(int argc, char ** argv);
+
+}  // namespace dgr::worker

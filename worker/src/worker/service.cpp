@@ -1,0 +1,295 @@
+#include "worker/service.h"
+
+#include "worker/errors.h"
+
+#include <deque>
+#include <memory>
+#include <mutex>
+
+namespace dgr::worker {
+
+namespace {
+
+class SessionReactor;
+
+// The scheduler's handle on one stream; outlives the reactor (detached in OnDone).
+class StreamHandle final : public StreamSink {
+public:
+    explicit StreamHandle(SessionReactor * r) : reactor_(r) {}
+    void deliver(pb::SessionResponse resp, bool terminal, grpc::Status status) override;
+    void resume() override;
+    void finish(grpc::Status status) override;
+
+    void on_write_done(bool ok);
+    void on_read_closed() {
+        std::lock_guard<std::recursive_mutex> lk(mu_);
+        read_closed_ = true;
+    }
+    void detach() {
+        std::lock_guard<std::recursive_mutex> lk(mu_);
+        reactor_ = nullptr;
+    }
+
+private:
+    void pump();  // with mu_ held
+    std::recursive_mutex mu_;
+    SessionReactor * reactor_;
+    std::deque<pb::SessionResponse> out_;
+    pb::SessionResponse writing_;
+    bool write_in_flight_ = false;
+    bool need_read_ = false;
+    bool read_closed_ = false;
+    bool finish_pending_ = false;
+    bool finished_ = false;
+    grpc::Status final_;
+};
+
+class SessionReactor final : public grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> {
+public:
+    SessionReactor(Scheduler & sched, uint32_t queue_limit) : sched_(sched), queue_limit_(queue_limit) {
+        handle_ = std::make_shared<StreamHandle>(this);
+        req_ = std::make_unique<pb::SessionRequest>();
+        StartRead(req_.get());
+    }
+    void read_next() {
+        req_ = std::make_unique<pb::SessionRequest>();
+        StartRead(req_.get());
+    }
+    void OnReadDone(bool ok) override {
+        if (!ok) {
+            handle_->on_read_closed();
+            sched_.post_stream_closed(handle_, false);
+            return;
+        }
+        const auto t0 = Clock::now();
+        std::unique_ptr<pb::SessionRequest> req = std::move(req_);
+        if (!sched_.post_frame(handle_, std::move(req), t0)) {
+            // queue full: answer here without touching the scheduler (non-terminal)
+            pb::SessionResponse r;
+            r.mutable_header()->set_schema_version(pb::SCHEMA_VERSION_V1);
+            pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET, "worker queue full; back off and resend this step");
+            e.set_limit(queue_limit_);
+            *r.mutable_error() = e;
+            rejected_queue_++;
+            handle_->deliver(std::move(r), false, grpc::Status::OK);
+        }
+    }
+    void OnWriteDone(bool ok) override { handle_->on_write_done(ok); }
+    void OnCancel() override { sched_.post_stream_closed(handle_, true); }
+    void OnDone() override {
+        handle_->detach();
+        delete this;
+    }
+    static std::atomic<uint64_t> rejected_queue_;
+
+private:
+    Scheduler & sched_;
+    uint32_t queue_limit_;
+    std::shared_ptr<StreamHandle> handle_;
+    std::unique_ptr<pb::SessionRequest> req_;
+};
+
+std::atomic<uint64_t> SessionReactor::rejected_queue_{0};
+
+void StreamHandle::deliver(pb::SessionResponse resp, bool terminal, grpc::Status status) {
+    std::lock_guard<std::recursive_mutex> lk(mu_);
+    if (finished_ || finish_pending_) return;
+    out_.push_back(std::move(resp));
+    if (terminal) {
+        finish_pending_ = true;
+        final_ = status;
+    } else {
+        need_read_ = true;
+    }
+    pump();
+}
+
+void StreamHandle::resume() {
+    std::lock_guard<std::recursive_mutex> lk(mu_);
+    need_read_ = true;
+    pump();
+}
+
+void StreamHandle::finish(grpc::Status status) {
+    std::lock_guard<std::recursive_mutex> lk(mu_);
+    if (finished_ || finish_pending_) return;
+    finish_pending_ = true;
+    final_ = status;
+    pump();
+}
+
+void StreamHandle::on_write_done(bool ok) {
+    std::lock_guard<std::recursive_mutex> lk(mu_);
+    write_in_flight_ = false;
+    if (!ok) {
+        // the stream is broken (peer gone); OnCancel/OnReadDone(false) will follow
+        out_.clear();
+        need_read_ = false;
+    }
+    pump();
+}
+
+void StreamHandle::pump() {
+    if (!reactor_ || finished_ || write_in_flight_) return;
+    if (!out_.empty()) {
+        writing_ = std::move(out_.front());
+        out_.pop_front();
+        write_in_flight_ = true;
+        reactor_->StartWrite(&writing_);
+        return;
+    }
+    if (finish_pending_) {
+        finished_ = true;
+        reactor_->Finish(final_);
+        return;
+    }
+    if (need_read_ && !read_closed_) {
+        need_read_ = false;
+        reactor_->read_next();
+    }
+}
+
+}  // namespace
+
+grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> * ShardService::Session(grpc::CallbackServerContext *) {
+    return new SessionReactor(scheduler_, scheduler_.options().queue_limit);
+}
+
+grpc::ServerUnaryReactor * ShardService::GetCapability(grpc::CallbackServerContext * ctx, const pb::GetCapabilityRequest *,
+                                                       pb::GetCapabilityResponse * resp) {
+    const BackendInfo & in = backend_.info();
+    const SchedulerOptions & o = scheduler_.options();
+    resp->set_schema_version(pb::SCHEMA_VERSION_V1);
+    resp->set_min_schema_version(pb::SCHEMA_VERSION_V1);
+    auto * id = resp->mutable_identity();
+    id->set_artifact_id(in.artifact_id);
+    id->set_recipe_json(in.recipe_json);
+    id->set_compatibility_fingerprint(in.fingerprint);
+    id->mutable_range()->set_start(in.layer_start);
+    id->mutable_range()->set_end(in.layer_end);
+    id->set_n_layer(in.n_layer);
+    id->set_head(in.head);
+    id->set_tail(in.tail);
+    id->set_n_embd(in.n_embd);
+    id->set_n_vocab(in.n_vocab);
+    id->set_architecture(in.architecture);
+    auto * c = resp->mutable_capacity();
+    c->set_max_sessions(o.max_sessions);
+    c->set_kv_cells(o.kv_cells);
+    c->set_max_session_positions(o.max_session_positions);
+    c->set_max_batch_tokens(o.max_batch_tokens);
+    c->set_max_prefill_chunk_tokens(o.max_prefill_chunk_tokens);
+    c->set_max_message_bytes(o.max_message_bytes);
+    c->set_max_fragment_bytes(o.max_fragment_bytes);
+    c->add_compressions(pb::COMPRESSION_NONE);
+    auto * r = resp->mutable_runtime();
+    r->set_dgr_version(rt_.dgr_version);
+    r->set_llama_commit(rt_.llama_commit);
+    r->set_patch_digest(rt_.patch_digest);
+    r->set_backend(rt_.backend);
+    auto * reactor = ctx->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+}
+
+grpc::ServerUnaryReactor * ShardService::ReleaseSession(grpc::CallbackServerContext * ctx,
+                                                        const pb::ReleaseSessionRequest * req,
+                                                        pb::ReleaseSessionResponse * resp) {
+    auto * reactor = ctx->DefaultReactor();
+    scheduler_.post_release(*req, [reactor, resp](pb::ReleaseSessionResponse r) {
+        *resp = std::move(r);
+        reactor->Finish(grpc::Status::OK);
+    });
+    return reactor;
+}
+
+grpc::ServerUnaryReactor * ShardService::CancelSession(grpc::CallbackServerContext * ctx,
+                                                       const pb::CancelSessionRequest * req,
+                                                       pb::CancelSessionResponse * resp) {
+    auto * reactor = ctx->DefaultReactor();
+    scheduler_.post_cancel(*req, [reactor, resp](pb::CancelSessionResponse r) {
+        *resp = std::move(r);
+        reactor->Finish(grpc::Status::OK);
+    });
+    return reactor;
+}
+
+static std::vector<Sample> all_samples(const Metrics & m, const Scheduler & s) {
+    std::vector<Sample> v = m.samples(s.gauges());
+    return v;
+}
+
+grpc::ServerUnaryReactor * ShardService::GetMetrics(grpc::CallbackServerContext * ctx, const pb::GetMetricsRequest *,
+                                                    pb::GetMetricsResponse * resp) {
+    metrics_.rejected_queue = SessionReactor::rejected_queue_.load();
+    const Gauges g = scheduler_.gauges();
+    auto * l = resp->mutable_load();
+    l->set_active_sessions(g.active_sessions);
+    l->set_kv_cells_used(g.kv_cells_used);
+    l->set_kv_cells_total(g.kv_cells_total);
+    l->set_queued_steps(g.queued_steps);
+    for (const auto & s : all_samples(metrics_, scheduler_)) {
+        auto * ms = resp->add_samples();
+        ms->set_name(s.name);
+        for (const auto & kv : s.labels) (*ms->mutable_labels())[kv.first] = kv.second;
+        ms->set_value(s.value);
+    }
+    auto * reactor = ctx->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+}
+
+std::string ShardService::prometheus_text() const {
+    metrics_.rejected_queue = SessionReactor::rejected_queue_.load();
+    std::string text = Metrics::prometheus_text(all_samples(metrics_, scheduler_));
+    text += "# TYPE dgr_worker_info gauge\ndgr_worker_info{version=\"" + rt_.dgr_version + "\",backend=\"" + rt_.backend +
+            "\",llama_commit=\"" + rt_.llama_commit + "\"} 1\n";
+    return text;
+}
+
+grpc::ServerUnaryReactor * ShardService::Tokenize(grpc::CallbackServerContext * ctx, const pb::TokenizeRequest * req,
+                                                  pb::TokenizeResponse * resp) {
+    auto * reactor = ctx->DefaultReactor();
+    std::vector<int32_t> ids;
+    std::string err;
+    if (req->text().size() > (1u << 20)) {
+        pb::ShardError e = make_error(pb::ERROR_REASON_MESSAGE_TOO_LARGE, "text above 1 MiB");
+        e.set_limit(1u << 20);
+        ctx->AddTrailingMetadata("dgr-error-bin", e.SerializeAsString());
+        reactor->Finish(status_for(e));
+        return reactor;
+    }
+    if (!backend_.tokenize(req->text(), req->add_special(), req->parse_special(), &ids, &err)) {
+        pb::ShardError e = make_error(pb::ERROR_REASON_BAD_REQUEST, "tokenize failed: " + err);
+        ctx->AddTrailingMetadata("dgr-error-bin", e.SerializeAsString());
+        reactor->Finish(status_for(e));
+        return reactor;
+    }
+    for (int32_t t : ids) resp->add_token_ids(t);
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+}
+
+grpc::ServerUnaryReactor * ShardService::Detokenize(grpc::CallbackServerContext * ctx, const pb::DetokenizeRequest * req,
+                                                    pb::DetokenizeResponse * resp) {
+    auto * reactor = ctx->DefaultReactor();
+    const uint32_t n_vocab = backend_.info().n_vocab;
+    std::vector<int32_t> ids(req->token_ids().begin(), req->token_ids().end());
+    for (int32_t t : ids) {
+        if (t < 0 || (uint32_t) t >= n_vocab) {
+            pb::ShardError e = make_error(pb::ERROR_REASON_TOKEN_OUT_OF_VOCAB,
+                                          "token id " + std::to_string(t) + " outside [0, " + std::to_string(n_vocab) + ")");
+            ctx->AddTrailingMetadata("dgr-error-bin", e.SerializeAsString());
+            reactor->Finish(status_for(e));
+            return reactor;
+        }
+    }
+    resp->set_text(backend_.detokenize(ids, req->remove_special(), req->unparse_special()));
+    if (req->include_pieces()) {
+        for (int32_t t : ids) resp->add_pieces(backend_.piece(t, req->unparse_special()));
+    }
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+}
+
+}  // namespace dgr::worker

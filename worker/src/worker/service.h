@@ -1,0 +1,53 @@
+// dgr.shard.v1.ShardRuntimeService over the gRPC callback API. Reactions only validate what
+// needs no state and post to the Scheduler; a Session stream keeps at most one read and one
+// write in flight, and reads its next frame only once the previous one is answered, so a
+// stream never holds more than one unanswered frame (bounded memory per stream).
+#pragma once
+
+#include "dgr/shard/v1/shard_runtime.grpc.pb.h"
+#include "worker/backend.h"
+#include "worker/metrics.h"
+#include "worker/scheduler.h"
+
+#include <atomic>
+#include <string>
+
+namespace dgr::worker {
+
+struct ServiceInfo {
+    std::string dgr_version, llama_commit, patch_digest, backend;
+};
+
+class ShardService final : public pb::ShardRuntimeService::CallbackService {
+public:
+    ShardService(ModelBackend & backend, Scheduler & scheduler, Metrics & metrics, ServiceInfo rt)
+        : backend_(backend), scheduler_(scheduler), metrics_(metrics), rt_(std::move(rt)) {}
+
+    grpc::ServerUnaryReactor * GetCapability(grpc::CallbackServerContext * ctx, const pb::GetCapabilityRequest * req,
+                                             pb::GetCapabilityResponse * resp) override;
+    grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> * Session(grpc::CallbackServerContext * ctx) override;
+    grpc::ServerUnaryReactor * ReleaseSession(grpc::CallbackServerContext * ctx, const pb::ReleaseSessionRequest * req,
+                                              pb::ReleaseSessionResponse * resp) override;
+    grpc::ServerUnaryReactor * CancelSession(grpc::CallbackServerContext * ctx, const pb::CancelSessionRequest * req,
+                                             pb::CancelSessionResponse * resp) override;
+    grpc::ServerUnaryReactor * GetMetrics(grpc::CallbackServerContext * ctx, const pb::GetMetricsRequest * req,
+                                          pb::GetMetricsResponse * resp) override;
+    grpc::ServerUnaryReactor * Tokenize(grpc::CallbackServerContext * ctx, const pb::TokenizeRequest * req,
+                                        pb::TokenizeResponse * resp) override;
+    grpc::ServerUnaryReactor * Detokenize(grpc::CallbackServerContext * ctx, const pb::DetokenizeRequest * req,
+                                          pb::DetokenizeResponse * resp) override;
+
+    // Draining: unary RPCs that would add work answer UNAVAILABLE (sessions: see Scheduler).
+    void set_draining() { draining_ = true; }
+
+    std::string prometheus_text() const;
+
+private:
+    ModelBackend & backend_;
+    Scheduler & scheduler_;
+    Metrics & metrics_;
+    ServiceInfo rt_;
+    std::atomic<bool> draining_{false};
+};
+
+}  // namespace dgr::worker

@@ -1,0 +1,29 @@
+// What the scheduler needs from a Session stream: hand it a response (optionally the last one,
+// after which the stream ends with a status), or let it read the next frame without answering.
+#pragma once
+
+#include "dgr/shard/v1/shard_runtime.pb.h"
+
+#include <grpcpp/support/status.h>
+
+#include <string>
+
+namespace dgr::worker {
+
+namespace pb = ::dgr::shard::v1;
+
+class StreamSink {
+public:
+    virtual ~StreamSink() = default;
+    // Queue one response; the stream reads its next frame once it is written. `terminal`: end
+    // the stream with `status` after writing it.
+    virtual void deliver(pb::SessionResponse resp, bool terminal = false, grpc::Status status = grpc::Status::OK) = 0;
+    // The frame needs no response (a partial fragmented step): read the next one.
+    virtual void resume() = 0;
+    // End the stream (after any queued responses).
+    virtual void finish(grpc::Status status) = 0;
+    // Session this stream is bound to (its first frame's session id); set by the scheduler.
+    std::string bound_session;
+};
+
+}  // namespace dgr::worker
