@@ -141,3 +141,17 @@ def test_smollm2_splits_match_whole_model(parity_bin: Path, smollm2_path: Path) 
     report = parity(parity_bin, smollm2_path, ["15,30", "7,23,30", "1,30"], prompt=prompt, n_predict=32)
     assert report["n_layer"] == 30 and report["n_prompt"] >= 64
     _assert_exact(report, 3)
+
+
+def test_range_parity_ctest(parity_bin: Path) -> None:
+    """The self-contained C++ check (worker/tests/range_parity_test.cpp, also run by CTest)."""
+    import subprocess
+
+    exe = parity_bin.parent / "range_parity_test"
+    if not exe.is_file():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{exe} missing in CI: build the dgr-tests target first")
+        pytest.skip("range_parity_test not built: run `dgr build --tests`")
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "range_parity_test: ok" in proc.stdout
