@@ -71,6 +71,9 @@ def _register() -> None:
     app.add_typer(proto_cmd.app, name="proto", help="Shard protocol: generate/check Python code, golden vectors.")
     from .commands import bench
     app.add_typer(bench.app, name="bench", help="Measure against baselines (JSON out); check results against the contract.")
+    from .commands import route as route_cmd, demo as demo_cmd
+    app.add_typer(route_cmd.app, name="route", help="Run an Inference Route: local workers for a split, or running workers.")
+    app.command("demo")(demo_cmd.demo)
     # Further command groups register here.
 
 

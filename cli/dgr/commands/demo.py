@@ -1,0 +1,50 @@
+"""`dgr demo`: one GGUF model split across two local worker processes, end to end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def demo(
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
+    split: str = typer.Option("0:15,15:30", "--split", help="Shard ranges (two local workers by default)."),
+    max_tokens: int = typer.Option(48, "--max-tokens", help="Tokens per chat answer."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads per worker (default: CPU count)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the full report (JSON) here."),
+) -> None:
+    """Split the default model over two local workers, run 4 chat prompts concurrently with live
+    output, check greedy parity against the whole model and print TTFT/throughput/memory."""
+    from .. import route as rt
+    from ..errors import DgrError
+    from ..models import resolve_model
+
+    log = lambda m: typer.echo(f"dgr demo: {m}", err=True)  # noqa: E731
+    src = resolve_model(model)
+    rng = rt.parse_split(split)
+    n_layer = rt.model_n_layer(src)
+    if rng[-1][1] != n_layer:
+        raise DgrError(f"split {split} ends at layer {rng[-1][1]}; {src.name} has {n_layer} layers")
+    rt.ensure_worker(log=log)
+    log(f"model {src.name}: {n_layer} layers, route {split} on {len(rng)} local worker processes")
+    prompts = list(rt.DEFAULT_PROMPTS)
+    for i, p in enumerate(prompts):
+        typer.echo(f"[{i}] user: {p}")
+    typer.echo("")
+    res = rt.run_local(src, rng, prompts, max_tokens=max_tokens, parity=True, threads=threads,
+                       on_text=lambda i, t: typer.echo(f"[{i}] {t}".replace("\n", " ")), log=log)
+    typer.echo("")
+    for s in res.route.sessions:
+        typer.echo(f"[{s.index}] assistant: {s.text.strip()}" if s.error is None else f"[{s.index}] error: {s.error}")
+    typer.echo("")
+    typer.echo(rt.summary_table(res))
+    if out:
+        out.write_text(json.dumps(res.to_json(), indent=2) + "\n")
+        typer.echo(f"report written to {out}")
+    sys.stdout.flush()
+    if not res.route.ok or (res.parity is not None and not res.parity.ok):
+        raise typer.Exit(1)

@@ -1,0 +1,126 @@
+"""`dgr route`: run an Inference Route (local workers for a split, or running workers)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..errors import DgrError
+
+app = typer.Typer(no_args_is_help=True)
+
+
+def _prompts(prompt: Optional[str], prompts_file: Optional[Path], sessions: int) -> list[str]:
+    from ..route import DEFAULT_PROMPTS
+
+    if prompt and prompts_file:
+        raise DgrError("give --prompt or --prompts, not both")
+    if prompts_file:
+        try:
+            items = [ln.strip() for ln in prompts_file.read_text().splitlines() if ln.strip()]
+        except OSError as exc:
+            raise DgrError(f"cannot read {prompts_file}: {exc.strerror}") from None
+        if not items:
+            raise DgrError(f"{prompts_file} holds no prompt (one per line)")
+    elif prompt:
+        items = [prompt]
+    else:
+        items = list(DEFAULT_PROMPTS)
+    n = sessions or len(items)
+    return [items[i % len(items)] for i in range(n)]
+
+
+def _sampling(temperature: float, top_k: int, top_p: float, seed: int):
+    from meshnet_adapter.route_driver import Sampling
+
+    if temperature < 0:
+        raise DgrError("--temperature must be >= 0 (0 = greedy)")
+    return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def _printer(n: int, as_json: bool):
+    if as_json:
+        return None
+    if n == 1:
+        return lambda _i, text: (sys.stdout.write(text), sys.stdout.flush())
+    return lambda i, text: typer.echo(f"[{i}] {text}".replace("\n", " "))
+
+
+@app.command("run")
+def run(
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M)."),
+    split: str = typer.Option("0:15,15:30", "--split", help="Contiguous shard ranges, e.g. 0:15,15:30."),
+    slices: bool = typer.Option(False, "--slices", help="Serve per-range slice files (each worker maps only its tensors)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt (repeated for --sessions)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="A file with one prompt per line."),
+    sessions: int = typer.Option(0, "--sessions", help="Concurrent Route Sessions (default: one per prompt)."),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate per session."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (the default)."),
+    top_k: int = typer.Option(0, "--top-k"),
+    top_p: float = typer.Option(0.0, "--top-p"),
+    seed: int = typer.Option(0, "--seed"),
+    parity: bool = typer.Option(False, "--parity", help="Also run the whole model and report token agreement."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads per worker (default: CPU count)."),
+    raw: bool = typer.Option(False, "--raw", help="Send prompts as-is (no chat template)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
+    fake: bool = typer.Option(False, "--fake", hidden=True, help="Fake-model workers (tests)."),
+) -> None:
+    """Start one local worker per shard of the split, run the sessions concurrently, print metrics."""
+    from .. import route as rt
+    from ..models import resolve_model
+
+    items = _prompts(prompt, prompts, sessions)
+    rng = rt.parse_split(split)
+    src = None if fake else resolve_model(model)
+    if src is not None:
+        n_layer = rt.model_n_layer(src)
+        if rng[-1][1] != n_layer:
+            raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
+    log = (lambda m: typer.echo(m, err=True))
+    res = rt.run_local(src, rng, items, max_tokens=max_tokens, sampling=_sampling(temperature, top_k, top_p, seed),
+                       parity=parity, fake=fake, slices=slices, threads=threads, chat=not raw,
+                       on_text=_printer(len(items), as_json), log=log)
+    if as_json:
+        typer.echo(json.dumps(res.to_json(), indent=2))
+    else:
+        typer.echo("")
+        for s in res.route.sessions:
+            if s.error:
+                typer.echo(f"[{s.index}] error: {s.error}")
+        typer.echo(rt.summary_table(res))
+    if not res.route.ok or (res.parity is not None and not res.parity.ok and temperature == 0):
+        raise typer.Exit(1)
+
+
+@app.command("generate")
+def generate(
+    shard: List[str] = typer.Option(..., "--shard", help="HOST:PORT of a running worker, in route order (repeat)."),
+    prompt: str = typer.Option(..., "--prompt", help="The prompt."),
+    sessions: int = typer.Option(1, "--sessions", help="Concurrent sessions with this prompt."),
+    max_tokens: int = typer.Option(32, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k"),
+    top_p: float = typer.Option(0.0, "--top-p"),
+    seed: int = typer.Option(0, "--seed"),
+    raw: bool = typer.Option(False, "--raw", help="No chat template."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Generate through already running workers (`dgr worker serve …`)."""
+    from .. import route as rt
+
+    items = [prompt] * max(1, sessions)
+    rep = rt.generate_remote(shard, items, max_tokens=max_tokens, sampling=_sampling(temperature, top_k, top_p, seed),
+                             chat=not raw, on_text=_printer(len(items), as_json))
+    if as_json:
+        typer.echo(json.dumps(rep.to_json(), indent=2))
+    else:
+        typer.echo("")
+        for s in rep.sessions:
+            typer.echo(f"[{s.index}] " + (f"error: {s.error}" if s.error else
+                       f"{len(s.tokens)} tokens, TTFT {s.ttft_s * 1e3:.0f} ms, decode {s.decode_tok_s:.1f} tok/s"))
+    if not rep.ok:
+        raise typer.Exit(1)
