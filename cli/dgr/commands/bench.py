@@ -73,3 +73,26 @@ def check(
                f"{sum(v.status == 'skip' for v in verdicts)} skipped")
     if failed:
         raise typer.Exit(1)
+
+
+@app.command("route")
+def route(
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
+    split: str = typer.Option("0:15,15:30", "--split", help="Shard ranges of the route."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every side (default: CPU count)."),
+    n_prompt: int = typer.Option(128, "--n-prompt"),
+    n_gen: int = typer.Option(64, "--n-gen"),
+    repeats: int = typer.Option(3, "--repeats"),
+    out: Path = typer.Option(Path("route-bench.json"), "--out", help="Where to write the results JSON."),
+) -> None:
+    """2-shard route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads."""
+    from .. import route_bench as rb
+    from ..models import resolve_model
+    from ..route import parse_split
+
+    cfg = rb.RouteBenchConfig(split=tuple(parse_split(split)), threads=threads or 0, n_prompt=n_prompt,
+                              n_gen=n_gen, repeats=repeats)
+    doc = rb.run_route_bench(resolve_model(model), cfg, progress=lambda s: typer.echo(s, err=True))
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    typer.echo(rb.summary(doc))
+    typer.echo(f"results written to {out}")

@@ -1,0 +1,253 @@
+"""`dgr bench route`: a 2-shard route against whole-model llama.cpp, in one run, same model and
+threads (DESIGN §8: ratios measured side by side, never absolute times).
+
+Measured, interleaved per repeat so machine noise hits both sides alike:
+- the route (local dgr-workers for the split) through the Python route driver: single-session
+  prefill (n_prompt tokens -> first token) and decode (n_gen tokens) tok/s, aggregate decode at
+  each concurrency, seam bytes per decode token per seam, per-hop decode round trip;
+- the whole model on one dgr-worker through the same driver (isolates the cost of the seam);
+- whole-model llama.cpp at the pin: ``llama-bench`` (pp/tg) and ``llama-batched-bench``
+  (aggregate tg at B = each concurrency);
+- llama.cpp RPC over two local ``rpc-server`` processes when the build has them (GGML_RPC);
+  otherwise recorded as skipped with the reason;
+- the driver's own cost on fake-model workers (CPU and round trip per hop, no model compute).
+
+Targets (issue 6): single-session decode >= 90% and prefill >= 95% of llama-bench; aggregate
+decode at 4 sessions >= 90% of llama-batched-bench B=4; seam bytes per decode token per seam
+<= 2 * n_embd * 4 + 256.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import DgrError
+
+SCHEMA = "dgr.bench.route/1"
+
+
+@dataclass(frozen=True)
+class RouteBenchConfig:
+    split: tuple[tuple[int, int], ...] = ((0, 15), (15, 30))
+    threads: int = 0               # 0: CPU count
+    n_prompt: int = 128
+    n_gen: int = 64
+    concurrency: tuple[int, ...] = (1, 4)
+    repeats: int = 3
+    backend: str = "cpu"
+    driver_overhead: bool = True
+
+
+def _prompt(n: int, seed: int, n_vocab: int = 49152) -> list[int]:
+    # deterministic token ids away from the special-token range
+    x, out = seed * 2654435761 % (1 << 32), []
+    for _ in range(n):
+        x = (1103515245 * x + 12345) % (1 << 31)
+        out.append(200 + x % (min(n_vocab, 30000) - 200))
+    return out
+
+
+async def _measure(endpoints: list[str], n_prompt: int, n_gen: int, sessions: int, seed: int) -> dict[str, Any]:
+    from meshnet_adapter.route_driver import Sampling
+
+    from .route import run_sessions
+
+    prompts = [_prompt(n_prompt, seed + i) for i in range(sessions)]
+    rep = await run_sessions(endpoints, [""] * sessions, token_prompts=prompts, max_tokens=n_gen,
+                             sampling=Sampling(ignore_eog=True), stop_on_eog=False, label="bench")
+    if not rep.ok:
+        raise DgrError("a benchmark session failed: " + "; ".join(s.error or "" for s in rep.sessions if s.error))
+    s0 = rep.sessions[0]
+    return {
+        "sessions": sessions,
+        "prefill_tok_s": s0.prefill_tok_s if sessions == 1 else rep.aggregate_prefill_tok_s,
+        "decode_tok_s": s0.decode_tok_s if sessions == 1 else rep.aggregate_decode_tok_s,
+        "ttft_s": rep.mean_ttft_s,
+        "seam_bytes_per_decode_token": rep.seam_bytes_per_decode_token,
+        "hop_decode_rtt_s": [statistics.mean(s.hop_decode_rtt_s[i] for s in rep.sessions)
+                             for i in range(len(s0.hop_decode_rtt_s))],
+        "driver_cpu_s": rep.driver_cpu_s,
+        "wall_s": rep.wall_s,
+    }
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _llama_bench(model: Path, threads: int, n_prompt: int, n_gen: int, repeats: int, backend: str) -> dict[str, Any]:
+    from .build import tool_binary
+
+    exe = tool_binary("llama-bench", backend)
+    cmd = [str(exe), "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-t", str(threads),
+           "-r", str(repeats), "-o", "json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise DgrError(f"llama-bench failed: {p.stderr.strip()[-300:]}")
+    rows = json.loads(p.stdout)
+    pp = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
+    tg = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    return {"command": " ".join(cmd), "pp_tok_s": pp["avg_ts"], "tg_tok_s": tg["avg_ts"],
+            "pp_stddev": pp.get("stddev_ts"), "tg_stddev": tg.get("stddev_ts")}
+
+
+def _batched_bench(model: Path, threads: int, n_prompt: int, n_gen: int, npl: tuple[int, ...],
+                   backend: str) -> dict[str, Any]:
+    from .build import tool_binary
+
+    exe = tool_binary("llama-batched-bench", backend)
+    ctx = max(2048, (n_prompt + n_gen) * max(npl) + 64)
+    cmd = [str(exe), "-m", str(model), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(n_prompt),
+           "-ntg", str(n_gen), "-npl", ",".join(map(str, npl)), "-t", str(threads), "--output-format", "jsonl"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise DgrError(f"llama-batched-bench failed: {p.stderr.strip()[-300:]}")
+    rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    return {"command": " ".join(cmd),
+            "by_batch": {str(r["pl"]): {"pp_tok_s": r["speed_pp"], "tg_tok_s": r["speed_tg"]} for r in rows}}
+
+
+def _rpc(backend: str) -> dict[str, Any]:
+    from . import paths
+
+    exe = paths.backend_build_dir(backend) / "bin" / "rpc-server"
+    if not exe.is_file():
+        return {"skipped": True, "reason": "GGML_RPC is off in this build (no rpc-server binary); "
+                                           "llama.cpp RPC split not measured"}
+    return {"skipped": True, "reason": "rpc-server present but the RPC lane is not wired in this version"}
+
+
+async def _driver_overhead(n_tokens: int = 300) -> dict[str, Any]:
+    """Two fake-model workers: what the driver and gRPC cost per decode step per hop."""
+    from meshnet_adapter.route_driver import RouteDriver
+
+    from .route import LocalRoute
+
+    with LocalRoute(None, [(0, 4), (4, 8)], fake=True) as lr:
+        d = await RouteDriver(lr.endpoints).connect()
+        try:
+            await d.generate([1, 2, 3], max_tokens=10, stop_on_eog=False)
+            c0, t0 = time.process_time(), time.perf_counter()
+            r = await d.generate([1, 2, 3], max_tokens=n_tokens, stop_on_eog=False)
+            cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        finally:
+            await d.close()
+    steps = (n_tokens - 1) * 2
+    return {"hops": 2, "decode_tokens": n_tokens,
+            "driver_cpu_per_hop_s": cpu / steps, "wall_per_token_s": wall / n_tokens,
+            "decode_rtt_per_hop_s": [n.decode_step_s for n in r.telemetry.nodes]}
+
+
+def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    from .gguf_inspect import open_gguf
+    from .route import LocalRoute, ensure_worker
+
+    say = progress or (lambda _m: None)
+    threads = cfg.threads or os.cpu_count() or 1
+    ensure_worker(cfg.backend, log=say)
+    with open_gguf(model) as gf:
+        n_layer, n_embd = int(gf.n_layer), int(gf.hparam("embedding_length"))
+    if cfg.split[-1][1] != n_layer:
+        raise DgrError(f"split ends at layer {cfg.split[-1][1]}; the model has {n_layer} layers")
+    max_s = max(4, max(cfg.concurrency))
+    route_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+    whole_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+    ctx = cfg.n_prompt + cfg.n_gen + 16
+    say(f"starting route workers {','.join(f'{a}:{b}' for a, b in cfg.split)} and a whole-model worker "
+        f"({threads} threads each)")
+    with LocalRoute(model, cfg.split, threads=threads, max_sessions=max_s, ctx_per_session=ctx,
+                    backend=cfg.backend) as lr, \
+            LocalRoute(model, [(0, n_layer)], threads=threads, max_sessions=max_s, ctx_per_session=ctx,
+                       backend=cfg.backend) as lw:
+        asyncio.run(_measure(lr.endpoints, 16, 4, 1, 999))   # warm up both
+        asyncio.run(_measure(lw.endpoints, 16, 4, 1, 999))
+        for rep in range(cfg.repeats):
+            for c in cfg.concurrency:
+                say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): route, whole-model worker")
+                route_runs[c].append(asyncio.run(_measure(lr.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100)))
+                whole_runs[c].append(asyncio.run(_measure(lw.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100)))
+        rss = {"route": [w.rss_bytes() for w in lr.workers], "whole": [w.rss_bytes() for w in lw.workers]}
+    say("llama-bench (whole model, llama.cpp at the pin)")
+    lb = _llama_bench(model, threads, cfg.n_prompt, cfg.n_gen, cfg.repeats, cfg.backend)
+    say("llama-batched-bench")
+    bb = _batched_bench(model, threads, cfg.n_prompt, cfg.n_gen, cfg.concurrency, cfg.backend)
+    overhead = asyncio.run(_driver_overhead()) if cfg.driver_overhead else None
+
+    def summary(runs: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+        return {str(c): {"prefill_tok_s": _median(v, "prefill_tok_s"), "decode_tok_s": _median(v, "decode_tok_s"),
+                         "ttft_s": _median(v, "ttft_s"),
+                         "seam_bytes_per_decode_token": _median(v, "seam_bytes_per_decode_token"),
+                         "runs": v} for c, v in runs.items()}
+
+    route, whole = summary(route_runs), summary(whole_runs)
+    one = str(min(cfg.concurrency))
+    ratios: dict[str, Any] = {
+        "route_decode_vs_llama_bench_tg": route[one]["decode_tok_s"] / lb["tg_tok_s"],
+        "route_prefill_vs_llama_bench_pp": route[one]["prefill_tok_s"] / lb["pp_tok_s"],
+        "route_decode_vs_whole_worker": route[one]["decode_tok_s"] / whole[one]["decode_tok_s"],
+        "route_prefill_vs_whole_worker": route[one]["prefill_tok_s"] / whole[one]["prefill_tok_s"],
+        "whole_worker_decode_vs_llama_bench_tg": whole[one]["decode_tok_s"] / lb["tg_tok_s"],
+    }
+    for c in cfg.concurrency:
+        b = bb["by_batch"].get(str(c))
+        if b and c > 1:
+            ratios[f"route_aggregate_decode_vs_batched_bench_B{c}"] = route[str(c)]["decode_tok_s"] / b["tg_tok_s"]
+            ratios[f"whole_worker_aggregate_decode_vs_batched_bench_B{c}"] = whole[str(c)]["decode_tok_s"] / b["tg_tok_s"]
+    seam_limit = 2 * n_embd * 4 + 256
+    seam = route[one]["seam_bytes_per_decode_token"]
+    targets = {
+        "decode_ge_90pct_llama_bench": ratios["route_decode_vs_llama_bench_tg"] >= 0.90,
+        "prefill_ge_95pct_llama_bench": ratios["route_prefill_vs_llama_bench_pp"] >= 0.95,
+        "seam_bytes_per_decode_token_le_limit": 0 < seam <= seam_limit,
+    }
+    if "route_aggregate_decode_vs_batched_bench_B4" in ratios:
+        targets["aggregate_decode_B4_ge_90pct_batched_bench"] = ratios["route_aggregate_decode_vs_batched_bench_B4"] >= 0.90
+    return {
+        "schema": SCHEMA, "model": str(model), "n_layer": n_layer, "n_embd": n_embd,
+        "split": [f"{a}:{b}" for a, b in cfg.split], "threads": threads, "n_prompt": cfg.n_prompt,
+        "n_gen": cfg.n_gen, "repeats": cfg.repeats, "concurrency": list(cfg.concurrency),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+        "route": route, "whole_worker": whole, "llama_bench": lb, "llama_batched_bench": bb,
+        "llama_rpc": _rpc(cfg.backend), "driver_overhead": overhead, "rss_bytes": rss,
+        "seam_bytes_limit": seam_limit, "ratios": ratios, "targets": targets,
+    }
+
+
+def summary(doc: dict[str, Any]) -> str:
+    r, lb = doc["ratios"], doc["llama_bench"]
+    one = str(min(doc["concurrency"]))
+    route, whole = doc["route"][one], doc["whole_worker"][one]
+    lines = [
+        f"model {Path(doc['model']).name}, split {','.join(doc['split'])}, {doc['threads']} threads, "
+        f"pp{doc['n_prompt']} tg{doc['n_gen']}, median of {doc['repeats']}",
+        f"{'':28}{'prefill tok/s':>14}{'decode tok/s':>14}",
+        f"{'route (' + str(len(doc['split'])) + ' workers)':28}{route['prefill_tok_s']:>14.1f}{route['decode_tok_s']:>14.1f}",
+        f"{'whole model, 1 dgr-worker':28}{whole['prefill_tok_s']:>14.1f}{whole['decode_tok_s']:>14.1f}",
+        f"{'llama-bench':28}{lb['pp_tok_s']:>14.1f}{lb['tg_tok_s']:>14.1f}",
+    ]
+    for c in doc["concurrency"]:
+        if c == 1:
+            continue
+        b = doc["llama_batched_bench"]["by_batch"].get(str(c), {})
+        lines.append(f"aggregate decode at {c} sessions: route {doc['route'][str(c)]['decode_tok_s']:.1f}, "
+                     f"whole worker {doc['whole_worker'][str(c)]['decode_tok_s']:.1f}, "
+                     f"llama-batched-bench B={c} {b.get('tg_tok_s', 0):.1f} tok/s")
+    lines.append("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
+    lines.append(f"seam bytes per decode token per seam: {route['seam_bytes_per_decode_token']:.0f} "
+                 f"(limit {doc['seam_bytes_limit']})")
+    if doc.get("driver_overhead"):
+        o = doc["driver_overhead"]
+        lines.append(f"driver (fake workers): {o['driver_cpu_per_hop_s'] * 1e3:.3f} ms CPU per hop per token, "
+                     f"{o['wall_per_token_s'] * 1e3:.3f} ms per token over 2 hops")
+    lines.append(f"llama.cpp RPC: {doc['llama_rpc'].get('reason', 'measured')}")
+    lines.append("targets: " + ", ".join(f"{k} {'PASS' if v else 'MISS'}" for k, v in doc["targets"].items()))
+    return "\n".join(lines)
