@@ -98,6 +98,8 @@ class GenerationResult:
     finish_reason: str
     telemetry: GenerationTelemetry
     error: RouteSessionError | None = None
+    # per sampled token when Sampling.top_logprobs > 0: [(token id, logprob), ...] most likely first
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class _Stream:
@@ -195,7 +197,9 @@ class RouteDriver:
         self._active: dict[str, int] = {}   # session id -> epoch of sessions in flight
         self._cancelled: set[str] = set()   # sessions cancelled through this driver
 
-    async def connect(self) -> "RouteDriver":
+    async def connect(self, *, validate: bool = True) -> "RouteDriver":
+        """Opens channels and reads every shard's capability; ``validate`` checks that the
+        shards form a complete compatible route (off: e.g. tokenizing on a head alone)."""
         from .relay_bridge import RelayChannel, RelayStub, is_relay_endpoint
 
         for ep in self.endpoints:
@@ -210,7 +214,8 @@ class RouteDriver:
                 await ch.close()
                 raise RouteError(f"shard {ep} is unreachable: {exc.code().name}: {exc.details()}") from None
             self.shards.append(ShardHandle(ep, ch, stub, cap))
-        self._validate()
+        if validate:
+            self._validate()
         return self
 
     def _validate(self) -> None:
@@ -277,6 +282,7 @@ class RouteDriver:
         streams = [_Stream(s, self.timeout) for s in self.shards]
         self._active[sid] = epoch
         out: list[int] = []
+        top: list[list[tuple[int, float]]] = []
         finish = "length"
         t0 = time.perf_counter()
         try:
@@ -317,6 +323,8 @@ class RouteDriver:
             while True:
                 st_tok = tok_out[0]
                 out.append(st_tok.token_id)
+                if sampling.top_logprobs:
+                    top.append([(t.token_id, t.logprob) for t in st_tok.top_logprobs])
                 if on_token is not None:
                     r = on_token(st_tok.token_id)
                     if asyncio.iscoroutine(r):
@@ -345,7 +353,7 @@ class RouteDriver:
                 pos += 1
             tel.decode_s = time.perf_counter() - t_dec
             tel.status = "completed"
-            return GenerationResult(sid, list(prompt_tokens), out, finish, tel)
+            return GenerationResult(sid, list(prompt_tokens), out, finish, tel, top_logprobs=top)
         except RouteSessionError as exc:
             if sid in self._cancelled and exc.reason not in ("CANCELLED", "ERROR_REASON_CANCELLED"):
                 # the stream may end before the CANCELLED frame is read (write on a closed call)
@@ -353,7 +361,7 @@ class RouteDriver:
                                         f"cancelled by the driver ({exc.reason})", grpc_code=1)
             tel.status = "cancelled" if exc.reason in ("CANCELLED", "ERROR_REASON_CANCELLED") else "failed"
             tel.error = str(exc)
-            return GenerationResult(sid, list(prompt_tokens), out, "error", tel, error=exc)
+            return GenerationResult(sid, list(prompt_tokens), out, "error", tel, error=exc, top_logprobs=top)
         except asyncio.CancelledError:
             tel.status = "cancelled"
             raise
