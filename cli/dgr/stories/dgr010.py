@@ -100,7 +100,7 @@ def run(ctx: StoryContext) -> None:
     threads = os.cpu_count() or 1
     ensure_worker(ctx.backend)
     recipe = recipe_for(model, backend=ctx.backend, progress=False)
-    certified = load_registry().routable(recipe)
+    entry = load_registry().lookup(recipe)
     ctx.results["recipe_fingerprint"] = recipe.fingerprint()
     ctx.results["artifact_id"] = recipe.artifact_id
     ctx.results["threads"] = threads
@@ -120,12 +120,14 @@ def run(ctx: StoryContext) -> None:
         ranges = [(i.range.start, i.range.end) for i in ids]
         ctx.results["workers"] = [{"endpoint": ep, "pid": w.pid, "range": f"{a}:{b}", "file": str(f.name)}
                                   for ep, w, (a, b), f in zip(eps, route.workers, ranges, route.files)]
-        ctx.check("two local worker processes open disjoint ranges of the certified artifact",
-                  ranges == SPLIT and len({w.pid for w in route.workers}) == 2 and certified
+        ctx.results["recipe_class"] = {"name": entry.name, "status": entry.status} if entry else None
+        ctx.check("two local worker processes open disjoint ranges of the artifact, one registered recipe",
+                  ranges == SPLIT and len({w.pid for w in route.workers}) == 2 and entry is not None
                   and all(i.artifact_id == recipe.artifact_id and i.compatibility_fingerprint == recipe.fingerprint()
                           for i in ids),
                   f"ranges {ranges}, pids {[w.pid for w in route.workers]}, artifact {recipe.artifact_id[:16]}…, "
-                  f"recipe {'certified' if certified else 'NOT certified'} in cli/dgr/recipes.toml")
+                  f"recipe class {entry.name if entry else 'NONE'} ({entry.status if entry else 'unregistered'}) in "
+                  f"cli/dgr/recipes.toml; this run is the real distributed forward that certifies it")
 
         # -- parity: prefill (top-5 logprobs of the first token) + 32 greedy tokens, exact ------
         ptoks = asyncio.run(_tokenize(eps[0], [PARITY_PROMPT], chat=False))
