@@ -298,8 +298,9 @@ class RouteDriver:
                 last = b == n
                 payload: pb.TokenSpan | pb.TensorBundle = pb.TokenSpan(token_ids=list(prompt_tokens[a:b]))
                 resp = None
+                step_id = f"{tel.request_id}/p{ci}"   # work id of this route step, same on every seam
                 for i, st in enumerate(streams):
-                    h = self._header(st.shard, sid, epoch, st.step, pb.PHASE_PREFILL, a, b, expect, tel.request_id)
+                    h = self._header(st.shard, sid, epoch, st.step, pb.PHASE_PREFILL, a, b, expect, step_id)
                     h.payload_checksum.CopyFrom(frame_payload_checksum(payload))
                     frame = pb.StepFrame(header=h, sample=last)
                     if isinstance(payload, pb.TokenSpan):
@@ -335,9 +336,10 @@ class RouteDriver:
                 if len(out) >= max_tokens:
                     break
                 fast_payload: int | pb.TensorBundle = st_tok.token_id
+                step_id = f"{tel.request_id}/d{pos}"
                 for i, st in enumerate(streams):
                     fd = pb.FastDecodeFrame(session_id=sid, route_epoch=epoch, step=st.step, position=pos,
-                                            request_id=tel.request_id)
+                                            request_id=step_id)
                     if isinstance(fast_payload, int):
                         fd.token_id = fast_payload
                     else:
