@@ -227,3 +227,15 @@ def test_hf_lane_runs_a_tiny_random_llama(tmp_path):
         seq = ids[:5] + res["gen"][0]["tokens"][:-1]
         full = m(input_ids=torch.tensor([seq])).logits[0, 4:].argmax(-1).tolist()
     assert full == res["gen"][0]["tokens"]
+
+
+def test_baseline_without_the_extra_fails_with_an_install_hint(monkeypatch):
+    import importlib.util
+
+    from dgr import hf_export
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(DgrError, match="torch") as err:
+        hf_export.require_baseline_extra()
+    assert ".[baseline]" in err.value.hint and "torch==2.13.0" in err.value.hint

@@ -8,8 +8,6 @@ from typing import Optional
 
 import typer
 
-from ..errors import DgrError
-
 app = typer.Typer(no_args_is_help=True)
 
 
@@ -23,10 +21,9 @@ def baseline(
 ) -> None:
     """Transformers/safetensors (fp32, bf16) vs whole-model llama.cpp (F32, Q8_0, Q4_1), side by side."""
     from .. import baseline as bl
-    from ..models import refuse_home, resolve_model
+    from ..models import resolve_model
 
     src = resolve_model(model)
-    refuse_home(out.parent if out.parent != Path("") else Path.cwd(), "output folder")
     cfg = bl.BaselineConfig.make(device=device, threads=threads, quick=quick)
     doc = bl.run_baseline(src, cfg, progress=lambda s: typer.echo(s, err=True))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +51,7 @@ def contract(
 
 @app.command("check")
 def check(
-    results: Path = typer.Argument(..., help=f"A results JSON (schema dgr.bench.results/1)."),
+    results: Path = typer.Argument(..., help="A results JSON (schema dgr.bench.results/1)."),
     contract: Path = typer.Option(..., "--contract", help="evidence/DGR-001/performance-contract.json"),
 ) -> None:
     """Evaluate results against the contract: pass/fail per threshold; exit 1 on any fail."""

@@ -113,7 +113,7 @@ int main(int argc, char ** argv) {
         std::vector<llama_token> ids;
         for (llama_token t; in >> t;) ids.push_back(t);
         llama_memory_clear(llama_get_memory(ctx), true);
-        if (ids.empty() || (int) ids.size() > n_ctx) {
+        if (ids.empty() || (kind != "score" && (int) ids.size() > n_ctx)) {
             fprintf(stderr, "%s: error: job %d has %zu tokens (context %d)\n", __func__, job, ids.size(), n_ctx);
             rc = 1;
             break;

@@ -72,7 +72,10 @@ def _stop_detail(stop: dict) -> str:
 def run(ctx: StoryContext) -> None:
     quick = os.environ.get("DGR_BASELINE_QUICK") == "1"
     raw = ctx.tmp / "baseline.json"
-    args = ["bench", "baseline", "--out", str(raw), "--device", "cpu"]
+    # Leave one core to everything else on the machine: on a shared 2-core host, 2-thread GGML runs
+    # collapse whenever another process takes a core (spinning barriers), 1-thread runs do not.
+    threads = int(os.environ.get("DGR_BENCH_THREADS") or max(1, (os.cpu_count() or 2) - 1))
+    args = ["bench", "baseline", "--out", str(raw), "--device", "cpu", "--threads", str(threads)]
     if ctx.model is not None:
         args += ["--model", str(ctx.model)]
     if quick:
@@ -148,9 +151,12 @@ def run(ctx: StoryContext) -> None:
                               for k, v in recipes.items()}
     ctx.results["stop_condition"] = {k: stop.get(k) for k in ("rule", "verdict_now", "evaluated_now")}
     ctx.results["files"] = list(ATTACHMENTS)
-    ctx.limitation("Shared 2-core machine with other builds running: absolute tok/s are noisy; read the ratios, "
-                   "which were measured side by side in one run.")
+    ctx.limitation(f"Shared machine ({os.cpu_count()} CPUs) with other engineers' builds running: absolute tok/s "
+                   "are noisy; read the ratios, which were measured side by side in one run. Every recipe ran with "
+                   f"{threads} thread(s) (DGR_BENCH_THREADS overrides; default CPU count - 1, because 2-thread GGML "
+                   "runs collapse when another process takes a core).")
     ctx.limitation("The transformers reference uses the embedded GGUF's weights dequantized to fp32 (the original "
                    "release is not on this machine), so Q4_1/Q8_0 drift is measured against already-Q4_1 weights.")
     ctx.limitation("transformers-bf16 loads the same fp32 safetensors cast to bf16; its artifact size is the fp32 file.")
-    ctx.limitation("CPU only here: VRAM is not measured; `--device cuda` runs the same lanes on a GPU host.")
+    ctx.limitation("CPU only here: VRAM is not measured; `--device cuda` runs the same lanes on a GPU host "
+                   "(docs/bench-baseline.md says how to rerun this story on other hardware).")
