@@ -50,7 +50,8 @@ class BaselineConfig:
     prompt_gen_tokens: int = 32   # greedy tokens per fixed prompt (agreement)
     score_chunk: int = 256        # perplexity chunk length
     score_max_tokens: int = 0     # 0 = the whole shipped text
-    reps: int = 3                 # timing repetitions (prefill, llama-bench)
+    reps: int = 3                 # timing repetitions (prefill, TTFT; llama-bench -r)
+    rounds: int = 3               # timed decode / concurrency rounds; llama.cpp recipes interleaved per round
     concurrency: tuple[int, ...] = (1, 4)
     quick: bool = False
 
@@ -59,7 +60,7 @@ class BaselineConfig:
         threads = threads or os.cpu_count() or 1
         if quick:
             return cls(device=device, threads=threads, prompt_tokens=64, gen_tokens=16, prompt_gen_tokens=8,
-                       score_chunk=128, score_max_tokens=256, reps=1, quick=True)
+                       score_chunk=128, score_max_tokens=256, reps=1, rounds=1, quick=True)
         return cls(device=device, threads=threads)
 
     @property
@@ -140,7 +141,7 @@ def _hf_recipe(name: str, dtype: str, hf_dir: Path, cfg: BaselineConfig, inputs:
 
     conf = {"hf_dir": str(hf_dir), "dtype": dtype, "device": cfg.device, "threads": cfg.threads,
             "prompts": inputs["prompts"], "gen_tokens": cfg.prompt_gen_tokens,
-            "perf": {"ids": inputs["perf"], "n_gen": cfg.gen_tokens, "reps": cfg.reps},
+            "perf": {"ids": inputs["perf"], "n_gen": cfg.gen_tokens, "reps": cfg.reps, "rounds": cfg.rounds},
             "concurrency": list(cfg.concurrency), "c_prompts": inputs["c_prompts"],
             "score": {"ids": inputs["score"], "chunk": cfg.score_chunk},
             "logits_out": str(work / f"{name}.logits.npy")}
@@ -151,22 +152,27 @@ def _hf_recipe(name: str, dtype: str, hf_dir: Path, cfg: BaselineConfig, inputs:
     if m.returncode != 0:
         raise DgrError(f"{name} failed (exit {m.returncode}): {m.stderr.strip()[-400:]}")
     r = json.loads(rpath.read_text())
-    lat = r["perf"]["token_latency_s"]
+    runs = r["perf_runs"]
+    lat = [x for run in runs for x in run["token_latency_s"]]
+    conc = {c: _best(samples) for c, samples in r["concurrency"].items()}
     rec = {
         "runtime": "transformers", "precision": dtype, "device": cfg.device,
-        "ttft_seconds": r["perf"]["ttft_s"],
-        "prefill_tokens_per_second": cfg.prompt_tokens / statistics.median(r["prefill_seconds"]),
-        "decode_tokens_per_second": len(lat) / sum(lat) if lat else None,
+        "ttft_seconds": min(run["ttft_s"] for run in runs),
+        "prefill_tokens_per_second": cfg.prompt_tokens / min(r["prefill_seconds"]),
+        "decode_tokens_per_second": max(len(run["token_latency_s"]) / sum(run["token_latency_s"]) for run in runs),
         "token_latency_p50_seconds": percentile(lat, 0.50),
         "token_latency_p95_seconds": percentile(lat, 0.95),
-        "throughput_c1_tokens_per_second": r["concurrency"].get("1", {}).get("decode_tokens_per_second"),
-        "throughput_c4_tokens_per_second": r["concurrency"].get("4", {}).get("decode_tokens_per_second"),
-        "concurrency": r["concurrency"],
+        "throughput_c1_tokens_per_second": conc.get("1", {}).get("decode_tokens_per_second"),
+        "throughput_c4_tokens_per_second": conc.get("4", {}).get("decode_tokens_per_second"),
+        "concurrency": conc,
+        "samples": {"prefill_seconds": r["prefill_seconds"],
+                    "decode_tokens_per_second": [len(run["token_latency_s"]) / sum(run["token_latency_s"]) for run in runs],
+                    "concurrency": r["concurrency"]},
         "peak_rss_bytes": m.peak_rss_bytes,
         "vram_peak_bytes": r.get("vram_peak_bytes"),
         "wall_seconds": round(m.wall_seconds, 2),
         "greedy_tokens": [g["tokens"] for g in r["gen"]],
-        "perf_tokens": r["perf"]["tokens"],
+        "perf_tokens": runs[0]["tokens"],
         "score": r["score"],
         "versions": {"torch": r.get("torch")},
     }
@@ -187,36 +193,59 @@ def _gguf_recipe(name: str, model: Path, cfg: BaselineConfig, inputs: dict, work
     perf_rows = rows[1 + len(inputs["prompts"]):-1]
     score = rows[-1]
     lat = [x for r in perf_rows for x in r["token_latency_s"]]
-    ttft = statistics.median(r["ttft_s"] for r in perf_rows)
-    lb = llama_bench(model, threads=cfg.threads, device=cfg.device, n_prompt=cfg.prompt_tokens,
-                     n_gen=cfg.gen_tokens, reps=max(cfg.reps, 2), log=log)
-    bb = batched_bench(model, threads=cfg.threads, device=cfg.device, n_prompt=cfg.prompt_tokens,
-                       n_gen=cfg.gen_tokens, concurrency=list(cfg.concurrency), log=log)
     n_vocab = inputs["n_vocab"]
     logits = np.fromfile(logits_file, dtype=np.float32).reshape(-1, n_vocab)
     rec = {
         "runtime": "llama.cpp", "precision": name.split("-", 1)[1], "device": cfg.device,
-        "ttft_seconds": ttft,
-        "prefill_tokens_per_second": lb["pp_tokens_per_second"],
-        "decode_tokens_per_second": lb["tg_tokens_per_second"],
-        "llama_bench": lb,
-        "probe_prefill_tokens_per_second": cfg.prompt_tokens / ttft,
-        "probe_decode_tokens_per_second": len(lat) / sum(lat) if lat else None,
+        "ttft_seconds": min(r["ttft_s"] for r in perf_rows),
+        "probe_prefill_tokens_per_second": cfg.prompt_tokens / min(r["ttft_s"] for r in perf_rows),
+        "probe_decode_tokens_per_second": max(len(r["token_latency_s"]) / sum(r["token_latency_s"])
+                                              for r in perf_rows),
         "token_latency_p50_seconds": percentile(lat, 0.50),
         "token_latency_p95_seconds": percentile(lat, 0.95),
-        "throughput_c1_tokens_per_second": bb["by_concurrency"].get("1", {}).get("decode_tokens_per_second"),
-        "throughput_c4_tokens_per_second": bb["by_concurrency"].get("4", {}).get("decode_tokens_per_second"),
-        "concurrency": bb["by_concurrency"],
-        "peak_rss_bytes": max(pm.peak_rss_bytes, bb["peak_rss_bytes"]),
         "vram_peak_bytes": None,  # not measured for llama.cpp (CPU here; see the limitations)
-        "peak_rss_bytes_by_process": {"probe": pm.peak_rss_bytes, "llama-bench": lb["peak_rss_bytes"],
-                                      "llama-batched-bench": bb["peak_rss_bytes"]},
+        "peak_rss_bytes_by_process": {"probe": pm.peak_rss_bytes},
         "greedy_tokens": [r["tokens"] for r in gen_rows],
         "perf_tokens": perf_rows[0]["tokens"] if perf_rows else [],
         "score": {"nll_sum": score["nll_sum"], "n_scored": score["n_scored"], "top1": score["top1"]},
     }
     logits_file.unlink(missing_ok=True)
     return rec, logits
+
+
+def _best(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the best (highest) rate over samples: the run least disturbed by other work."""
+    keys = {k for s in samples for k in s}
+    return {k: max(s[k] for s in samples if s.get(k) is not None) for k in sorted(keys)}
+
+
+def _llama_speed(models: dict[str, Path], recipes: dict[str, dict], cfg: BaselineConfig, log: CommandLog) -> None:
+    """llama-bench and llama-batched-bench for every GGUF recipe, interleaved over ``cfg.rounds``
+    rounds so a burst of other work on the machine does not land on one recipe only; each
+    recipe keeps its best round."""
+    samples: dict[str, dict[str, list]] = {n: {"llama_bench": [], "batched_bench": []} for n in models}
+    for _ in range(cfg.rounds):
+        for name, model in models.items():
+            samples[name]["llama_bench"].append(
+                llama_bench(model, threads=cfg.threads, device=cfg.device, n_prompt=cfg.prompt_tokens,
+                            n_gen=cfg.gen_tokens, reps=max(cfg.reps, 2), log=log))
+            samples[name]["batched_bench"].append(
+                batched_bench(model, threads=cfg.threads, device=cfg.device, n_prompt=cfg.prompt_tokens,
+                              n_gen=cfg.gen_tokens, concurrency=list(cfg.concurrency), log=log))
+    for name, smp in samples.items():
+        rec = recipes[name]
+        lbs, bbs = smp["llama_bench"], smp["batched_bench"]
+        conc = {str(c): _best([b["by_concurrency"][str(c)] for b in bbs]) for c in cfg.concurrency}
+        rec["prefill_tokens_per_second"] = max(b["pp_tokens_per_second"] for b in lbs)
+        rec["decode_tokens_per_second"] = max(b["tg_tokens_per_second"] for b in lbs)
+        rec["throughput_c1_tokens_per_second"] = conc.get("1", {}).get("decode_tokens_per_second")
+        rec["throughput_c4_tokens_per_second"] = conc.get("4", {}).get("decode_tokens_per_second")
+        rec["concurrency"] = conc
+        rec["samples"] = {"llama_bench": lbs, "batched_bench": bbs}
+        rss = rec["peak_rss_bytes_by_process"]
+        rss["llama-bench"] = max(b["peak_rss_bytes"] for b in lbs)
+        rss["llama-batched-bench"] = max(b["peak_rss_bytes"] for b in bbs)
+        rec["peak_rss_bytes"] = max(rss["probe"], rss["llama-batched-bench"])
 
 
 def _drift(rec: dict, ref: dict, logits, ref_logits) -> dict[str, Any]:
@@ -284,14 +313,24 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
             except DgrError as exc:
                 failures.append({"recipe": name, "error": exc.one_line()})
                 recipes[name] = {"failures": [exc.one_line()]}
+        measured: dict[str, Path] = {}
         for name, key in GGUF_RECIPES.items():
-            progress(f"measuring {name}")
+            progress(f"measuring {name} (probe)")
             try:
-                recipes[name], logits[name] = _gguf_recipe(name, art_root / manifest["artifacts"][key]["path"],
-                                                           cfg, inputs, work, log)
+                model = art_root / manifest["artifacts"][key]["path"]
+                recipes[name], logits[name] = _gguf_recipe(name, model, cfg, inputs, work, log)
+                measured[name] = model
             except DgrError as exc:
                 failures.append({"recipe": name, "error": exc.one_line()})
                 recipes[name] = {"failures": [exc.one_line()]}
+        if measured:
+            progress(f"llama-bench / llama-batched-bench, {cfg.rounds} interleaved round(s) over {', '.join(measured)}")
+            try:
+                _llama_speed(measured, recipes, cfg, log)
+            except DgrError as exc:
+                for name in measured:
+                    failures.append({"recipe": name, "error": exc.one_line()})
+                    recipes[name] = {"failures": [exc.one_line()]}
     finally:
         if owned_tmp is not None:
             owned_tmp.cleanup()
@@ -362,6 +401,8 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
         "quick": cfg.quick,
         "config": {**asdict(cfg), "concurrency": list(cfg.concurrency), "n_ctx": cfg.n_ctx,
                    "sampling": "greedy (argmax), no penalties",
+                   "statistic": "speeds: best of the rounds/reps (llama.cpp recipes interleaved per round); "
+                                "latency percentiles pooled over all timed runs",
                    "text_sha256": sha256_file(TEXT_FILE), "prompts_sha256": sha256_file(PROMPTS_FILE),
                    "text_tokens": len(text_ids), "scored_tokens": len(inputs["score"]),
                    "prompt_token_counts": [len(x) for x in prompt_ids]},

@@ -6,8 +6,8 @@ its own, and so the core toolkit never imports torch. It does, on token ids give
 
 - ``gen``: prefill each fixed prompt (logits of every prompt position saved as float32 .npy),
   then greedy decoding with a KV cache, timing the first token and every later one;
-- ``perf``: prefill timing of the performance prompt (median of reps) and a timed greedy decode;
-- ``c4``: the same with 4 equal-length sessions batched (aggregate throughput);
+- ``perf``: prefill timing of the performance prompt (reps) and timed greedy decodes (rounds);
+- ``concurrency``: the same with 1 and 4 equal-length sessions batched (aggregate throughput);
 - ``score``: log-likelihood of the shipped text in non-overlapping chunks (the same chunking).
 """
 
@@ -100,18 +100,24 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             _sync(torch, dev)
             times.append(time.perf_counter() - t0)
     res["prefill_seconds"] = times
-    tokens, ttft, lat, _ = _greedy(torch, model, [perf["ids"]], perf["n_gen"], dev)
-    res["perf"] = {"ttft_s": ttft, "token_latency_s": lat, "tokens": tokens[0]}
+    runs = []
+    for _ in range(perf.get("rounds", 1)):
+        tokens, ttft, lat, _ = _greedy(torch, model, [perf["ids"]], perf["n_gen"], dev)
+        runs.append({"ttft_s": ttft, "token_latency_s": lat, "tokens": tokens[0]})
+    res["perf_runs"] = runs
 
     conc = {}
     for c in cfg["concurrency"]:
         rows = cfg["c_prompts"][:c]
-        t0 = time.perf_counter()
-        tokens, ttft, lat, _ = _greedy(torch, model, rows, perf["n_gen"], dev)
-        total = time.perf_counter() - t0
-        conc[str(c)] = {"decode_tokens_per_second": c * len(lat) / sum(lat) if lat else None,
-                        "prefill_tokens_per_second": c * len(rows[0]) / ttft,
-                        "total_tokens_per_second": c * (len(rows[0]) + perf["n_gen"]) / total}
+        samples = []
+        for _ in range(perf.get("rounds", 1)):
+            t0 = time.perf_counter()
+            tokens, ttft, lat, _ = _greedy(torch, model, rows, perf["n_gen"], dev)
+            total = time.perf_counter() - t0
+            samples.append({"decode_tokens_per_second": c * len(lat) / sum(lat) if lat else None,
+                            "prefill_tokens_per_second": c * len(rows[0]) / ttft,
+                            "total_tokens_per_second": c * (len(rows[0]) + perf["n_gen"]) / total})
+        conc[str(c)] = samples
     res["concurrency"] = conc
 
     score = cfg["score"]

@@ -59,6 +59,23 @@ def _install_attachment_writer() -> None:
 _install_attachment_writer()
 
 
+def _ratio_detail(doc: dict) -> str:
+    """Side-by-side ratios against transformers fp32, per recipe (baseline.json has every number)."""
+    def f(v) -> str:
+        return "n/a" if v is None else f"{v:.2f}"
+
+    ratios = doc["lanes"]["performance"]["ratios"]
+    parts = []
+    for name in ("transformers-bf16", "llama.cpp-f32", "llama.cpp-q8_0", "llama.cpp-q4_1"):
+        r = ratios.get(name)
+        if r:
+            parts.append(f"{name}: prefill x{f(r['prefill_vs_transformers_fp32'])}, decode "
+                         f"x{f(r['decode_vs_transformers_fp32'])}, c4 x{f(r['throughput_c4_vs_transformers_fp32'])}, "
+                         f"RSS x{f(r['peak_rss_vs_transformers_fp32'])}, size x{f(r['artifact_vs_transformers_fp32'])}, "
+                         f"ppl x{r['perplexity_vs_transformers_fp32']:.4f}, top-1 {r['top1_agreement_vs_transformers_fp32']:.3f}")
+    return "vs transformers-fp32 (baseline.json): " + "; ".join(parts)
+
+
 def _stop_detail(stop: dict) -> str:
     def f(v) -> str:
         return "n/a" if v is None else f"{v:.2f}"
@@ -107,7 +124,7 @@ def run(ctx: StoryContext) -> None:
     missing = {k: v for k, v in missing.items() if v}
     ctx.check("TTFT, prefill/decode tok/s, p50/p95 token latency, aggregate throughput at 1 and 4, RSS, artifact "
               "size, failures and drift reported per recipe in machine-readable JSON",
-              not missing and not failed, "missing: " + json.dumps(missing) if missing else "baseline.json")
+              not missing and not failed, "missing: " + json.dumps(missing) if missing else _ratio_detail(doc))
     lanes = doc["lanes"]
     parity = lanes["quality"]["parity"].get("llama.cpp-f32", {})
     ctx.check("quality lane (same-precision parity, fp32 vs F32 GGUF) kept apart from the quantized "
@@ -147,7 +164,7 @@ def run(ctx: StoryContext) -> None:
     ctx.results["config"] = cfg
     ctx.results["ratios_vs_transformers_fp32"] = perf
     ctx.results["quality_parity"] = lanes["quality"]["parity"]
-    ctx.results["recipes"] = {k: {m: v.get(m) for m in REQUIRED_METRICS + ("llama_bench",) if m in v}
+    ctx.results["recipes"] = {k: {m: v.get(m) for m in REQUIRED_METRICS if m in v}
                               for k, v in recipes.items()}
     ctx.results["stop_condition"] = {k: stop.get(k) for k in ("rule", "verdict_now", "evaluated_now")}
     ctx.results["files"] = list(ATTACHMENTS)
