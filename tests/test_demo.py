@@ -16,7 +16,7 @@ def test_demo_runs_to_completion_with_parity_and_table(smollm2_path, native_bin,
     p = subprocess.run([sys.executable, "-m", "dgr.main", "demo", "--max-tokens", "16", "--out", str(out)],
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert "greedy parity vs whole model: OK" in p.stdout
+    assert "greedy parity vs whole model: OK" in p.stdout and "concurrent isolation: OK" in p.stdout
     for col in ("TTFT ms", "prefill tok/s", "decode tok/s", "route  aggregate", "whole  aggregate",
                 "seam bytes per decode token", "KV peak"):
         assert col in p.stdout

@@ -46,5 +46,5 @@ def demo(
         out.write_text(json.dumps(res.to_json(), indent=2) + "\n")
         typer.echo(f"report written to {out}")
     sys.stdout.flush()
-    if not res.route.ok or (res.parity is not None and not res.parity.ok):
+    if not res.route.ok or (res.parity is not None and not res.parity.ok) or (res.isolation is not None and not res.isolation.ok):
         raise typer.Exit(1)

@@ -92,7 +92,7 @@ def run(
             if s.error:
                 typer.echo(f"[{s.index}] error: {s.error}")
         typer.echo(rt.summary_table(res))
-    if not res.route.ok or (res.parity is not None and not res.parity.ok and temperature == 0):
+    if not res.route.ok or (res.parity is not None and not res.parity.ok) or (res.isolation is not None and not res.isolation.ok):
         raise typer.Exit(1)
 
 

@@ -93,7 +93,9 @@ def run(ctx: StoryContext) -> None:
     from meshnet_adapter.client import WorkerClient
 
     from ..recipe import load_registry, recipe_for
-    from ..route import DEFAULT_PROMPTS, LocalRoute, compare, ensure_worker, run_sessions
+    from meshnet_adapter.route_driver import Sampling
+
+    from ..route import DEFAULT_PROMPTS, LocalRoute, _sequential, compare, ensure_worker, isolation, run_sessions
 
     assert ctx.model is not None
     model = ctx.model
@@ -147,23 +149,30 @@ def run(ctx: StoryContext) -> None:
                   f"{N_PREDICT} tokens identical; max |Δ logprob| over top-5 at every step {max(diffs or [0.0]):.3g}")
 
         # -- 4 concurrent sessions: isolation and cleanup ---------------------------------------
+        # Concurrent sessions share llama.cpp batches; batch composition moves logits by noise, so
+        # isolation is judged against each session's own sequential run (dgr.route.isolation):
+        # identical, or diverging only at a near-tie. Exact parity is one session at a time.
         prompts = list(DEFAULT_PROMPTS)
         chat = asyncio.run(_tokenize(eps[0], prompts, chat=True))
-        seq = [asyncio.run(_generate(eps, [t], n=N_PREDICT))[0].tokens for t in chat]
-        conc = asyncio.run(run_sessions(eps, prompts, token_prompts=chat, max_tokens=N_PREDICT,
+        samp = Sampling(top_logprobs=5)
+        seq = asyncio.run(_sequential(eps, prompts, "route (sequential)", max_tokens=N_PREDICT, sampling=samp))
+        wseq = asyncio.run(_sequential(weps, prompts, "whole (sequential)", max_tokens=N_PREDICT, sampling=samp))
+        conc = asyncio.run(run_sessions(eps, prompts, token_prompts=chat, max_tokens=N_PREDICT, sampling=samp,
                                         stats=route.stats(), pids=[w.pid for w in route.workers],
                                         label="route 0:15,15:30"))
-        wconc = asyncio.run(run_sessions(weps, prompts, token_prompts=chat, max_tokens=N_PREDICT,
+        wconc = asyncio.run(run_sessions(weps, prompts, token_prompts=chat, max_tokens=N_PREDICT, sampling=samp,
                                          stats=whole.stats(), pids=[w.pid for w in whole.workers],
                                          label="whole model 0:30"))
-        par = compare(conc, wconc)
-        ctx.results["concurrent"] = {"route": conc.to_json(), "whole": wconc.to_json(), "parity": par.to_json()}
-        isolated = conc.ok and [s.tokens for s in conc.sessions] == seq
+        par = compare(seq, wseq)
+        iso = isolation(conc, seq)
+        ctx.results["concurrent"] = {"route": conc.to_json(), "whole": wconc.to_json(), "parity_sequential": par.to_json(),
+                                     "isolation": iso.to_json()}
         clean = all(w.sessions_left == 0 and w.kv_cells_left == 0 for w in conc.workers)
-        ctx.check("four concurrent Route Sessions pass isolation (each = its own sequential run) and cleanup "
-                  "(no session or KV cell left on either worker)", isolated and clean and par.ok,
-                  f"{sum(s.tokens == q for s, q in zip(conc.sessions, seq))}/4 sessions identical to sequential runs; "
-                  f"{par.matched_sessions}/4 identical to the whole model; left after release: "
+        ctx.check("four concurrent Route Sessions pass isolation (vs their own sequential runs) and cleanup "
+                  "(no session or KV cell left on either worker)", conc.ok and iso.ok and clean and par.ok,
+                  f"{iso.identical}/4 identical to their sequential runs, {iso.near_tie_divergences} diverge at a "
+                  f"near-tie (noise <= {iso.max_noise_nats:.2f} nats){'; ' + '; '.join(iso.violations) if iso.violations else ''}; "
+                  f"one at a time {par.matched_sessions}/4 identical to the whole model; left after release: "
                   + ", ".join(f"[{w.range}) {w.sessions_left} sessions/{w.kv_cells_left} cells" for w in conc.workers))
 
         # -- each worker holds only its own tensors and Hot KV State ----------------------------
