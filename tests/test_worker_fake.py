@@ -458,6 +458,9 @@ def test_prometheus_text(worker_bin):
 def test_sigterm_drains_and_exits_zero(worker_bin):
     w = start(worker_bin, "--fake-delay-ms", "5", "--drain-timeout-s", "1.5")
     c = w.client()
+    idle = c.open_session("idle")  # released, but its stream stays open: shutdown must end it too
+    idle.prefill([4])
+    idle.release()
     s = c.open_session("busy")
     tok = s.prefill([1, 2, 3])
     outcome: list[object] = []

@@ -62,7 +62,7 @@ std::unique_ptr<LlamaBackend> LlamaBackend::create(const LlamaBackendOptions & o
     cp.n_batch = o.max_batch_tokens;
     cp.n_ubatch = o.max_batch_tokens;
     cp.n_seq_max = o.n_seq_max;
-    cp.kv_unified = true;  // one cell pool shared by all sessions (the KV budget)
+    cp.kv_unified = o.kv_unified;
     cp.no_perf = true;
     if (o.threads > 0) {
         cp.n_threads = o.threads;

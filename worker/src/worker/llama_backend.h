@@ -1,5 +1,6 @@
-// The llama.cpp backend: one llama_model + one llama_context whose unified KV cache holds one
-// llama sequence per session (n_seq_max = max sessions, n_ctx = the KV cells budget).
+// The llama.cpp backend: one llama_model + one llama_context holding one llama sequence per
+// session (n_seq_max = max sessions, n_ctx = the KV cells budget), by default each in its own KV
+// stream (see LlamaBackendOptions::kv_unified).
 // On the stock pinned llama.cpp this serves the whole model (range 0:n_layer, head + tail:
 // tokens in, logits out). Range-aware loading and boundary rows come with the range patches
 // (worker/src/common/shard_model.h); until then a partial --layers is refused.
@@ -23,6 +24,10 @@ struct LlamaBackendOptions {
     uint32_t n_seq_max = 16;
     uint32_t max_batch_tokens = 512;
     int32_t n_gpu_layers = -1;
+    // false (default): one KV stream per sequence (llama kv_unified = false): a session's cells
+    // never interleave with another's, so batched results equal unbatched ones bit for bit and
+    // each session holds kv_cells / n_seq_max cells. true: one shared cell pool.
+    bool kv_unified = false;
     std::string artifact_id;  // override (else derived from the model metadata, unverified)
     std::string fingerprint;  // override
 };

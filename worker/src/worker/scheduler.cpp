@@ -79,7 +79,16 @@ bool Scheduler::post_frame(std::shared_ptr<StreamSink> sink, std::unique_ptr<pb:
     if (queued_.load() >= opts_.queue_limit) return false;
     queued_++;
     {
-        std::lock_guard<std::mutex> lk(mu_);
+        std::unique_lock<std::mutex> lk(mu_);
+        if (stopped_) {
+            lk.unlock();
+            queued_--;
+            pb::SessionResponse r;
+            r.mutable_header()->set_schema_version(pb::SCHEMA_VERSION_V1);
+            *r.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE, "the worker is shutting down", true);
+            sink->deliver(std::move(r), true, grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker shut down"));
+            return true;
+        }
         Event ev;
         ev.kind = Event::frame;
         ev.sink = std::move(sink);
@@ -93,7 +102,12 @@ bool Scheduler::post_frame(std::shared_ptr<StreamSink> sink, std::unique_ptr<pb:
 
 void Scheduler::post_stream_closed(std::shared_ptr<StreamSink> sink, bool cancelled) {
     {
-        std::lock_guard<std::mutex> lk(mu_);
+        std::unique_lock<std::mutex> lk(mu_);
+        if (stopped_) {
+            lk.unlock();
+            sink->finish(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled") : grpc::Status::OK);
+            return;
+        }
         Event ev;
         ev.kind = Event::closed;
         ev.sink = std::move(sink);
@@ -105,7 +119,12 @@ void Scheduler::post_stream_closed(std::shared_ptr<StreamSink> sink, bool cancel
 
 void Scheduler::post_release(const pb::ReleaseSessionRequest & req, std::function<void(pb::ReleaseSessionResponse)> done) {
     {
-        std::lock_guard<std::mutex> lk(mu_);
+        std::unique_lock<std::mutex> lk(mu_);
+        if (stopped_) {
+            lk.unlock();
+            done(pb::ReleaseSessionResponse());
+            return;
+        }
         Event ev;
         ev.kind = Event::release;
         ev.session_id = req.session_id();
@@ -118,7 +137,12 @@ void Scheduler::post_release(const pb::ReleaseSessionRequest & req, std::functio
 
 void Scheduler::post_cancel(const pb::CancelSessionRequest & req, std::function<void(pb::CancelSessionResponse)> done) {
     {
-        std::lock_guard<std::mutex> lk(mu_);
+        std::unique_lock<std::mutex> lk(mu_);
+        if (stopped_) {
+            lk.unlock();
+            done(pb::CancelSessionResponse());
+            return;
+        }
         Event ev;
         ev.kind = Event::cancel;
         ev.session_id = req.session_id();
@@ -237,7 +261,8 @@ void Scheduler::loop() {
             }
             evs.swap(inbox_);
         }
-        for (auto & ev : evs) {
+        for (size_t ei = 0; ei < evs.size(); ++ei) {
+            Event & ev = evs[ei];
             switch (ev.kind) {
                 case Event::frame: handle_frame(ev); break;
                 case Event::closed: handle_closed(ev); break;
@@ -287,6 +312,12 @@ void Scheduler::loop() {
                 }
                 case Event::stop: {
                     const grpc::Status st((grpc::StatusCode) ev.epoch, ev.session_id);
+                    std::deque<Event> late;
+                    {
+                        std::lock_guard<std::mutex> lk(mu_);
+                        stopped_ = true;
+                        late.swap(inbox_);
+                    }
                     std::vector<std::string> ids;
                     for (auto & kv : sessions_) ids.push_back(kv.first);
                     for (const auto & id : ids) {
@@ -302,6 +333,26 @@ void Scheduler::loop() {
                             *r.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE,
                                                             "the worker is shutting down; restart the session elsewhere", true);
                             sink->deliver(std::move(r), true, st);
+                        }
+                    }
+                    // events behind the stop (and in this drain) are answered like late ones
+                    for (size_t qi = 0; qi < 2; ++qi) {
+                        std::deque<Event> & q = qi == 0 ? evs : late;
+                        for (size_t k = qi == 0 ? ei + 1 : 0; k < q.size(); ++k) {
+                            Event & e = q[k];
+                            if (e.kind == Event::frame) {
+                                queued_--;
+                                pb::SessionResponse r;
+                                r.mutable_header()->set_schema_version(pb::SCHEMA_VERSION_V1);
+                                *r.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE, "the worker is shutting down", true);
+                                e.sink->deliver(std::move(r), true, st);
+                            } else if (e.kind == Event::closed) {
+                                e.sink->finish(grpc::Status::OK);
+                            } else if (e.kind == Event::release) {
+                                e.release_done(pb::ReleaseSessionResponse());
+                            } else if (e.kind == Event::cancel) {
+                                e.cancel_done(pb::CancelSessionResponse());
+                            }
                         }
                     }
                     publish_gauges();

@@ -141,6 +141,7 @@ private:
     std::deque<Event> inbox_;
     std::atomic<uint32_t> queued_{0};  // frames posted and not yet answered/queued for compute
     std::atomic<bool> draining_{false};
+    bool stopped_ = false;  // guarded by mu_: events are then answered inline
 
     // scheduler-thread state
     std::unordered_map<std::string, std::unique_ptr<Session>> sessions_;

@@ -39,6 +39,7 @@ struct ServeOptions {
     uint32_t fake_delay_ms = 0;
     std::string listen = "127.0.0.1:50151";
     bool allow_remote = false;
+    bool kv_unified = false;
     std::string tls_cert, tls_key, tls_client_ca;
     int32_t threads = 0;
     int32_t n_gpu_layers = -1;
@@ -72,6 +73,8 @@ void usage() {
         "  --ctx-per-session N       most positions one session may hold, default 2048\n"
         "  --kv-cells N              KV cells shared by all sessions (default max-sessions*ctx-per-session, capped 65536)\n"
         "  --kv-budget-mb M          KV budget in MiB (converted to cells for the model)\n"
+        "  --kv-unified              llama: one KV cell pool shared by all sessions (default: one\n"
+        "                            stream per session, kv cells / max sessions each, exact batching)\n"
         "  --queue-limit K           frames received and not yet answered, default 64\n"
         "  --max-batch-tokens N      rows per decode call, default 512\n"
         "  --max-prefill-chunk N     rows per PREFILL step, default 256\n"
@@ -172,6 +175,7 @@ int parse(int argc, char ** argv, ServeOptions * o) {
         else if (a == "--fake-delay-ms") ok = num32(&o->fake_delay_ms);
         else if (a == "--listen") ok = str(&o->listen);
         else if (a == "--allow-remote") o->allow_remote = true;
+        else if (a == "--kv-unified") o->kv_unified = true;
         else if (a == "--tls-cert") ok = str(&o->tls_cert);
         else if (a == "--tls-key") ok = str(&o->tls_key);
         else if (a == "--tls-client-ca") ok = str(&o->tls_client_ca);
@@ -276,7 +280,15 @@ int serve_main(int argc, char ** argv) {
             kv_cells = (uint64_t) (o.kv_budget_mb * 1048576.0 / (double) LlamaBackend::kv_bytes_per_cell(m));
             llama_model_free(m);
         }
+        if (!o.kv_unified) {
+            // one stream per session: every session gets the same share
+            uint64_t per = o.kv_cells || o.kv_budget_mb > 0 ? kv_cells / o.max_sessions : o.ctx_per_session;
+            per = (per + 255) / 256 * 256;  // llama.cpp pads each stream to 256 cells
+            o.ctx_per_session = (uint32_t) std::min<uint64_t>(o.ctx_per_session, per);
+            kv_cells = per * o.max_sessions;
+        }
         LlamaBackendOptions l;
+        l.kv_unified = o.kv_unified;
         l.path = o.model;
         l.layer_start = o.has_layers ? o.layer_start : 0;
         l.layer_end = o.has_layers ? o.layer_end : 0;
