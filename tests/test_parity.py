@@ -98,6 +98,24 @@ def test_several_sequences_per_batch_match_whole_model(parity_bin: Path, tmp_pat
         assert s["tokens_identical"] is True and s["tokens_per_seq"] == per_seq
 
 
+def test_other_thread_count_on_the_shards_is_still_exact(parity_bin: Path, tmp_path: Path) -> None:
+    model = _synth(tmp_path, tied=True, dtype="q8_0", seed=17)
+    report = parity(parity_bin, model, ["3", "2,5"], n_random=40, n_predict=32, threads=2,
+                    extra=("--shard-threads", "1"))
+    _assert_exact(report, 2)
+
+
+def test_the_harness_reports_a_real_difference(parity_bin: Path, tmp_path: Path) -> None:
+    """A different n_ubatch changes llama.cpp's arithmetic even for the whole model: the harness
+    must see it (so its 'bit-identical' verdicts mean something)."""
+    model = _synth(tmp_path, tied=False, dtype="q8_0", seed=19)
+    report = parity(parity_bin, model, ["6"], n_random=64, n_predict=4, extra=("--shard-ubatch", "16"))
+    s = report["splits"][0]
+    assert s["ranges"] == [[0, 6]]
+    assert s["prefill_bit_identical"] is False and s["prefill_max_abs_diff"] > 0.0
+    assert report["ok"] is False or s["prefill_max_abs_diff"] <= report["tolerance"]
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_slice_files_match_whole_model(parity_bin: Path, tmp_path: Path, tied: bool) -> None:
     from dgr.gguf_slice import LayerRange, slice_gguf

@@ -106,10 +106,11 @@ def probe(parity_bin: Path, shard: ShardSpec, *, n_ctx: int = 2048, mmap: bool =
 def parity_command(parity_bin: Path, model: Path, splits: list[str], *, prompt: str | None = None,
                    tokens: list[int] | None = None, n_random: int = 0, n_predict: int = 32,
                    slices: list[Path] | None = None, threads: int = 2, n_seq: int = 1,
-                   kv_per_seq: bool = False) -> list[str]:
+                   kv_per_seq: bool = False, extra: tuple[str, ...] = ()) -> list[str]:
     cmd = [str(parity_bin), "--model", str(model), "--n-predict", str(n_predict), "--threads", str(threads)]
     if n_seq > 1:
         cmd += ["--n-seq", str(n_seq)] + (["--kv-per-seq"] if kv_per_seq else [])
+    cmd += list(extra)
     for s in splits:
         cmd += ["--split", s]
     if slices:

@@ -47,6 +47,8 @@ struct Args {
     bool kv_unified = true;  // with n_seq > 1: one KV cell pool for all sequences (as the worker)
     uint32_t n_ctx = 0;  // 0: prompt + n_predict rounded up
     int32_t n_threads = 2;
+    int32_t shard_threads = 0;  // threads of the split shards (0: --threads)
+    uint32_t shard_ubatch = 0;  // n_ubatch of the split shards (0: as the whole model)
     double tolerance = 1e-3;
     bool verbose = false;
     bool memory = false;
@@ -102,7 +104,8 @@ void log_cb(ggml_log_level level, const char * text, void *) {
     std::fprintf(stderr,
         "usage: %s --model M.gguf [--split B1,B2,..,n_layer]... [--slices f1,f2,..]\n"
         "          [--prompt TEXT | --tokens ID,ID,.. | --n-random N [--seed S]] [--n-predict N]\n"
-        "          [--n-seq K [--kv-per-seq]] [--n-ctx N] [--threads N] [--tolerance X] [--verbose]\n"
+        "          [--n-seq K [--kv-per-seq]] [--n-ctx N] [--threads N]\n"
+        "          [--shard-threads N] [--shard-ubatch N] [--tolerance X] [--verbose]\n"
         "       %s --model M.gguf --memory --range A:B [--n-ctx N] [--n-random N] [--no-mmap]\n"
         "  a split lists the end of every shard: 15,30 = [0,15) [15,30); 7:23:30 works too\n"
         "  --n-seq K decodes K sequences (the prompt rotated by 0..K-1) together in every batch\n"
@@ -161,6 +164,8 @@ Args parse_args(int argc, char ** argv) {
         else if (k == "--kv-per-seq") a.kv_unified = false;
         else if (k == "--n-ctx" || k == "-c") a.n_ctx = (uint32_t) std::atoi(val().c_str());
         else if (k == "--threads" || k == "-t") a.n_threads = std::atoi(val().c_str());
+        else if (k == "--shard-threads") a.shard_threads = std::atoi(val().c_str());
+        else if (k == "--shard-ubatch") a.shard_ubatch = (uint32_t) std::atoi(val().c_str());
         else if (k == "--tolerance") a.tolerance = std::atof(val().c_str());
         else if (k == "--verbose" || k == "-v") a.verbose = true;
         else if (k == "--memory") a.memory = true;
@@ -269,10 +274,10 @@ bool open_shard(Shard & s, const std::string & path, int32_t start, int32_t end,
     dgr::ShardContextOptions co;
     co.n_ctx = n_ctx;
     co.n_batch = n_ctx;
-    co.n_ubatch = std::min<uint32_t>(n_ctx, 512);
+    co.n_ubatch = a.shard_ubatch > 0 ? std::min(n_ctx, a.shard_ubatch) : std::min<uint32_t>(n_ctx, 512);
     co.n_seq_max = (uint32_t) a.n_seq;
     co.kv_unified = a.n_seq > 1 && a.kv_unified;
-    co.n_threads = a.n_threads;
+    co.n_threads = a.shard_threads > 0 ? a.shard_threads : a.n_threads;
     g_kv = {};
     s.ctx = dgr::ShardContext::create(*s.model, co, err);
     s.kv = g_kv;
@@ -634,8 +639,9 @@ int main(int argc, char ** argv) {
         const size_t n_rows = (size_t) a.n_seq * prompt.size();
         double max_diff = 0.0;
         int32_t top1_agree = 0;
-        bool identical = got.prefill.size() == ref.prefill.size();
-        for (size_t p = 0; identical && p < n_rows; ++p) {
+        const bool same_size = got.prefill.size() == ref.prefill.size();
+        bool identical = same_size;
+        for (size_t p = 0; same_size && p < n_rows; ++p) {
             const float * x = ref.prefill.data() + p * n_vocab;
             const float * y = got.prefill.data() + p * n_vocab;
             for (int32_t v = 0; v < n_vocab; ++v) {
