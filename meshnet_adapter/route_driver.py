@@ -30,6 +30,7 @@ from dgr.shard.v1 import shard_runtime_pb2_grpc as pbg
 from .telemetry import GenerationTelemetry, NodeTiming
 
 DEFAULT_TIMEOUT_S = 60.0
+RELEASE_TIMEOUT_S = 2.0
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
@@ -377,7 +378,12 @@ class RouteDriver:
                                     decode_frame_bytes_in=st.decode_frame_bytes_in) for st in streams]
             self._active.pop(sid, None)
             self._cancelled.discard(sid)
-            await asyncio.gather(*(self._release(st, sid, epoch) for st in streams), return_exceptions=True)
+            # bounded: a hung shard must not hold the caller (its session TTL frees it later)
+            try:
+                await asyncio.wait_for(asyncio.gather(*(self._release(st, sid, epoch) for st in streams),
+                                                      return_exceptions=True), RELEASE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                pass
 
     @property
     def active_sessions(self) -> dict[str, int]:
@@ -401,6 +407,6 @@ class RouteDriver:
         await st.close()
         try:
             await st.shard.stub.ReleaseSession(pb.ReleaseSessionRequest(session_id=sid, route_epoch=epoch),
-                                               timeout=5)
+                                               timeout=RELEASE_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             pass

@@ -226,3 +226,29 @@ def test_driver_overhead_is_small_per_hop(fake_workers):
     print(f"driver CPU per decode step per hop: {per_hop * 1e3:.3f} ms; "
           f"round trip per hop {r.telemetry.nodes[1].decode_step_s * 1e3:.3f} ms")
     assert per_hop < 0.02
+
+
+def test_hung_worker_hits_the_step_deadline_and_names_the_shard(native_bin):
+    """SIGSTOP the tail: the step deadline bounds the wait; the error names the hung shard."""
+    import signal
+
+    ws = [_start(native_bin, "--layers", "0:4"), _start(native_bin, "--layers", "4:8")]
+    try:
+        async def main():
+            d = await RouteDriver([w.target for w in ws], timeout=2).connect()
+            try:
+                ws[1].proc.send_signal(signal.SIGSTOP)
+                t0 = time.monotonic()
+                r = await d.generate(PROMPTS[0], max_tokens=8, stop_on_eog=False)
+                return r, time.monotonic() - t0
+            finally:
+                ws[1].proc.send_signal(signal.SIGCONT)
+                await d.close()
+
+        r, dt = _run(main())
+        assert r.error is not None and r.error.reason == "DEADLINE_EXCEEDED"
+        assert r.error.shard_range == (4, 8) and r.telemetry.status == "failed"
+        assert dt < 10
+    finally:
+        for w in ws:
+            w.kill()
