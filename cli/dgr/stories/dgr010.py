@@ -239,5 +239,21 @@ def run(ctx: StoryContext) -> None:
                   named and dt < 30 and head_left == 0,
                   f"2 sessions failed {dt:.2f}s after SIGKILL of the tail: {res[0].error}; head released them "
                   f"({head_left} left)")
+    # -- route benchmark (informative here; targets from issue 6, reported PASS/MISS) -------------
+    from ..route_bench import RouteBenchConfig, run_route_bench, summary
+
+    ctx.record_command("dgr.route_bench.run_route_bench(model, RouteBenchConfig(repeats=2)) "
+                       "(= dgr bench route --repeats 2)")
+    try:
+        bench = run_route_bench(model, RouteBenchConfig(repeats=2, threads=threads))
+        ctx.results["route_bench"] = bench
+        for line in summary(bench).splitlines():
+            ctx.commands.append(f"# bench: {line}")
+        for k, ok in bench["targets"].items():
+            if not ok:
+                ctx.limitation(f"route benchmark target missed: {k} (ratios: "
+                               + ", ".join(f"{n} {v:.2f}" for n, v in bench["ratios"].items()) + ")")
+    except Exception as exc:  # the benchmark is informative; its failure is recorded, not fatal
+        ctx.limitation(f"route benchmark did not complete: {exc}")
     ctx.limitation("Both workers and the driver share one host (loopback gRPC); network effects are DGR-011.")
     ctx.limitation("CPU backend: no VRAM figures.")
