@@ -105,7 +105,7 @@ def check_model(worker_bin: Path, native_bin: Path, model: Path, n: int, *, exac
         alone = [generate(c, p, n, record=True) for p in PROMPTS]
         for p, got, ref in zip(PROMPTS, concurrent(c, PROMPTS, n), alone):
             same_or_near_tie(p, got, ref, exact)
-        assert c.metric("dgr_batch_occupancy_rows_sum") > c.metric("dgr_batch_occupancy_rows_count")
+        assert c.metric("dgr_batch_occupancy_sessions_sum") > c.metric("dgr_batch_occupancy_sessions_count")
         # whole-model llama.cpp (llama-simple, greedy) gives the same continuation
         for i in (0, 3):
             out = llama_simple(native_bin, model, PROMPTS[i], n)

@@ -93,3 +93,29 @@ def route(
     out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     typer.echo(rb.summary(doc))
     typer.echo(f"results written to {out}")
+
+
+@app.command("worker")
+def worker(
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
+    sessions: str = typer.Option("1,2,4,8", "--sessions", help="Concurrent session counts."),
+    threads: int = typer.Option(2, "--threads"),
+    n_prompt: int = typer.Option(32, "--n-prompt"),
+    n_gen: int = typer.Option(64, "--n-gen"),
+    repeats: int = typer.Option(2, "--repeats"),
+    out: Path = typer.Option(Path("worker-bench.json"), "--out", help="Where to write the results JSON."),
+) -> None:
+    """One dgr-worker (whole model): aggregate decode tok/s per session count next to llama-batched-bench."""
+    from .. import paths
+    from .. import worker_bench as wb
+    from ..models import resolve_model
+
+    levels = tuple(int(x) for x in sessions.split(",") if x.strip())
+    cfg = wb.WorkerBenchConfig(levels=levels, prompt_tokens=n_prompt, gen_tokens=n_gen, threads=threads,
+                               repeats=repeats)
+    bin_dir = paths.backend_build_dir("cpu") / "bin"
+    doc = wb.run_worker_bench(resolve_model(model), cfg, worker_bin=bin_dir / "dgr-worker",
+                              batched_bench=bin_dir / "llama-batched-bench", progress=lambda s: typer.echo(s, err=True))
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    typer.echo(wb.summary(doc))
+    typer.echo(f"results written to {out}")

@@ -70,7 +70,7 @@ std::vector<Sample> Metrics::samples(const Gauges & g) const {
     s.push_back({"dgr_rejected_admissions_total", {{"reason", "queue"}}, (double) rejected_queue.load()});
     s.push_back({"dgr_rejected_admissions_total", {{"reason", "kv"}}, (double) rejected_kv.load()});
     step_latency.append("dgr_step_latency_seconds", &s);
-    batch_occupancy.append("dgr_batch_occupancy_rows", &s);
+    batch_occupancy.append("dgr_batch_occupancy_sessions", &s);
     queue_wait.append("dgr_queue_wait_seconds", &s);
     return s;
 }

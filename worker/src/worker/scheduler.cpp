@@ -4,6 +4,7 @@
 #include "worker/errors.h"
 
 #include <algorithm>
+#include <functional>
 #include <cstdio>
 
 namespace dgr::worker {
@@ -200,6 +201,8 @@ uint64_t Scheduler::drop_session(const std::string & id, int tomb_kind) {
     kv_used_ -= s.positions;
     kv_reserved_ -= s.reserved;
     free_seqs_.push_back(s.seq);
+    // lowest id first (back of a descending list): active sessions stay on consecutive ids
+    std::sort(free_seqs_.begin(), free_seqs_.end(), std::greater<int32_t>());
     remember(id, s.epoch, tomb_kind);
     sessions_.erase(it);
     if (tomb_kind == kReleased) metrics_.sessions_released++;
@@ -251,6 +254,109 @@ void Scheduler::answer_error(StreamSink & sink, const pb::ResponseHeader & hdr, 
     sink.deliver(std::move(r));
 }
 
+bool Scheduler::dispatch(std::deque<Event> & evs) {
+    for (size_t ei = 0; ei < evs.size(); ++ei) {
+        Event & ev = evs[ei];
+        switch (ev.kind) {
+            case Event::frame: handle_frame(ev); break;
+            case Event::closed: handle_closed(ev); break;
+            case Event::release: {
+                pb::ReleaseSessionResponse resp;
+                auto it = sessions_.find(ev.session_id);
+                if (it != sessions_.end() && (ev.epoch == 0 || ev.epoch == it->second->epoch)) {
+                    auto sink = it->second->sink;
+                    const bool had_work = it->second->busy;
+                    pb::ResponseHeader hdr;
+                    hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
+                    hdr.set_session_id(ev.session_id);
+                    hdr.set_route_epoch(it->second->epoch);
+                    resp.set_freed_kv_cells(drop_session(ev.session_id, kReleased));
+                    resp.set_released(true);
+                    if (had_work && sink) {
+                        // the queued frame is answered, so its stream can go on reading
+                        queued_++;
+                        answer_error(*sink, hdr, make_error(pb::ERROR_REASON_SESSION_RELEASED,
+                                                           "the session was released while this step was queued"),
+                                     Clock::now());
+                    }
+                }
+                ev.release_done(resp);
+                break;
+            }
+            case Event::cancel: {
+                pb::CancelSessionResponse resp;
+                auto it = sessions_.find(ev.session_id);
+                if (it != sessions_.end() && (ev.epoch == 0 || ev.epoch == it->second->epoch)) {
+                    auto sink = it->second->sink;
+                    pb::ResponseHeader hdr;
+                    hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
+                    hdr.set_session_id(ev.session_id);
+                    hdr.set_route_epoch(it->second->epoch);
+                    drop_session(ev.session_id, kCancelled);
+                    resp.set_cancelled(true);
+                    if (sink) {
+                        pb::SessionResponse r;
+                        *r.mutable_header() = hdr;
+                        *r.mutable_error() = make_error(pb::ERROR_REASON_CANCELLED, "the session was cancelled", true);
+                        sink->deliver(std::move(r), true, grpc::Status(grpc::StatusCode::CANCELLED, "session cancelled"));
+                    }
+                }
+                ev.cancel_done(resp);
+                break;
+            }
+            case Event::stop: {
+                const grpc::Status st((grpc::StatusCode) ev.epoch, ev.session_id);
+                std::deque<Event> late;
+                {
+                    std::lock_guard<std::mutex> lk(mu_);
+                    stopped_ = true;
+                    late.swap(inbox_);
+                }
+                std::vector<std::string> ids;
+                for (auto & kv : sessions_) ids.push_back(kv.first);
+                for (const auto & id : ids) {
+                    auto sink = sessions_[id]->sink;
+                    pb::ResponseHeader hdr;
+                    hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
+                    hdr.set_session_id(id);
+                    hdr.set_route_epoch(sessions_[id]->epoch);
+                    drop_session(id, kReleased);
+                    if (sink) {
+                        pb::SessionResponse r;
+                        *r.mutable_header() = hdr;
+                        *r.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE,
+                                                        "the worker is shutting down; restart the session elsewhere", true);
+                        sink->deliver(std::move(r), true, st);
+                    }
+                }
+                // events behind the stop (and in this drain) are answered like late ones
+                for (size_t qi = 0; qi < 2; ++qi) {
+                    std::deque<Event> & q = qi == 0 ? evs : late;
+                    for (size_t k = qi == 0 ? ei + 1 : 0; k < q.size(); ++k) {
+                        Event & e = q[k];
+                        if (e.kind == Event::frame) {
+                            queued_--;
+                            pb::SessionResponse r;
+                            r.mutable_header()->set_schema_version(pb::SCHEMA_VERSION_V1);
+                            *r.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE, "the worker is shutting down", true);
+                            e.sink->deliver(std::move(r), true, st);
+                        } else if (e.kind == Event::closed) {
+                            e.sink->finish(grpc::Status::OK);
+                        } else if (e.kind == Event::release) {
+                            e.release_done(pb::ReleaseSessionResponse());
+                        } else if (e.kind == Event::cancel) {
+                            e.cancel_done(pb::CancelSessionResponse());
+                        }
+                    }
+                }
+                publish_gauges();
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
 void Scheduler::loop() {
     for (;;) {
         std::deque<Event> evs;
@@ -261,103 +367,21 @@ void Scheduler::loop() {
             }
             evs.swap(inbox_);
         }
-        for (size_t ei = 0; ei < evs.size(); ++ei) {
-            Event & ev = evs[ei];
-            switch (ev.kind) {
-                case Event::frame: handle_frame(ev); break;
-                case Event::closed: handle_closed(ev); break;
-                case Event::release: {
-                    pb::ReleaseSessionResponse resp;
-                    auto it = sessions_.find(ev.session_id);
-                    if (it != sessions_.end() && (ev.epoch == 0 || ev.epoch == it->second->epoch)) {
-                        auto sink = it->second->sink;
-                        const bool had_work = it->second->busy;
-                        pb::ResponseHeader hdr;
-                        hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
-                        hdr.set_session_id(ev.session_id);
-                        hdr.set_route_epoch(it->second->epoch);
-                        resp.set_freed_kv_cells(drop_session(ev.session_id, kReleased));
-                        resp.set_released(true);
-                        if (had_work && sink) {
-                            // the queued frame is answered, so its stream can go on reading
-                            queued_++;
-                            answer_error(*sink, hdr, make_error(pb::ERROR_REASON_SESSION_RELEASED,
-                                                               "the session was released while this step was queued"),
-                                         Clock::now());
-                        }
-                    }
-                    ev.release_done(resp);
-                    break;
+        if (!dispatch(evs)) return;
+        // Gather: sessions that just got a decode answer usually send their next step within
+        // a client round trip; waiting a little (<= 25% of the last decode call, <= 5 ms) for
+        // them turns staggered arrivals into one batch instead of several small ones.
+        if (!decode_q_.empty() && prefill_q_.empty() && last_decode_s_ > 0.0) {
+            const double wait = std::min(0.005, 0.25 * last_decode_s_);
+            const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(wait));
+            while (expected_decoders() > 0 && prefill_q_.empty() && Clock::now() < deadline) {
+                std::deque<Event> more;
+                {
+                    std::unique_lock<std::mutex> lk(mu_);
+                    cv_.wait_until(lk, deadline, [this] { return !inbox_.empty(); });
+                    more.swap(inbox_);
                 }
-                case Event::cancel: {
-                    pb::CancelSessionResponse resp;
-                    auto it = sessions_.find(ev.session_id);
-                    if (it != sessions_.end() && (ev.epoch == 0 || ev.epoch == it->second->epoch)) {
-                        auto sink = it->second->sink;
-                        pb::ResponseHeader hdr;
-                        hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
-                        hdr.set_session_id(ev.session_id);
-                        hdr.set_route_epoch(it->second->epoch);
-                        drop_session(ev.session_id, kCancelled);
-                        resp.set_cancelled(true);
-                        if (sink) {
-                            pb::SessionResponse r;
-                            *r.mutable_header() = hdr;
-                            *r.mutable_error() = make_error(pb::ERROR_REASON_CANCELLED, "the session was cancelled", true);
-                            sink->deliver(std::move(r), true, grpc::Status(grpc::StatusCode::CANCELLED, "session cancelled"));
-                        }
-                    }
-                    ev.cancel_done(resp);
-                    break;
-                }
-                case Event::stop: {
-                    const grpc::Status st((grpc::StatusCode) ev.epoch, ev.session_id);
-                    std::deque<Event> late;
-                    {
-                        std::lock_guard<std::mutex> lk(mu_);
-                        stopped_ = true;
-                        late.swap(inbox_);
-                    }
-                    std::vector<std::string> ids;
-                    for (auto & kv : sessions_) ids.push_back(kv.first);
-                    for (const auto & id : ids) {
-                        auto sink = sessions_[id]->sink;
-                        pb::ResponseHeader hdr;
-                        hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
-                        hdr.set_session_id(id);
-                        hdr.set_route_epoch(sessions_[id]->epoch);
-                        drop_session(id, kReleased);
-                        if (sink) {
-                            pb::SessionResponse r;
-                            *r.mutable_header() = hdr;
-                            *r.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE,
-                                                            "the worker is shutting down; restart the session elsewhere", true);
-                            sink->deliver(std::move(r), true, st);
-                        }
-                    }
-                    // events behind the stop (and in this drain) are answered like late ones
-                    for (size_t qi = 0; qi < 2; ++qi) {
-                        std::deque<Event> & q = qi == 0 ? evs : late;
-                        for (size_t k = qi == 0 ? ei + 1 : 0; k < q.size(); ++k) {
-                            Event & e = q[k];
-                            if (e.kind == Event::frame) {
-                                queued_--;
-                                pb::SessionResponse r;
-                                r.mutable_header()->set_schema_version(pb::SCHEMA_VERSION_V1);
-                                *r.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE, "the worker is shutting down", true);
-                                e.sink->deliver(std::move(r), true, st);
-                            } else if (e.kind == Event::closed) {
-                                e.sink->finish(grpc::Status::OK);
-                            } else if (e.kind == Event::release) {
-                                e.release_done(pb::ReleaseSessionResponse());
-                            } else if (e.kind == Event::cancel) {
-                                e.cancel_done(pb::CancelSessionResponse());
-                            }
-                        }
-                    }
-                    publish_gauges();
-                    return;
-                }
+                if (!dispatch(more)) return;
             }
         }
         const auto now = Clock::now();
@@ -368,6 +392,14 @@ void Scheduler::loop() {
         if (!decode_q_.empty() || !prefill_q_.empty()) run_batch();
         publish_gauges();
     }
+}
+
+uint32_t Scheduler::expected_decoders() const {
+    uint32_t n = 0;
+    for (const auto & kv : sessions_) {
+        if (kv.second->decoding && !kv.second->busy) ++n;
+    }
+    return n;
 }
 
 void Scheduler::handle_closed(Event & ev) {
@@ -756,6 +788,11 @@ void Scheduler::run_batch() {
         prefill_q_.pop_front();
     }
     if (items.empty()) return;
+    // rows ordered by sequence id: with one KV stream per sequence llama.cpp puts only
+    // consecutive increasing sequence ids into one ubatch (split_equal, sequential)
+    std::stable_sort(items.begin(), items.end(), [this](const std::unique_ptr<Work> & a, const std::unique_ptr<Work> & b) {
+        return sessions_.at(a->session_id)->seq < sessions_.at(b->session_id)->seq;
+    });
     DecodeBatch batch;
     std::vector<int32_t> last_row(items.size());
     std::vector<int32_t> first_row(items.size());
@@ -785,7 +822,9 @@ void Scheduler::run_batch() {
     std::string err;
     const auto t_dec = Clock::now();
     const BackendStatus st = backend_.decode(batch, &err);
-    metrics_.busy_seconds = metrics_.busy_seconds.load() + seconds_since(t_dec);
+    const double took = seconds_since(t_dec);
+    metrics_.busy_seconds = metrics_.busy_seconds.load() + took;
+    if (n_prefill == 0) last_decode_s_ = last_decode_s_ > 0.0 ? 0.8 * last_decode_s_ + 0.2 * took : took;
     if (st != BackendStatus::ok) {
         std::fprintf(stderr, "dgr-worker: decode of %d rows failed: %s\n", batch.n_rows(), err.c_str());
         for (size_t k = 0; k < items.size(); ++k) {
@@ -826,6 +865,7 @@ void Scheduler::run_batch() {
         kv_reserved_ -= s.reserved;
         s.reserved = 0;
         s.busy = false;
+        s.decoding = w.decode;
         s.last_step = (int64_t) w.header.step();
         s.last_used = Clock::now();
         pb::SessionResponse r;

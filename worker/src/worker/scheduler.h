@@ -87,6 +87,7 @@ private:
         std::shared_ptr<StreamSink> sink;
         Clock::time_point last_used;
         bool busy = false;  // a step is queued or in the batch
+        bool decoding = false;  // its last completed step was a DECODE (a next one is likely)
         uint32_t reserved = 0;  // KV cells reserved by the queued step
         std::unique_ptr<Partial> partial;
         uint64_t generation = 0;
@@ -117,6 +118,8 @@ private:
     };
 
     void loop();
+    bool dispatch(std::deque<Event> & evs);  // false: stop
+    uint32_t expected_decoders() const;
     void handle_frame(Event & ev);
     void handle_closed(Event & ev);
     void answer_error(StreamSink & sink, const pb::ResponseHeader & hdr, pb::ShardError err,
@@ -153,6 +156,7 @@ private:
     uint64_t kv_used_ = 0;      // positions held by all sessions
     uint64_t kv_reserved_ = 0;  // cells reserved by queued steps
     uint64_t next_generation_ = 1;
+    double last_decode_s_ = 0.0;  // EWMA of decode-only batch calls
     Clock::time_point last_sweep_;
 
     std::atomic<uint32_t> active_{0};
