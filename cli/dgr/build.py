@@ -133,7 +133,10 @@ def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> No
     for line in proc.stdout:
         tail.append(line.rstrip())
         tail = tail[-40:]
-        sys.stderr.write(line)  # Ninja status lines ("[12/345] Building …") are the progress
+        # Ninja status lines ("[12/345] Building …") are the progress; compiler chatter is kept
+        # for the error message only.
+        if line.startswith("[") or "error" in line.lower() or line.startswith(("FAILED", "CMake Error", "-- Configuring done", "-- Build files")):
+            sys.stderr.write(line)
     if proc.wait() != 0:
         raise DgrError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}); last lines:\n" + "\n".join(tail[-15:]))
 
