@@ -20,6 +20,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
+
 from .client import WorkerClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,6 +46,7 @@ class WorkerProcess:
         self.host = "127.0.0.1"
         self.port = 0
         self.metrics_port = 0
+        self.credentials: grpc.ChannelCredentials | None = None
         self.stdout_lines: list[str] = []
         self.stderr_lines: list[str] = []
         self._listening = threading.Event()
@@ -67,7 +70,10 @@ class WorkerProcess:
 
     @classmethod
     def start(cls, args: Sequence[str], *, binary: Path | None = None, listen: str = "127.0.0.1:0",
-              ready_timeout: float = 60.0, env: dict[str, str] | None = None) -> "WorkerProcess":
+              ready_timeout: float = 60.0, env: dict[str, str] | None = None,
+              credentials: grpc.ChannelCredentials | None = None) -> "WorkerProcess":
+        """Starts `dgr-worker serve --listen LISTEN ARGS` and waits for health SERVING
+        (through ``credentials`` when the worker serves TLS)."""
         binary = binary or default_binary()
         if not binary.is_file():
             raise WorkerStartError(f"{binary} missing: run `dgr build`")
@@ -75,6 +81,7 @@ class WorkerProcess:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env={**os.environ, **(env or {})})
         w = cls(proc, binary)
+        w.credentials = credentials
         end = time.monotonic() + ready_timeout
         while not w._listening.wait(0.05):
             if proc.poll() is not None or time.monotonic() > end:
@@ -100,6 +107,7 @@ class WorkerProcess:
         return self.proc.pid
 
     def client(self, **kw: object) -> WorkerClient:
+        kw.setdefault("credentials", self.credentials)
         return WorkerClient(self.target, **kw)  # type: ignore[arg-type]
 
     def rss_bytes(self) -> int:
