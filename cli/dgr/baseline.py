@@ -30,7 +30,7 @@ from typing import Any, Callable
 from . import __version__, paths
 from .errors import DgrError
 from .hf_export import prepare, require_baseline_extra, sha256_file
-from .llama_lane import CommandLog, backend_for, batched_bench, llama_bench, run_measured, run_probe
+from .llama_lane import CommandLog, Measured, backend_for, batched_bench, llama_bench, run_measured, run_probe
 
 RESULTS_SCHEMA = "dgr.bench.baseline/1"
 DATA_DIR = paths.PACKAGE_DIR / "data"
@@ -135,13 +135,13 @@ def _tokenize(hf_dir: Path, text: str, prompts: list[str]) -> tuple[list[int], l
     return text_ids, prompt_ids
 
 
-def _hf_recipe(name: str, dtype: str, hf_dir: Path, cfg: BaselineConfig, inputs: dict, work: Path,
-               log: CommandLog) -> tuple[dict, Any]:
-    import numpy as np
-
-    conf = {"hf_dir": str(hf_dir), "dtype": dtype, "device": cfg.device, "threads": cfg.threads,
+def _hf_process(name: str, dtype: str, mode: str, hf_dir: Path, cfg: BaselineConfig, inputs: dict, work: Path,
+                log: CommandLog) -> tuple[dict, Measured]:
+    """One ``python -m dgr.hf_lane`` process: ``full`` (greedy prompts, logits, scoring and one
+    timing round) or ``speed`` (one more timing round)."""
+    conf = {"hf_dir": str(hf_dir), "dtype": dtype, "device": cfg.device, "threads": cfg.threads, "mode": mode,
             "prompts": inputs["prompts"], "gen_tokens": cfg.prompt_gen_tokens,
-            "perf": {"ids": inputs["perf"], "n_gen": cfg.gen_tokens, "reps": cfg.reps, "rounds": cfg.rounds},
+            "perf": {"ids": inputs["perf"], "n_gen": cfg.gen_tokens, "reps": cfg.reps, "rounds": 1},
             "concurrency": list(cfg.concurrency), "c_prompts": inputs["c_prompts"],
             "score": {"ids": inputs["score"], "chunk": cfg.score_chunk},
             "logits_out": str(work / f"{name}.logits.npy")}
@@ -151,32 +151,49 @@ def _hf_recipe(name: str, dtype: str, hf_dir: Path, cfg: BaselineConfig, inputs:
                      env={"HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}, log=log)
     if m.returncode != 0:
         raise DgrError(f"{name} failed (exit {m.returncode}): {m.stderr.strip()[-400:]}")
-    r = json.loads(rpath.read_text())
-    runs = r["perf_runs"]
-    lat = [x for run in runs for x in run["token_latency_s"]]
-    conc = {c: _best(samples) for c, samples in r["concurrency"].items()}
+    return json.loads(rpath.read_text()), m
+
+
+def _hf_recipe(name: str, dtype: str, hf_dir: Path, cfg: BaselineConfig, inputs: dict, work: Path,
+               log: CommandLog) -> tuple[dict, Any]:
+    import numpy as np
+
+    r, m = _hf_process(name, dtype, "full", hf_dir, cfg, inputs, work, log)
     rec = {
         "runtime": "transformers", "precision": dtype, "device": cfg.device,
+        "peak_rss_bytes": m.peak_rss_bytes,
+        "vram_peak_bytes": r.get("vram_peak_bytes"),
+        "greedy_tokens": [g["tokens"] for g in r["gen"]],
+        "perf_tokens": r["perf_runs"][0]["tokens"],
+        "score": r["score"],
+        "versions": {"torch": r.get("torch")},
+        "timing_runs": [r],
+    }
+    _hf_speed_metrics(rec, cfg)
+    return rec, np.load(work / f"{name}.logits.npy")
+
+
+def _hf_speed_metrics(rec: dict, cfg: BaselineConfig) -> None:
+    """Speeds from every timing run of a transformers recipe: best run; latency percentiles pooled."""
+    runs = [x for r in rec["timing_runs"] for x in r["perf_runs"]]
+    prefill = [x for r in rec["timing_runs"] for x in r["prefill_seconds"]]
+    conc_samples = {c: [x for r in rec["timing_runs"] for x in r["concurrency"][str(c)]] for c in cfg.concurrency}
+    lat = [x for run in runs for x in run["token_latency_s"]]
+    conc = {str(c): _best(v) for c, v in conc_samples.items()}
+    rec.update({
         "ttft_seconds": min(run["ttft_s"] for run in runs),
-        "prefill_tokens_per_second": cfg.prompt_tokens / min(r["prefill_seconds"]),
+        "prefill_tokens_per_second": cfg.prompt_tokens / min(prefill),
         "decode_tokens_per_second": max(len(run["token_latency_s"]) / sum(run["token_latency_s"]) for run in runs),
         "token_latency_p50_seconds": percentile(lat, 0.50),
         "token_latency_p95_seconds": percentile(lat, 0.95),
         "throughput_c1_tokens_per_second": conc.get("1", {}).get("decode_tokens_per_second"),
         "throughput_c4_tokens_per_second": conc.get("4", {}).get("decode_tokens_per_second"),
         "concurrency": conc,
-        "samples": {"prefill_seconds": r["prefill_seconds"],
-                    "decode_tokens_per_second": [len(run["token_latency_s"]) / sum(run["token_latency_s"]) for run in runs],
-                    "concurrency": r["concurrency"]},
-        "peak_rss_bytes": m.peak_rss_bytes,
-        "vram_peak_bytes": r.get("vram_peak_bytes"),
-        "wall_seconds": round(m.wall_seconds, 2),
-        "greedy_tokens": [g["tokens"] for g in r["gen"]],
-        "perf_tokens": runs[0]["tokens"],
-        "score": r["score"],
-        "versions": {"torch": r.get("torch")},
-    }
-    return rec, np.load(conf["logits_out"])
+        "samples": {"prefill_seconds": prefill,
+                    "decode_tokens_per_second": [len(run["token_latency_s"]) / sum(run["token_latency_s"])
+                                                 for run in runs],
+                    "concurrency": {str(c): v for c, v in conc_samples.items()}},
+    })
 
 
 def _gguf_recipe(name: str, model: Path, cfg: BaselineConfig, inputs: dict, work: Path,
@@ -219,19 +236,26 @@ def _best(samples: list[dict[str, float]]) -> dict[str, float]:
     return {k: max(s[k] for s in samples if s.get(k) is not None) for k in sorted(keys)}
 
 
-def _llama_speed(models: dict[str, Path], recipes: dict[str, dict], cfg: BaselineConfig, log: CommandLog) -> None:
-    """llama-bench and llama-batched-bench for every GGUF recipe, interleaved over ``cfg.rounds``
-    rounds so a burst of other work on the machine does not land on one recipe only; each
-    recipe keeps its best round."""
-    samples: dict[str, dict[str, list]] = {n: {"llama_bench": [], "batched_bench": []} for n in models}
+def _speed_rounds(hf: dict[str, str], gguf: dict[str, Path], recipes: dict[str, dict], cfg: BaselineConfig,
+                  hf_dir: Path, inputs: dict, work: Path, log: CommandLog) -> None:
+    """Timing rounds over every recipe, interleaved (transformers processes, llama-bench and
+    llama-batched-bench in turn), so a burst of other work on the host does not land on one
+    recipe only; each recipe keeps its best run."""
+    samples: dict[str, dict[str, list]] = {n: {"llama_bench": [], "batched_bench": []} for n in gguf}
     for _ in range(cfg.rounds):
-        for name, model in models.items():
+        for name, dtype in hf.items():
+            r, m = _hf_process(name, dtype, "speed", hf_dir, cfg, inputs, work, log)
+            recipes[name]["timing_runs"].append(r)
+            recipes[name]["peak_rss_bytes"] = max(recipes[name]["peak_rss_bytes"], m.peak_rss_bytes)
+        for name, model in gguf.items():
             samples[name]["llama_bench"].append(
                 llama_bench(model, threads=cfg.threads, device=cfg.device, n_prompt=cfg.prompt_tokens,
                             n_gen=cfg.gen_tokens, reps=max(cfg.reps, 2), log=log))
             samples[name]["batched_bench"].append(
                 batched_bench(model, threads=cfg.threads, device=cfg.device, n_prompt=cfg.prompt_tokens,
                               n_gen=cfg.gen_tokens, concurrency=list(cfg.concurrency), log=log))
+    for name in hf:
+        _hf_speed_metrics(recipes[name], cfg)
     for name, smp in samples.items():
         rec = recipes[name]
         lbs, bbs = smp["llama_bench"], smp["batched_bench"]
@@ -323,12 +347,13 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
             except DgrError as exc:
                 failures.append({"recipe": name, "error": exc.one_line()})
                 recipes[name] = {"failures": [exc.one_line()]}
-        if measured:
-            progress(f"llama-bench / llama-batched-bench, {cfg.rounds} interleaved round(s) over {', '.join(measured)}")
+        hf_ok = {n: d for n, d in HF_RECIPES.items() if not recipes[n].get("failures")}
+        if measured or hf_ok:
+            progress(f"{cfg.rounds} interleaved timing round(s) over {', '.join([*hf_ok, *measured])}")
             try:
-                _llama_speed(measured, recipes, cfg, log)
+                _speed_rounds(hf_ok, measured, recipes, cfg, hf_dir, inputs, work, log)
             except DgrError as exc:
-                for name in measured:
+                for name in [*hf_ok, *measured]:
                     failures.append({"recipe": name, "error": exc.one_line()})
                     recipes[name] = {"failures": [exc.one_line()]}
     finally:
@@ -382,6 +407,7 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
                 "n_logit_rows": int(logits["llama.cpp-f32"].shape[0]),
             }
     for rec in recipes.values():  # bulky lists stay out of the summary blocks
+        rec.pop("timing_runs", None)
         if "score" in rec:
             rec["score"] = {"nll_sum": rec["score"]["nll_sum"], "n_scored": rec["score"]["n_scored"]}
 
@@ -401,7 +427,7 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
         "quick": cfg.quick,
         "config": {**asdict(cfg), "concurrency": list(cfg.concurrency), "n_ctx": cfg.n_ctx,
                    "sampling": "greedy (argmax), no penalties",
-                   "statistic": "speeds: best of the rounds/reps (llama.cpp recipes interleaved per round); "
+                   "statistic": "speeds: best run over the timing rounds (all recipes interleaved per round); "
                                 "latency percentiles pooled over all timed runs",
                    "text_sha256": sha256_file(TEXT_FILE), "prompts_sha256": sha256_file(PROMPTS_FILE),
                    "text_tokens": len(text_ids), "scored_tokens": len(inputs["score"]),
