@@ -14,7 +14,7 @@ import pytest
 
 from dgr.gguf_synth import SynthSpec, synthesize
 from dgr.shard.v1 import shard_runtime_pb2 as pb
-from meshnet_adapter.client import Sampling, ShardError, WorkerClient
+from meshnet_adapter.client import Sampling, ShardError, WorkerClient, boundary_rows, sampled
 from meshnet_adapter.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.native
@@ -166,10 +166,56 @@ def test_synthetic_model_eight_sessions(worker_bin, native_bin, synth_model):
     check_model(worker_bin, native_bin, synth_model, 16, exact=True)
 
 
-def test_partial_range_refused_without_range_patches(worker_bin, synth_model):
-    with pytest.raises(Exception) as ei:
-        WorkerProcess.start(["--model", str(synth_model), "--layers", "0:2"], binary=worker_bin, ready_timeout=60)
-    assert "range" in str(ei.value)
+def test_two_shard_route_matches_whole_model(worker_bin, synth_model):
+    """Head [0,2) and tail [2,4) workers chained by boundary bundles give the whole model's
+    greedy tokens, for several concurrent sessions."""
+    check_two_shards(worker_bin, synth_model, 2, 4, 12)
+
+
+@pytest.mark.real
+def test_smollm2_two_shard_route(worker_bin, smollm2_path):
+    check_two_shards(worker_bin, smollm2_path, 15, 30, 16)
+
+
+def check_two_shards(worker_bin: Path, model: Path, mid: int, n_layer: int, n: int) -> None:
+    args = ["--model", str(model), "--max-sessions", "4", "--ctx-per-session", "128", "--threads", "1"]
+    with WorkerProcess.start(args, binary=worker_bin, ready_timeout=120) as whole:
+        c = whole.client(timeout=60)
+        alone = [generate(c, p, n) for p in PROMPTS[:4]]
+        ids = [c.tokenize(p, add_special=True) for p in PROMPTS[:4]]
+    with WorkerProcess.start([*args, "--layers", f"0:{mid}"], binary=worker_bin, ready_timeout=120) as hw, \
+            WorkerProcess.start([*args, "--layers", f"{mid}:{n_layer}"], binary=worker_bin, ready_timeout=120) as tw:
+        h, t = hw.client(timeout=60), tw.client(timeout=60)
+        hi, ti = h.capability().identity, t.capability().identity
+        assert (hi.range.start, hi.range.end, hi.head, hi.tail) == (0, mid, True, False)
+        assert (ti.range.start, ti.range.end, ti.head, ti.tail) == (mid, n_layer, False, True)
+        res: dict[int, list[int]] = {}
+        errors: list[BaseException] = []
+
+        def run(i):
+            try:
+                hs, ts = h.open_session(f"r{i}"), t.open_session(f"r{i}")
+                rows = boundary_rows(hs.prefill_chunk(ids[i], sample=False), hi.n_embd)
+                out = [sampled(ts.prefill_chunk(rows=rows))]
+                for _ in range(n - 1):
+                    r = hs.exchange(hs._input_frame(pb.PHASE_DECODE, [out[-1]], None, False))
+                    hs._applied(r)
+                    r = ts.exchange(ts._input_frame(pb.PHASE_DECODE, None, boundary_rows(r, hi.n_embd), True))
+                    ts._applied(r)
+                    out.append(sampled(r))
+                res[i] = out
+                hs.close()
+                ts.close()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert not errors, errors
+        assert [res[i] for i in range(4)] == alone
 
 
 @pytest.mark.real

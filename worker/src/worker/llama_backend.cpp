@@ -25,78 +25,80 @@ std::string meta(const llama_model * m, const char * key) {
 }  // namespace
 
 uint64_t LlamaBackend::kv_bytes_per_cell(const llama_model * model) {
-    const uint64_t n_layer = (uint64_t) llama_model_n_layer(model);
+    // layer-filtered KV: only the owned layers hold cells
+    const uint64_t n_layer = (uint64_t) std::max(1, llama_model_layer_end(model) - llama_model_layer_start(model));
     const uint64_t n_head = (uint64_t) std::max(1, llama_model_n_head(model));
     const uint64_t n_head_kv = (uint64_t) std::max(1, llama_model_n_head_kv(model));
     const uint64_t head_dim = (uint64_t) llama_model_n_embd(model) / n_head;
     return 2 /*K,V*/ * 2 /*f16*/ * n_layer * n_head_kv * head_dim;
 }
 
-llama_model * llama_backend_peek_model(const std::string & path, std::string * error) {
-    llama_model_params mp = llama_model_default_params();
-    mp.n_gpu_layers = 0;
-    llama_model * m = llama_model_load_from_file(path.c_str(), mp);
-    if (!m && error) *error = "cannot load model '" + path + "'";
-    return m;
+uint64_t llama_kv_bytes_per_cell(const std::string & path, uint32_t layer_start, uint32_t layer_end,
+                                 std::string * error) {
+    dgr::ShardModelOptions mo;
+    mo.path = path;
+    mo.layer_start = (int32_t) layer_start;
+    mo.layer_end = (int32_t) layer_end;
+    mo.n_gpu_layers = 0;
+    auto m = dgr::ShardModel::load(mo, error);
+    if (!m) {
+        if (error && error->empty()) *error = "cannot load model '" + path + "'";
+        return 0;
+    }
+    return LlamaBackend::kv_bytes_per_cell(m->get());
 }
 
 std::unique_ptr<LlamaBackend> LlamaBackend::create(const LlamaBackendOptions & o, std::string * error) {
     std::unique_ptr<LlamaBackend> b(new LlamaBackend());
-    llama_model_params mp = llama_model_default_params();
-    if (o.n_gpu_layers >= 0) mp.n_gpu_layers = o.n_gpu_layers;
-    b->model_ = llama_model_load_from_file(o.path.c_str(), mp);
+    dgr::ShardModelOptions mo;
+    mo.path = o.path;
+    mo.layer_start = (int32_t) o.layer_start;
+    mo.layer_end = (int32_t) o.layer_end;
+    mo.n_gpu_layers = o.n_gpu_layers;
+    b->model_ = dgr::ShardModel::load(mo, error);
     if (!b->model_) {
-        *error = "cannot load model '" + o.path + "' (see the llama.cpp log above)";
+        if (error && error->empty()) *error = "cannot load model '" + o.path + "' (see the llama.cpp log above)";
         return nullptr;
     }
-    const uint32_t n_layer = (uint32_t) llama_model_n_layer(b->model_);
-    const uint32_t end = o.layer_end ? o.layer_end : n_layer;
-    if (o.layer_start != 0 || end != n_layer) {
-        *error = "this build serves whole models only (range 0:" + std::to_string(n_layer) +
-                 "); layer ranges need the range patches (shard_model)";
-        return nullptr;
-    }
-    b->vocab_ = llama_model_get_vocab(b->model_);
-    llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = o.kv_cells;
-    cp.n_batch = o.max_batch_tokens;
-    cp.n_ubatch = o.max_batch_tokens;
-    cp.n_seq_max = o.n_seq_max;
-    cp.kv_unified = o.kv_unified;
-    cp.no_perf = true;
-    if (o.threads > 0) {
-        cp.n_threads = o.threads;
-        cp.n_threads_batch = o.threads;
-    }
-    b->ctx_ = llama_init_from_model(b->model_, cp);
+    const dgr::ShardModel & m = *b->model_;
+    b->vocab_ = m.vocab();
+    dgr::ShardContextOptions co;
+    co.n_ctx = o.kv_cells;
+    co.n_batch = o.max_batch_tokens;
+    co.n_ubatch = o.max_batch_tokens;
+    co.n_seq_max = o.n_seq_max;
+    co.kv_unified = o.kv_unified;
+    co.n_threads = o.threads;
+    b->ctx_ = dgr::ShardContext::create(m, co, error);
     if (!b->ctx_) {
-        *error = "cannot create a llama context (n_ctx " + std::to_string(o.kv_cells) + ", n_seq_max " +
-                 std::to_string(o.n_seq_max) + ")";
+        if (error && error->empty()) {
+            *error = "cannot create a llama context (n_ctx " + std::to_string(o.kv_cells) + ", n_seq_max " +
+                     std::to_string(o.n_seq_max) + ")";
+        }
         return nullptr;
     }
-    b->batch_ = llama_batch_init((int32_t) o.max_batch_tokens, 0, 1);
-    b->batch_init_ = true;
+    llama_context * ctx = b->ctx_->get();
 
     BackendInfo & in = b->info_;
-    in.architecture = meta(b->model_, "general.architecture");
-    in.n_layer = n_layer;
-    in.layer_start = 0;
-    in.layer_end = n_layer;
-    in.head = true;
-    in.tail = true;
-    in.n_embd = (uint32_t) llama_model_n_embd(b->model_);
-    in.n_vocab = (uint32_t) llama_vocab_n_tokens(b->vocab_);
-    in.kv_cells = llama_n_ctx(b->ctx_);
-    in.max_batch_tokens = llama_n_batch(b->ctx_);
-    in.n_seq_max = llama_n_seq_max(b->ctx_);
+    in.architecture = meta(m.get(), "general.architecture");
+    in.n_layer = (uint32_t) m.n_layer();
+    in.layer_start = (uint32_t) m.layer_start();
+    in.layer_end = (uint32_t) m.layer_end();
+    in.head = m.is_head();
+    in.tail = m.is_tail();
+    in.n_embd = (uint32_t) m.n_embd();
+    in.n_vocab = (uint32_t) m.n_vocab();
+    in.kv_cells = llama_n_ctx(ctx);
+    in.max_batch_tokens = llama_n_batch(ctx);
+    in.n_seq_max = llama_n_seq_max(ctx);
     struct stat st{};
     ::stat(o.path.c_str(), &st);
     uint64_t h = 1469598103934665603ULL;
     h = fnv(h, in.architecture);
-    h = fnv(h, std::to_string(n_layer) + "/" + std::to_string(in.n_embd) + "/" + std::to_string(in.n_vocab) + "/" +
+    h = fnv(h, std::to_string(in.n_layer) + "/" + std::to_string(in.n_embd) + "/" + std::to_string(in.n_vocab) + "/" +
                    std::to_string((long long) st.st_size));
     char desc[256];
-    llama_model_desc(b->model_, desc, sizeof desc);
+    llama_model_desc(m.get(), desc, sizeof desc);
     h = fnv(h, desc);
     in.artifact_id = o.artifact_id.empty() ? "unverified-" + hex64(h) : o.artifact_id;
     in.fingerprint = o.fingerprint.empty() ? "unverified-" + hex64(fnv(h, "recipe")) : o.fingerprint;
@@ -106,9 +108,8 @@ std::unique_ptr<LlamaBackend> LlamaBackend::create(const LlamaBackendOptions & o
 }
 
 LlamaBackend::~LlamaBackend() {
-    if (batch_init_) llama_batch_free(batch_);
-    if (ctx_) llama_free(ctx_);
-    if (model_) llama_model_free(model_);
+    ctx_.reset();
+    model_.reset();
 }
 
 BackendStatus LlamaBackend::decode(const DecodeBatch & in, std::string * error) {
@@ -117,28 +118,30 @@ BackendStatus LlamaBackend::decode(const DecodeBatch & in, std::string * error) 
         if (error) *error = "batch size out of range";
         return BackendStatus::invalid_argument;
     }
-    batch_.n_tokens = n;
-    for (int32_t i = 0; i < n; ++i) {
-        batch_.token[i] = in.tokens[i];
-        batch_.pos[i] = in.pos[i];
-        batch_.n_seq_id[i] = 1;
-        batch_.seq_id[i][0] = in.seq[i];
-        batch_.logits[i] = in.output[i];
+    batch_.tokens.assign(in.tokens.begin(), in.tokens.end());
+    batch_.embd.assign(in.embd.begin(), in.embd.end());
+    batch_.pos.assign(in.pos.begin(), in.pos.end());
+    batch_.seq.assign(in.seq.begin(), in.seq.end());
+    // a non-tail shard returns every row's boundary output regardless of the flags
+    batch_.logits.assign(in.output.begin(), in.output.end());
+    const dgr::DecodeStatus st = ctx_->decode(batch_, error);
+    switch (st) {
+        case dgr::DecodeStatus::ok: return BackendStatus::ok;
+        case dgr::DecodeStatus::resource_exhausted: return BackendStatus::resource_exhausted;
+        case dgr::DecodeStatus::aborted: return BackendStatus::aborted;
+        case dgr::DecodeStatus::invalid_argument: return BackendStatus::invalid_argument;
+        default: return BackendStatus::internal;
     }
-    const int32_t rc = llama_decode(ctx_, batch_);
-    if (rc == 0) return BackendStatus::ok;
-    if (error) *error = "llama_decode returned " + std::to_string(rc);
-    std::fprintf(stderr, "%s: error: llama_decode returned %d\n", __func__, rc);
-    if (rc == 1) return BackendStatus::resource_exhausted;
-    if (rc == 2) return BackendStatus::aborted;
-    if (rc == -1) return BackendStatus::invalid_argument;
-    return BackendStatus::internal;
 }
 
-const float * LlamaBackend::output_row(int32_t i) { return llama_get_logits_ith(ctx_, i); }
+const float * LlamaBackend::output_row(int32_t i) {
+    if (info_.tail) return ctx_->logits_ith(i);
+    const float * rows = ctx_->boundary_output();
+    return rows ? rows + (size_t) i * info_.n_embd : nullptr;
+}
 
 void LlamaBackend::seq_rm(int32_t seq, int32_t p0, int32_t p1) {
-    if (!llama_memory_seq_rm(llama_get_memory(ctx_), seq, p0, p1)) {
+    if (!ctx_->seq_rm(seq, p0, p1)) {
         std::fprintf(stderr, "%s: error: llama_memory_seq_rm(%d, %d, %d) failed\n", __func__, seq, p0, p1);
     }
 }

@@ -1,11 +1,12 @@
-// The llama.cpp backend: one llama_model + one llama_context holding one llama sequence per
-// session (n_seq_max = max sessions, n_ctx = the KV cells budget), by default each in its own KV
-// stream (see LlamaBackendOptions::kv_unified).
-// On the stock pinned llama.cpp this serves the whole model (range 0:n_layer, head + tail:
-// tokens in, logits out). Range-aware loading and boundary rows come with the range patches
-// (worker/src/common/shard_model.h); until then a partial --layers is refused.
+// The llama.cpp backend over the patched llama.cpp (common/shard_model.h): a model loaded by
+// layer range (a full GGUF with --layers, or a slice) and one context holding one llama
+// sequence per session (n_seq_max = max sessions, n_ctx = the KV cells budget), by default each
+// in its own KV stream (see LlamaBackendOptions::kv_unified). Heads take token ids, other shards
+// boundary rows; tails return logits, other shards the residual leaving their last layer. The
+// range and roles are read back from the loaded model.
 #pragma once
 
+#include "common/shard_model.h"
 #include "worker/backend.h"
 
 #include "llama.h"
@@ -57,14 +58,14 @@ protected:
 private:
     LlamaBackend() = default;
     BackendInfo info_;
-    llama_model * model_ = nullptr;
-    llama_context * ctx_ = nullptr;
+    std::unique_ptr<dgr::ShardModel> model_;
+    std::unique_ptr<dgr::ShardContext> ctx_;  // destroyed before model_
     const llama_vocab * vocab_ = nullptr;
-    llama_batch batch_{};
-    bool batch_init_ = false;
+    dgr::ShardBatch batch_;
 };
 
-// Loads only the model (no context) to size the KV budget; caller frees with llama_model_free.
-llama_model * llama_backend_peek_model(const std::string & path, std::string * error);
+// Bytes one KV cell of the given range takes (loads the model briefly); 0 + *error on failure.
+uint64_t llama_kv_bytes_per_cell(const std::string & path, uint32_t layer_start, uint32_t layer_end,
+                                 std::string * error);
 
 }  // namespace dgr::worker

@@ -476,6 +476,10 @@ void Scheduler::handle_frame(Event & ev) {
         }
         eff = std::max<uint32_t>(h.effective_start(), info_.layer_start);
         if (eff >= info_.layer_end) return fail(pb::ERROR_REASON_RANGE_MISMATCH, "effective_start outside the served range");
+        if (eff != info_.layer_start) {
+            return fail(pb::ERROR_REASON_RANGE_MISMATCH,
+                        "this worker runs its whole range: effective_start must be unset or the shard start");
+        }
         if (h.compression() != pb::COMPRESSION_UNSPECIFIED && h.compression() != pb::COMPRESSION_NONE) {
             return fail(pb::ERROR_REASON_UNSUPPORTED_COMPRESSION, "this worker accepts COMPRESSION_NONE only");
         }

@@ -272,13 +272,13 @@ int serve_main(int argc, char ** argv) {
     } else {
         llama_backend_init();
         if (o.kv_budget_mb > 0 && !o.kv_cells) {
-            llama_model * m = llama_backend_peek_model(o.model, &err);
-            if (!m) {
+            const uint64_t per_cell = llama_kv_bytes_per_cell(o.model, o.has_layers ? o.layer_start : 0,
+                                                              o.has_layers ? o.layer_end : 0, &err);
+            if (!per_cell) {
                 std::fprintf(stderr, "dgr-worker: error: %s\n", err.c_str());
                 return 1;
             }
-            kv_cells = (uint64_t) (o.kv_budget_mb * 1048576.0 / (double) LlamaBackend::kv_bytes_per_cell(m));
-            llama_model_free(m);
+            kv_cells = (uint64_t) (o.kv_budget_mb * 1048576.0 / (double) per_cell);
         }
         if (!o.kv_unified) {
             // one stream per session: every session gets the same share
