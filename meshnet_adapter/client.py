@@ -204,9 +204,14 @@ class WorkerClient:
         return r.text
 
     def open_session(self, session_id: str | None = None, epoch: int = 1, *,
-                     sampling: Sampling | None = None, step_timeout: float | None = None) -> "SessionStream":
+                     sampling: Sampling | None = None, step_timeout: float | None = None,
+                     stream_deadline: float | None = None) -> "SessionStream":
+        """A Session stream. ``step_timeout``: seconds to wait for each answer (client side);
+        ``stream_deadline``: a gRPC deadline for the whole stream (the worker sees it expire,
+        cancels the stream and releases the session)."""
         return SessionStream(self, session_id or uuid.uuid4().hex, epoch, sampling=sampling,
-                             step_timeout=self.timeout if step_timeout is None else step_timeout)
+                             step_timeout=self.timeout if step_timeout is None else step_timeout,
+                             stream_deadline=stream_deadline)
 
 
 class SessionStream:
@@ -218,7 +223,7 @@ class SessionStream:
     """
 
     def __init__(self, client: WorkerClient, session_id: str, epoch: int, *,
-                 sampling: Sampling | None, step_timeout: float) -> None:
+                 sampling: Sampling | None, step_timeout: float, stream_deadline: float | None = None) -> None:
         self.client = client
         self.session_id = session_id
         self.epoch = epoch
@@ -231,7 +236,7 @@ class SessionStream:
         self._responses: queue.Queue = queue.Queue()
         self._closed = False
         self._ids = itertools.count()
-        self._call = client.stub.Session(self._request_iter())
+        self._call = client.stub.Session(self._request_iter(), timeout=stream_deadline)
         self._reader = threading.Thread(target=self._read, name=f"session-{session_id[:8]}", daemon=True)
         self._reader.start()
 

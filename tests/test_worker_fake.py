@@ -508,3 +508,15 @@ def test_kill9_gives_unavailable_quickly(worker_bin):
     assert time.monotonic() - t0 < 10
     with pytest.raises(WorkerUnavailable):
         c.capability(refresh=True, timeout=5)
+
+
+def test_stream_deadline_releases_the_session(worker_bin):
+    with start(worker_bin, "--fake-delay-ms", "1500") as w:
+        c = w.client()
+        s = c.open_session("late", stream_deadline=0.5)
+        with pytest.raises(WorkerError) as ei:
+            s.prefill([1, 2, 3])
+        assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert poll(lambda: c.load().active_sessions == 0 and c.load().kv_cells_used == 0, 10,
+                    what="session released after the deadline")
+        assert c.metric("dgr_sessions_cancelled_total") >= 1
