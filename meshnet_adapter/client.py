@@ -418,3 +418,123 @@ def boundary_rows(resp: pb.SessionResponse, n_embd: int) -> np.ndarray:
     """The residual rows of a non-tail shard's response."""
     n = resp.header.positions.end - resp.header.positions.start
     return bundle_mod.read_boundary(resp.boundary, n_tokens=n, n_embd=n_embd)
+
+
+class AsyncWorkerClient:
+    """asyncio variant (grpc.aio) of :class:`WorkerClient` for route code that drives many
+    sessions from one event loop. Same frames; errors raise the same exception types."""
+
+    def __init__(self, target: str, *, timeout: float = 10.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        opts = channel_options()
+        self._channel = (grpc.aio.secure_channel(target, credentials, options=opts) if credentials
+                         else grpc.aio.insecure_channel(target, options=opts))
+        self.stub = pb_grpc.ShardRuntimeServiceStub(self._channel)
+        self._cap: pb.GetCapabilityResponse | None = None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncWorkerClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, fn, req, timeout: float | None):
+        try:
+            return await fn(req, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as exc:
+            raise _wrap(exc) from None
+
+    async def capability(self, *, refresh: bool = False) -> pb.GetCapabilityResponse:
+        if self._cap is None or refresh:
+            self._cap = await self._call(self.stub.GetCapability, pb.GetCapabilityRequest(), None)
+        return self._cap
+
+    async def metrics(self) -> pb.GetMetricsResponse:
+        return await self._call(self.stub.GetMetrics, pb.GetMetricsRequest(), None)
+
+    async def release(self, session_id: str, epoch: int = 0) -> pb.ReleaseSessionResponse:
+        return await self._call(self.stub.ReleaseSession,
+                                pb.ReleaseSessionRequest(session_id=session_id, route_epoch=epoch), None)
+
+    async def cancel(self, session_id: str, epoch: int = 0) -> pb.CancelSessionResponse:
+        return await self._call(self.stub.CancelSession,
+                                pb.CancelSessionRequest(session_id=session_id, route_epoch=epoch), None)
+
+    async def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
+        r = await self._call(self.stub.Tokenize, pb.TokenizeRequest(text=text, add_special=add_special), None)
+        return list(r.token_ids)
+
+    async def open_session(self, session_id: str | None = None, epoch: int = 1, *,
+                           sampling: Sampling | None = None) -> "AsyncSessionStream":
+        cap = await self.capability()
+        return AsyncSessionStream(self, cap, session_id or uuid.uuid4().hex, epoch, sampling)
+
+
+class AsyncSessionStream:
+    """asyncio Session stream; frames are built exactly as :class:`SessionStream` builds them."""
+
+    def __init__(self, client: AsyncWorkerClient, cap: pb.GetCapabilityResponse, session_id: str, epoch: int,
+                 sampling: Sampling | None) -> None:
+        self.client = client
+        self.session_id = session_id
+        self.epoch = epoch
+        self.sampling = sampling
+        self.cap = cap
+        self.step = 0
+        self.positions = 0
+        self._ids = itertools.count()
+        self._call = client.stub.Session()
+
+    # frame builders shared with the sync stream
+    header = SessionStream.header
+    _input_frame = SessionStream._input_frame
+    _applied = SessionStream._applied
+
+    async def exchange(self, req: pb.SessionRequest, *, raise_errors: bool = True,
+                       timeout: float | None = None) -> pb.SessionResponse:
+        import asyncio
+
+        try:
+            await self._call.write(req)
+            resp = await asyncio.wait_for(self._call.read(), self.client.timeout if timeout is None else timeout)
+        except grpc.RpcError as exc:
+            raise _wrap(exc) from None
+        if resp is grpc.aio.EOF:
+            raise WorkerError(grpc.StatusCode.OK, "stream ended")
+        if resp.HasField("error") and raise_errors:
+            raise ShardError(resp.error, resp.header)
+        return resp
+
+    async def prefill(self, tokens: Sequence[int]) -> int | None:
+        chunk = self.cap.capacity.max_prefill_chunk_tokens or 256
+        resp = None
+        for i in range(0, len(tokens), chunk):
+            req = self._input_frame(pb.PHASE_PREFILL, tokens[i:i + chunk], None, i + chunk >= len(tokens))
+            resp = self._applied(await self.exchange(req))
+        return sampled(resp)
+
+    async def decode(self, token: int) -> int | None:
+        req = pb.SessionRequest(fast_decode=pb.FastDecodeFrame(
+            session_id=self.session_id, route_epoch=self.epoch, step=self.step, position=self.positions,
+            token_id=token))
+        return sampled(self._applied(await self.exchange(req)))
+
+    async def generate(self, first: int, n: int) -> list[int]:
+        out: list[int] = []
+        tok = first
+        for _ in range(n):
+            tok = await self.decode(tok)  # type: ignore[assignment]
+            out.append(tok)
+        return out
+
+    async def close(self) -> None:
+        """Half-closes the stream (the worker releases the session)."""
+        try:
+            await self._call.done_writing()
+        except grpc.RpcError:
+            pass

@@ -520,3 +520,23 @@ def test_stream_deadline_releases_the_session(worker_bin):
         assert poll(lambda: c.load().active_sessions == 0 and c.load().kv_cells_used == 0, 10,
                     what="session released after the deadline")
         assert c.metric("dgr_sessions_cancelled_total") >= 1
+
+
+def test_async_client_eight_sessions_match_sync(worker):
+    import asyncio
+
+    from meshnet_adapter.client import AsyncWorkerClient
+
+    ref = [run_alone(worker.client(), p, n=8) for p in PROMPTS]
+
+    async def main():
+        async with AsyncWorkerClient(worker.target) as c:
+            async def one(p):
+                s = await c.open_session()
+                first = await s.prefill(p)
+                out = [first, *await s.generate(first, 8)]
+                await s.close()
+                return out
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    assert asyncio.run(main()) == ref
