@@ -30,6 +30,10 @@ SampleResult sample_logits(const float * logits, int32_t n_vocab, const Sampling
     for (int32_t v = 0; v < n_vocab; ++v) {
         if (logits[v] > mx) { mx = logits[v]; arg = v; }
     }
+    if (!c.stochastic && c.top_logprobs == 0) {
+        r.token = arg;  // plain greedy: no softmax needed (logprob is only reported with top_logprobs)
+        return r;
+    }
     double z = 0.0;
     for (int32_t v = 0; v < n_vocab; ++v) z += std::exp((double) logits[v] - mx);
     const double lse = mx + std::log(z);
