@@ -197,9 +197,11 @@ def worker_binary(backend: str = "cpu") -> Path:
 
 
 def tool_binary(name: str, backend: str = "cpu", *, build_missing: bool = True) -> Path:
+    """A built program of build/<backend>/bin; with ``build_missing`` it is (re)built when
+    missing or out of date (a no-op Ninja run otherwise)."""
     exe = paths.backend_build_dir(backend) / "bin" / name
-    if not exe.is_file():
-        if not build_missing:
-            raise DgrError(f"{exe} not built", hint=f"run `dgr build --backend {backend} --target {name}`")
+    if build_missing:
         build(backend, targets=(name,))
+    elif not exe.is_file():
+        raise DgrError(f"{exe} not built", hint=f"run `dgr build --backend {backend} --target {name}`")
     return exe

@@ -50,6 +50,7 @@ class StoryContext:
     limitations: list[str] = field(default_factory=list)
     backend: str = "cpu"
     model: Path | None = None
+    attachments: dict[str, str] = field(default_factory=dict)
 
     @property
     def build_bin(self) -> Path:
@@ -87,6 +88,12 @@ class StoryContext:
 
     def limitation(self, text: str) -> None:
         self.limitations.append(text)
+
+    def attach(self, name: str, text: str) -> None:
+        """A further file of the evidence folder, written by the tool (e.g. a contract JSON)."""
+        if "/" in name or name in ("README.md", "commands.txt", "results.json", "environment.json"):
+            raise ValueError(f"attachment name {name!r} is reserved or not a plain file name")
+        self.attachments[name] = text
 
 
 @dataclass(frozen=True)
@@ -231,6 +238,8 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str = "cp
         "metrics": ctx.results, "limitations": ctx.limitations,
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
+    for name, text in ctx.attachments.items():
+        (out_dir / name).write_text(text)
     (out_dir / "README.md").write_text(_readme(st, ctx, ok, env, elapsed, error))
     return ok, out_dir
 
@@ -257,6 +266,7 @@ def _readme(st: Story, ctx: StoryContext, ok: bool, env: dict, elapsed: float, e
               "- `commands.txt`: every command the run executed, with exit codes and times",
               "- `results.json`: raw metrics and per-criterion results",
               "- `environment.json`: host, CPU, OS, compiler, backend, pin, patch digest, package versions"]
+    lines += [f"- `{name}`: written by this run" for name in sorted(ctx.attachments)]
     if ctx.limitations or error:
         lines += ["", "## Limitations", ""]
         lines += [f"- {t}" for t in ctx.limitations]

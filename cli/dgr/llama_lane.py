@@ -1,7 +1,7 @@
 """Whole-model llama.cpp measurements at the pin for the DGR-001 baseline.
 
 Pinned tools do the speed numbers (``llama-bench`` for prefill/decode, ``llama-batched-bench``
-for aggregate throughput at 1 and 4 sessions); a small probe program (``native/llama_probe.cpp``,
+for aggregate throughput at 1 and 4 sessions); a small probe program (``worker/tools/dgr_llama_probe.cpp``,
 linked against the same static libraries) does what they do not: greedy decoding of given token
 ids with per-token timings, prompt logits for parity, and log-likelihood of the shipped text.
 Every subprocess is timed and its peak RSS taken with ``wait4``.
@@ -9,11 +9,9 @@ Every subprocess is timed and its peak RSS taken with ``wait4``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import tempfile
 import time
@@ -21,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import build, paths
+from . import build
 from .errors import DgrError
 
-PROBE_SOURCE = paths.PACKAGE_DIR / "native" / "llama_probe.cpp"
 PROBE_NAME = "dgr-llama-probe"
 
 
@@ -101,38 +98,9 @@ def gpu_layers(device: str) -> str:
 
 
 def probe_binary(backend: str = "cpu") -> Path:
-    """Build (or reuse) dgr-llama-probe against the pinned static libraries of ``backend``."""
-    bdir = paths.backend_build_dir(backend)
-    libllama = bdir / "llama.cpp" / "src" / "libllama.a"
-    if not libllama.is_file():
-        build.build(backend, targets=("llama",))
-    exe = bdir / "bin" / PROBE_NAME
-    with open(paths.build_dir() / f".build-{backend}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # never link against libraries a build is rewriting
-        ggml_dir = bdir / "llama.cpp" / "ggml" / "src"
-        backends = sorted(p for p in ggml_dir.rglob("libggml-*.a") if p.name != "libggml-base.a")
-        # link order: llama, ggml (backend registry), the backends, then ggml-base they all use
-        libs = [p for p in [libllama, ggml_dir / "libggml.a", *backends, ggml_dir / "libggml-base.a"] if p.is_file()]
-        newest = max([PROBE_SOURCE.stat().st_mtime] + [p.stat().st_mtime for p in libs])
-        if exe.is_file() and exe.stat().st_mtime >= newest:
-            return exe
-        src = paths.patched_source_dir()
-        cxx = os.environ.get("CXX") or "c++"
-        if shutil.which(cxx) is None:
-            raise DgrError(f"C++ compiler {cxx} not found", hint="apt-get install build-essential")
-        extra: list[str] = []
-        ccjson = bdir / "compile_commands.json"
-        if ccjson.is_file() and "GGML_USE_OPENMP" in ccjson.read_text(errors="replace"):
-            extra.append("-fopenmp")
-        if backend == "cuda":
-            extra += ["-L/usr/local/cuda/lib64", "-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]
-        exe.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [cxx, "-O2", "-std=c++17", f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}",
-               str(PROBE_SOURCE), "-o", str(exe), *map(str, libs), *extra, "-lpthread", "-ldl", "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise DgrError(f"building {PROBE_NAME} failed: {proc.stderr.strip()[-600:]}")
-    return exe
+    """dgr-llama-probe (worker/tools/dgr_llama_probe.cpp), built by CMake against the pinned
+    static libraries of ``backend`` (up to date on every call)."""
+    return build.tool_binary(PROBE_NAME, backend)
 
 
 # ---- pinned tools ------------------------------------------------------------------------

@@ -13,9 +13,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
-from .. import evidence, paths
+from .. import paths
 from ..evidence import StoryContext, story
 
 REQUIRED_METRICS = ("ttft_seconds", "prefill_tokens_per_second", "decode_tokens_per_second",
@@ -28,35 +27,6 @@ ATTACHMENTS = ("performance-contract.json", "baseline.json")
 
 def _dgr(ctx: StoryContext, *args: str, timeout: float = 5400):
     return ctx.command([sys.executable, "-m", "dgr.main", *args], timeout=timeout)
-
-
-def _attach(ctx: StoryContext, name: str, text: str) -> None:
-    """Files the evidence folder carries beside README/commands/results/environment."""
-    files = getattr(ctx, "attachments", None)
-    if files is None:
-        files = {}
-        ctx.attachments = files  # type: ignore[attr-defined]
-    files[name] = text
-
-
-def _install_attachment_writer() -> None:
-    # The acceptance runner writes README/commands/results/environment only. Until it grows a
-    # native way to carry extra files, write this story's attachments into the fresh evidence
-    # folder just before its README (the last file the runner writes).
-    if getattr(evidence, "_dgr001_attachments", False) or hasattr(StoryContext, "attach"):
-        return
-    original = evidence._readme
-
-    def readme(st, ctx, *args, **kwargs):
-        for name, text in (getattr(ctx, "attachments", None) or {}).items():
-            (ctx.out_dir / name).write_text(text)
-        return original(st, ctx, *args, **kwargs)
-
-    evidence._readme = readme
-    evidence._dgr001_attachments = True
-
-
-_install_attachment_writer()
 
 
 def _ratio_detail(doc: dict) -> str:
@@ -103,7 +73,7 @@ def run(ctx: StoryContext) -> None:
         ctx.check("`dgr bench baseline` measured every recipe", False, (proc.stderr or proc.stdout).strip()[-400:])
         return
     doc = json.loads(raw.read_text())
-    _attach(ctx, "baseline.json", raw.read_text())
+    ctx.attach("baseline.json", raw.read_text())
     recipes = doc["recipes"]
     failed = {k: v["failures"] for k, v in recipes.items() if v.get("failures")}
     cfg = doc["config"]
@@ -141,7 +111,7 @@ def run(ctx: StoryContext) -> None:
     ok = proc.returncode == 0 and contract_path.is_file()
     contract = json.loads(contract_path.read_text()) if ok else {}
     if ok:
-        _attach(ctx, "performance-contract.json", contract_path.read_text())
+        ctx.attach("performance-contract.json", contract_path.read_text())
     stop = contract.get("stop_condition", {})
     ctx.check("versioned performance contract with lanes, hardware class, metrics, thresholds and an explicit "
               "stop condition",
