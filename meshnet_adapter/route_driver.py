@@ -134,7 +134,9 @@ class _Stream:
         except grpc.aio.AioRpcError as exc:
             raise RouteSessionError(self.shard, exc.code().name, exc.details() or "", grpc_code=exc.code().value[0]) from None
         except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:  # the call already ended
-            raise RouteSessionError(self.shard, "STREAM_CLOSED", str(exc) or "the session stream ended") from None
+            code, details = await self._final_status()
+            raise RouteSessionError(self.shard, code or "STREAM_CLOSED", details or str(exc) or "the session stream ended",
+                                    grpc_code=None) from None
         dt = time.perf_counter() - t0
         self.busy_s += dt
         nin, nout = req.ByteSize(), resp.ByteSize()
@@ -148,6 +150,15 @@ class _Stream:
             e = resp.error
             raise RouteSessionError(self.shard, pb.ErrorReason.Name(e.reason), e.message, grpc_code=e.grpc_code)
         return resp
+
+    async def _final_status(self) -> tuple[str, str]:
+        """The status the stream ended with (e.g. UNAVAILABLE when the worker died)."""
+        try:
+            code = await asyncio.wait_for(self.call.code(), 1.0)
+            details = await asyncio.wait_for(self.call.details(), 1.0)
+            return code.name, details or ""
+        except Exception:
+            return "", ""
 
     async def _complete_boundary(self, resp: pb.SessionResponse) -> pb.SessionResponse:
         """A boundary bundle may be spread over several responses with the same header."""

@@ -24,6 +24,7 @@ DEFAULT_PROMPTS = (
     "Give me three tips for learning to cook.",
     "Explain what a transformer layer does, in two sentences.",
 )
+COLOCATED_SPINCOUNT = "10000"
 CHATML = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -119,7 +120,8 @@ class LocalRoute:
     def __init__(self, model: Path | None, split: Sequence[tuple[int, int]], *, fake: bool = False,
                  slices: bool = False, threads: int | None = None, max_sessions: int = 8,
                  ctx_per_session: int = 2048, extra_args: Sequence[str] = (), backend: str = "cpu",
-                 slice_dir: Path | None = None, log: Callable[[str], None] | None = None) -> None:
+                 slice_dir: Path | None = None, log: Callable[[str], None] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.model = model
         self.split = list(split)
         self.fake = fake
@@ -135,6 +137,13 @@ class LocalRoute:
         self.files: list[Path] = []
         self.fingerprint = ""
         self.artifact_id = ""
+        # Co-located shards: libgomp's idle threads spin (~300k rounds) after every parallel region
+        # and steal the cores the next shard computes on; a short spin keeps the hand-off cheap
+        # (measured on 2 cores, SmolLM2 0:15|15:30: single-session decode 0.53 -> ~0.88 of the
+        # whole model). An explicit GOMP_SPINCOUNT in the environment wins.
+        self.env = dict(env or {})
+        if len(self.split) > 1 and "GOMP_SPINCOUNT" not in os.environ:
+            self.env.setdefault("GOMP_SPINCOUNT", COLOCATED_SPINCOUNT)
 
     def _args(self, i: int) -> list[str]:
         a, b = self.split[i]
@@ -180,7 +189,8 @@ class LocalRoute:
         try:
             for i, (a, b) in enumerate(self.split):
                 try:
-                    self.workers.append(WorkerProcess.start(self._args(i), binary=binary, ready_timeout=120))
+                    self.workers.append(WorkerProcess.start(self._args(i), binary=binary, ready_timeout=120,
+                                                            env=self.env))
                 except WorkerStartError as exc:
                     raise DgrError(f"worker for layers {a}:{b} did not start: {exc}") from None
                 self.log(f"worker [{a}:{b}) pid {self.workers[-1].pid} on {self.workers[-1].target}")
