@@ -58,3 +58,56 @@ def test_four_concurrent_sessions_isolated_and_released(routes):
     assert compare(seq, wseq).ok
     assert all(x.sessions_left == 0 and x.kv_cells_left == 0 and x.kv_cells_peak > 0 for x in conc.workers)
     assert 0 < conc.seam_bytes_per_decode_token <= 2 * 576 * 4 + 256
+
+
+def test_relayed_real_route_equals_direct(routes):
+    """The same frames through a byte relay (loopback, 1000-byte pieces) to the real workers."""
+    from meshnet_adapter.relay_bridge import LoopbackRelay, RelayBridge
+
+    r, _ = routes
+
+    async def main():
+        bridges = [await RelayBridge(ep).start() for ep in r.endpoints]
+        relays = [await LoopbackRelay(b.address).start() for b in bridges]
+        try:
+            out = []
+            for eps in (r.endpoints, [x.endpoint for x in relays]):
+                d = await RouteDriver(eps).connect()
+                try:
+                    toks = await d.tokenize("Relays move bytes, not meaning.", add_special=True)
+                    out.append(await d.generate(toks, max_tokens=16, sampling=Sampling(ignore_eog=True),
+                                                stop_on_eog=False))
+                finally:
+                    await d.close()
+            return out
+        finally:
+            for x in relays:
+                await x.close()
+            for b in bridges:
+                await b.close()
+
+    direct, relayed = asyncio.run(main())
+    assert direct.error is None and relayed.error is None
+    assert relayed.tokens == direct.tokens and len(direct.tokens) == 16
+
+
+def test_backend_registers_the_exact_recipe_and_forms_a_route(smollm2_path, native_bin, tmp_path):
+    from dgr.recipe import load_registry, recipe_for
+    from meshnet_adapter.backend import BackendConfig, GgufShardBackend
+    from meshnet_adapter.routing import NoRoute, form_routes
+
+    reg = load_registry()
+    recipe = recipe_for(smollm2_path, progress=False)
+    regs = []
+    with GgufShardBackend(BackendConfig(model=smollm2_path, start=0, end=15, threads=1)) as a, \
+            GgufShardBackend(BackendConfig(model=smollm2_path, start=15, end=30, threads=1)) as b:
+        regs = [a.load(node_id="a", registry=reg), b.load(node_id="b", registry=reg)]
+        for x in regs:
+            assert x.fingerprint == recipe.fingerprint() and x.artifact_id == recipe.artifact_id
+            assert x.capacity.max_sessions > 0 and x.capacity.kv_cells_total > 0
+        assert [(x.start, x.end) for x in regs] == [(0, 15), (15, 30)]
+        routes = form_routes(regs, recipe.artifact_id)
+        if reg.routable(recipe):
+            assert not isinstance(routes, NoRoute) and routes[0].split == "0:15,15:30"
+        else:   # registered but dark until certified: never routable, and the reason says so
+            assert isinstance(routes, NoRoute) and any("dark" in r for r in routes.reasons)
