@@ -165,4 +165,5 @@ def test_cli_recipe_json(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["arch_adapter"] == "llama" and len(out["fingerprint"]) == 64
-    assert out["routable"] is False  # nothing is certified yet
+    # Routable exactly when the packaged registry certifies this recipe class on cpu.
+    assert out["routable"] is R.load_registry().routable(R.recipe_for(src, runtime=RUNTIME, progress=False))
