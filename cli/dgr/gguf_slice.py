@@ -407,4 +407,3 @@ def verify_slice(path: str | Path, source: str | Path | None = None, *,
     if problems:
         raise SliceError(f"slice {path} does not verify: " + "; ".join(problems))
     return SliceReport(str(path), rng, info.n_layer, info.source_artifact_id, len(have), tuple(checks))
-
