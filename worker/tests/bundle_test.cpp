@@ -11,17 +11,7 @@
 namespace pb = dgr::shard::v1;
 namespace B  = dgr::bundle;
 
-static int g_failures = 0;
-
-#define CHECK(cond, ...)                                                          \
-    do {                                                                          \
-        if (!(cond)) {                                                            \
-            ++g_failures;                                                         \
-            std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            std::fprintf(stderr, __VA_ARGS__);                                    \
-            std::fprintf(stderr, "\n");                                           \
-        }                                                                         \
-    } while (0)
+#include "check.h"
 
 static std::vector<float> rows(uint32_t n_tokens, uint32_t n_embd) {
     std::vector<float> v(size_t(n_tokens) * n_embd);

@@ -13,17 +13,7 @@
 #define DGR_REPO_ROOT "."
 #endif
 
-static int g_failures = 0;
-
-#define CHECK(cond, ...)                                  \
-    do {                                                  \
-        if (!(cond)) {                                    \
-            std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-            std::fprintf(stderr, __VA_ARGS__);            \
-            std::fprintf(stderr, "\n");                   \
-            ++g_failures;                                 \
-        }                                                 \
-    } while (0)
+#include "check.h"
 
 static std::string unescape(const std::string & s) {
     std::string out;

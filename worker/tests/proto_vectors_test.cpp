@@ -35,17 +35,7 @@ using google::protobuf::Message;
 using google::protobuf::Reflection;
 using Lines = std::vector<std::pair<std::string, std::string>>;
 
-static int g_failures = 0;
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            ++g_failures;                                                  \
-            std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            std::fprintf(stderr, __VA_ARGS__);                             \
-            std::fprintf(stderr, "\n");                                    \
-        }                                                                  \
-    } while (0)
+#include "check.h"
 
 static std::string read_file(const std::string & path, bool * ok) {
     std::ifstream in(path, std::ios::binary);
