@@ -31,6 +31,12 @@ def serve(
     ctx_per_session: Optional[int] = typer.Option(None, "--ctx-per-session", help="Positions per session (default 2048)."),
     kv_budget_mb: Optional[float] = typer.Option(None, "--kv-budget-mb", help="KV budget in MiB."),
     kv_cells: Optional[int] = typer.Option(None, "--kv-cells", help="KV budget in cells."),
+    memory_budget_mb: Optional[float] = typer.Option(
+        None, "--memory-budget-mb",
+        help="Everything the shard holds (weights + compute scratch + KV) in MiB; the KV cache gets what remains."),
+    chain_peers: Optional[str] = typer.Option(
+        None, "--chain-peers", help="Hosts chained sessions may forward to (comma-separated, '*' any; default loopback)."),
+    chain_tls_ca: Optional[Path] = typer.Option(None, "--chain-tls-ca", help="PEM CA to verify downstream workers (TLS)."),
     queue_limit: Optional[int] = typer.Option(None, "--queue-limit", help="Unanswered frames (default 64)."),
     max_batch_tokens: Optional[int] = typer.Option(None, "--max-batch-tokens", help="Rows per decode call (default 512)."),
     max_prefill_chunk: Optional[int] = typer.Option(None, "--max-prefill-chunk", help="Rows per PREFILL step (default 256)."),
@@ -67,6 +73,7 @@ def serve(
         "--queue-limit": queue_limit, "--max-batch-tokens": max_batch_tokens,
         "--max-prefill-chunk": max_prefill_chunk, "--metrics-listen": metrics_listen,
         "--drain-timeout-s": drain_timeout_s, "--session-ttl-s": session_ttl_s,
+        "--memory-budget-mb": memory_budget_mb, "--chain-peers": chain_peers, "--chain-tls-ca": chain_tls_ca,
     }
     for flag, value in opts.items():
         if value is not None:

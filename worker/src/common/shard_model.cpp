@@ -2,12 +2,25 @@
 
 #include <cstdio>
 #include <cstring>
+#include <map>
 
 // Staging API of the pinned llama.cpp (src/llama-ext.h, which is not on the public include path).
 // A non-tail shard reads its boundary output as the input of layer `layer_end`. The exact
 // signatures are listed in upstream/assumptions.toml, so a change fails `dgr patches verify`.
 LLAMA_API void    llama_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
 LLAMA_API float * llama_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
+// Memory per buffer type: weights held, context (KV), compute scratch.
+struct llama_memory_breakdown_data {
+    size_t model   = 0; // memory allocated for the model
+    size_t context = 0; // memory allocated for the context
+    size_t compute = 0; // memory allocated for temporary compute buffers
+
+    size_t total() const {
+        return model + context + compute;
+    }
+};
+using llama_memory_breakdown = std::map<ggml_backend_buffer_type_t, llama_memory_breakdown_data>;
+LLAMA_API llama_memory_breakdown llama_get_memory_breakdown(const struct llama_context * ctx);
 
 namespace dgr {
 
@@ -187,6 +200,16 @@ DecodeStatus ShardContext::decode(const ShardBatch & b, std::string * error) {
     }
     last_n_tokens_ = n;
     return DecodeStatus::ok;
+}
+
+MemoryUse ShardContext::memory_use() const {
+    MemoryUse m;
+    for (const auto & kv : llama_get_memory_breakdown(ctx_)) {
+        m.weights += kv.second.model;
+        m.kv += kv.second.context;
+        m.scratch += kv.second.compute;
+    }
+    return m;
 }
 
 const float * ShardContext::boundary_output() const {

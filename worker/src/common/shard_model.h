@@ -91,6 +91,14 @@ struct ShardBatch {
     void clear();
 };
 
+// Bytes a context and its model hold (llama.cpp's memory breakdown, summed over buffer types):
+// the weights of the held range, the KV cache, and the compute scratch.
+struct MemoryUse {
+    uint64_t weights = 0;
+    uint64_t kv = 0;
+    uint64_t scratch = 0;
+};
+
 class ShardContext {
 public:
     static std::unique_ptr<ShardContext> create(const ShardModel & model, const ShardContextOptions & opts,
@@ -118,6 +126,8 @@ public:
     // Drops positions [p0, p1) of a sequence (p1 < 0: to the end); the whole sequence by default.
     bool seq_rm(llama_seq_id seq, llama_pos p0 = -1, llama_pos p1 = -1);
     void clear();
+
+    MemoryUse memory_use() const;
 
 private:
     ShardContext(const ShardModel & model, llama_context * ctx) : model_(model), ctx_(ctx) {}

@@ -25,6 +25,10 @@ struct BackendInfo {
     uint32_t kv_cells = 0;        // cells of the context shared by all sequences
     uint32_t max_batch_tokens = 0;
     uint32_t n_seq_max = 0;       // sequences the context was created for
+    // memory held (llama.cpp's breakdown): weights of the range, KV cache, compute scratch
+    uint64_t weight_bytes = 0;
+    uint64_t kv_bytes = 0;
+    uint64_t scratch_bytes = 0;
 };
 
 // One decode call: one row per (sequence, position); head rows carry token ids, other rows

@@ -30,6 +30,7 @@ FakeBackend::FakeBackend(const FakeModelOptions & o) : delay_ms_(o.decode_delay_
     info_.kv_cells = o.kv_cells;
     info_.max_batch_tokens = o.max_batch_tokens;
     info_.n_seq_max = o.n_seq_max;
+    info_.kv_bytes = (uint64_t) o.kv_cells * 4 * o.n_embd * (info_.layer_end - info_.layer_start);  // see serve.cpp
     uint64_t h = 1469598103934665603ULL;
     for (uint64_t v : {(uint64_t) o.n_layer, (uint64_t) o.n_embd, (uint64_t) o.n_vocab}) h = fnv1a(h, v);
     char buf[64];

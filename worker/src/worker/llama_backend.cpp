@@ -91,6 +91,10 @@ std::unique_ptr<LlamaBackend> LlamaBackend::create(const LlamaBackendOptions & o
     in.kv_cells = llama_n_ctx(ctx);
     in.max_batch_tokens = llama_n_batch(ctx);
     in.n_seq_max = llama_n_seq_max(ctx);
+    const dgr::MemoryUse mem = b->ctx_->memory_use();
+    in.weight_bytes = mem.weights;
+    in.kv_bytes = mem.kv;
+    in.scratch_bytes = mem.scratch;
     struct stat st{};
     ::stat(o.path.c_str(), &st);
     uint64_t h = 1469598103934665603ULL;

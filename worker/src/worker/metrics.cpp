@@ -54,6 +54,10 @@ std::vector<Sample> Metrics::samples(const Gauges & g) const {
     s.push_back({"dgr_queue_depth", {}, (double) g.queued_steps});
     s.push_back({"dgr_kv_cells_used", {}, (double) g.kv_cells_used});
     s.push_back({"dgr_kv_cells_total", {}, (double) g.kv_cells_total});
+    s.push_back({"dgr_memory_bytes", {{"part", "weights"}}, (double) g.weight_bytes});
+    s.push_back({"dgr_memory_bytes", {{"part", "kv"}}, (double) g.kv_bytes});
+    s.push_back({"dgr_memory_bytes", {{"part", "scratch"}}, (double) g.scratch_bytes});
+    s.push_back({"dgr_memory_budget_bytes", {}, (double) g.memory_budget_bytes});
     s.push_back({"dgr_prefill_tokens_total", {}, (double) prefill_tokens.load()});
     s.push_back({"dgr_decode_tokens_total", {}, (double) decode_tokens.load()});
     s.push_back({"dgr_decode_busy_seconds_total", {}, busy_seconds.load()});
@@ -69,6 +73,11 @@ std::vector<Sample> Metrics::samples(const Gauges & g) const {
     s.push_back({"dgr_rejected_admissions_total", {{"reason", "sessions"}}, (double) rejected_sessions.load()});
     s.push_back({"dgr_rejected_admissions_total", {{"reason", "queue"}}, (double) rejected_queue.load()});
     s.push_back({"dgr_rejected_admissions_total", {{"reason", "kv"}}, (double) rejected_kv.load()});
+    s.push_back({"dgr_chain_frames_sent_total", {{"phase", "prefill"}}, (double) chain_frames_prefill.load()});
+    s.push_back({"dgr_chain_frames_sent_total", {{"phase", "decode"}}, (double) chain_frames_decode.load()});
+    s.push_back({"dgr_chain_frame_bytes_sent_total", {{"phase", "prefill"}}, (double) chain_bytes_prefill.load()});
+    s.push_back({"dgr_chain_frame_bytes_sent_total", {{"phase", "decode"}}, (double) chain_bytes_decode.load()});
+    s.push_back({"dgr_generated_tokens_total", {}, (double) generated_tokens.load()});
     step_latency.append("dgr_step_latency_seconds", &s);
     batch_occupancy.append("dgr_batch_occupancy_sessions", &s);
     queue_wait.append("dgr_queue_wait_seconds", &s);

@@ -39,6 +39,7 @@ struct Gauges {
     uint64_t kv_cells_used = 0;
     uint64_t kv_cells_total = 0;
     uint32_t max_sessions = 0;
+    uint64_t weight_bytes = 0, kv_bytes = 0, scratch_bytes = 0, memory_budget_bytes = 0;
 };
 
 class Metrics {
@@ -59,6 +60,12 @@ public:
     std::atomic<uint64_t> rejected_kv{0};        // append refused for KV budget
     std::atomic<uint64_t> step_errors{0};
     std::atomic<double> busy_seconds{0.0};       // time spent inside decode calls
+    // chained routes: frames (and their serialized bytes) sent to the next Shard
+    std::atomic<uint64_t> chain_frames_prefill{0};
+    std::atomic<uint64_t> chain_frames_decode{0};
+    std::atomic<uint64_t> chain_bytes_prefill{0};
+    std::atomic<uint64_t> chain_bytes_decode{0};
+    std::atomic<uint64_t> generated_tokens{0};   // tokens fed back by server-side generation
     Histogram step_latency;     // seconds from frame received to response handed to gRPC
     Histogram batch_occupancy;  // rows per decode call
     Histogram queue_wait;       // seconds a step waited before its batch

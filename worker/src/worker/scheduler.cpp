@@ -39,7 +39,7 @@ SamplingConfig to_config(const pb::SamplingParams & p) {
 }  // namespace
 
 Scheduler::Scheduler(ModelBackend & backend, Metrics & metrics, const SchedulerOptions & opts)
-    : backend_(backend), metrics_(metrics), opts_(opts), info_(backend.info()) {
+    : backend_(backend), metrics_(metrics), opts_(opts), info_(backend.info()), peers_(opts.chain) {
     if (opts_.kv_cells == 0 || opts_.kv_cells > info_.kv_cells) opts_.kv_cells = info_.kv_cells;
     opts_.max_sessions = std::min(opts_.max_sessions, info_.n_seq_max);
     opts_.max_batch_tokens = std::min(opts_.max_batch_tokens, info_.max_batch_tokens);
@@ -154,6 +154,34 @@ void Scheduler::post_cancel(const pb::CancelSessionRequest & req, std::function<
     cv_.notify_one();
 }
 
+void Scheduler::post_downstream(const std::string & session_id, uint64_t generation, pb::SessionResponse resp) {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (stopped_) return;
+        Event ev;
+        ev.kind = Event::down_reply;
+        ev.session_id = session_id;
+        ev.epoch = generation;
+        ev.resp = std::make_unique<pb::SessionResponse>(std::move(resp));
+        inbox_.push_back(std::move(ev));
+    }
+    cv_.notify_one();
+}
+
+void Scheduler::post_downstream_end(const std::string & session_id, uint64_t generation, const grpc::Status & status) {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (stopped_) return;
+        Event ev;
+        ev.kind = Event::down_end;
+        ev.session_id = session_id;
+        ev.epoch = generation;
+        ev.status = status;
+        inbox_.push_back(std::move(ev));
+    }
+    cv_.notify_one();
+}
+
 void Scheduler::set_draining() { draining_ = true; }
 
 Gauges Scheduler::gauges() const {
@@ -163,6 +191,10 @@ Gauges Scheduler::gauges() const {
     g.kv_cells_used = kv_used_pub_.load();
     g.kv_cells_total = opts_.kv_cells;
     g.max_sessions = opts_.max_sessions;
+    g.weight_bytes = info_.weight_bytes;
+    g.kv_bytes = info_.kv_bytes;
+    g.scratch_bytes = info_.scratch_bytes;
+    g.memory_budget_bytes = opts_.memory_budget_bytes;
     return g;
 }
 
@@ -187,7 +219,7 @@ uint64_t Scheduler::drop_session(const std::string & id, int tomb_kind) {
     auto purge = [&](std::deque<std::unique_ptr<Work>> & q) {
         for (auto w = q.begin(); w != q.end();) {
             if ((*w)->session_id == id) {
-                queued_--;
+                if (!(*w)->internal) queued_--;
                 w = q.erase(w);
             } else {
                 ++w;
@@ -196,6 +228,7 @@ uint64_t Scheduler::drop_session(const std::string & id, int tomb_kind) {
     };
     purge(decode_q_);
     purge(prefill_q_);
+    if (s.down) s.down->close();  // the downstream Shard drops its part of the session
     const uint64_t freed = s.positions;
     backend_.seq_rm(s.seq, -1, -1);
     kv_used_ -= s.positions;
@@ -243,15 +276,26 @@ void Scheduler::sweep_ttl(Clock::time_point now) {
 }
 
 void Scheduler::answer_error(StreamSink & sink, const pb::ResponseHeader & hdr, pb::ShardError err,
-                             Clock::time_point t0, pb::CacheResult cache) {
+                             Clock::time_point t0, pb::CacheResult cache, bool internal) {
     pb::SessionResponse r;
     *r.mutable_header() = hdr;
     r.mutable_header()->set_cache_result(cache);
     *r.mutable_error() = std::move(err);
     metrics_.step_errors++;
     metrics_.step_latency.observe(seconds_since(t0));
-    queued_--;
-    sink.deliver(std::move(r));
+    if (!internal) queued_--;
+    sink.deliver(std::move(r), false, grpc::Status::OK, !internal);
+}
+
+bool Scheduler::has_unanswered_frame(const Session & s) const {
+    if (!s.busy) return false;
+    if (s.awaiting) return !s.pending_internal;
+    for (const auto * q : {&decode_q_, &prefill_q_}) {
+        for (const auto & w : *q) {
+            if (w->session_id == s.id) return !w->internal;
+        }
+    }
+    return false;
 }
 
 bool Scheduler::dispatch(std::deque<Event> & evs) {
@@ -260,12 +304,15 @@ bool Scheduler::dispatch(std::deque<Event> & evs) {
         switch (ev.kind) {
             case Event::frame: handle_frame(ev); break;
             case Event::closed: handle_closed(ev); break;
+            case Event::down_reply: handle_down_reply(ev); break;
+            case Event::down_end: handle_down_end(ev); break;
             case Event::release: {
                 pb::ReleaseSessionResponse resp;
                 auto it = sessions_.find(ev.session_id);
                 if (it != sessions_.end() && (ev.epoch == 0 || ev.epoch == it->second->epoch)) {
                     auto sink = it->second->sink;
                     const bool had_work = it->second->busy;
+                    const bool unanswered = has_unanswered_frame(*it->second);
                     pb::ResponseHeader hdr;
                     hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
                     hdr.set_session_id(ev.session_id);
@@ -273,11 +320,13 @@ bool Scheduler::dispatch(std::deque<Event> & evs) {
                     resp.set_freed_kv_cells(drop_session(ev.session_id, kReleased));
                     resp.set_released(true);
                     if (had_work && sink) {
-                        // the queued frame is answered, so its stream can go on reading
-                        queued_++;
+                        // the queued frame is answered, so its stream can go on reading;
+                        // server-side generation is told why it stopped
+                        if (unanswered) queued_++;
                         answer_error(*sink, hdr, make_error(pb::ERROR_REASON_SESSION_RELEASED,
-                                                           "the session was released while this step was queued"),
-                                     Clock::now());
+                                                           unanswered ? "the session was released while this step was queued"
+                                                                      : "the session was released while generating", true),
+                                     Clock::now(), pb::CACHE_RESULT_UNSPECIFIED, !unanswered);
                     }
                 }
                 ev.release_done(resp);
@@ -397,7 +446,9 @@ void Scheduler::loop() {
 uint32_t Scheduler::expected_decoders() const {
     uint32_t n = 0;
     for (const auto & kv : sessions_) {
-        if (kv.second->decoding && !kv.second->busy) ++n;
+        const Session & s = *kv.second;
+        // chained heads that generate get their next row when the route answers
+        if ((s.decoding && !s.busy) || (s.awaiting && s.generating)) ++n;
     }
     return n;
 }
@@ -535,6 +586,16 @@ void Scheduler::handle_frame(Event & ev) {
         if (s->sink != ev.sink && s->sink) {
             // the same (session, epoch) on a second stream: only replays make sense there
         }
+        if (!s->down_failed.empty()) {
+            const std::string why = "downstream " + s->down_hop.endpoint() + " [" + std::to_string(s->down_hop.range().start()) +
+                                    ", " + std::to_string(s->down_hop.range().end()) + "): " + s->down_failed;
+            drop_session(sid, kReleased);
+            return answer_error(sink, hdr, make_error(pb::ERROR_REASON_UNAVAILABLE, why, true), ev.t0);
+        }
+        if (s->generating) {
+            return fail(pb::ERROR_REASON_BAD_REQUEST,
+                        "the session is generating (StepFrame.generate): wait for its last token, or cancel it");
+        }
         if (s->busy) return fail(pb::ERROR_REASON_BAD_REQUEST, "a step of this session is already queued");
         const bool partial_of_step = s->partial && s->partial->step == step;
         if ((int64_t) step == s->last_step && s->has_stored && !partial_of_step) {
@@ -587,6 +648,9 @@ void Scheduler::handle_frame(Event & ev) {
     // ---- phases without input ----
     if (phase == pb::PHASE_RELEASE || phase == pb::PHASE_TRUNCATE) {
         if (opening) return fail(pb::ERROR_REASON_BAD_REQUEST, "nothing to release or truncate in a new epoch");
+        if (phase == pb::PHASE_TRUNCATE && s->down) {
+            return fail(pb::ERROR_REASON_BAD_REQUEST, "TRUNCATE is not supported on a chained session; open a new epoch");
+        }
         pb::SessionResponse r;
         if (phase == pb::PHASE_RELEASE) {
             drop_session(sid, kReleased);
@@ -634,7 +698,7 @@ void Scheduler::handle_frame(Event & ev) {
     }
     SamplingConfig sampling;
     bool new_sampling = false;
-    if (!fast && sf->has_sampling() && info_.tail) {
+    if (!fast && sf->has_sampling() && (info_.tail || (!info_.tail && (sf->downstream_size() > 0 || (s && s->down))))) {
         sampling = to_config(sf->sampling());
         const std::string bad = validate_sampling(sampling);
         if (!bad.empty()) return fail(pb::ERROR_REASON_BAD_REQUEST, "sampling: " + bad);
@@ -716,6 +780,44 @@ void Scheduler::handle_frame(Event & ev) {
         if (!is.ok()) return answer_error(sink, hdr, make_error(is.reason, is.message), ev.t0);
     }
 
+    // ---- chained route and server-side generation ----
+    const bool chain_req = !fast && opening && sf->downstream_size() > 0;
+    if (chain_req) {
+        if (info_.tail) return fail(pb::ERROR_REASON_BAD_REQUEST, "this shard is the route's tail: it has no downstream");
+        uint32_t at = info_.layer_end;
+        for (int i = 0; i < sf->downstream_size(); ++i) {
+            const pb::ChainHop & h = sf->downstream(i);
+            const std::string where = "downstream[" + std::to_string(i) + "] (" + h.endpoint() + ")";
+            if (h.range().start() != at || h.range().end() <= h.range().start()) {
+                return fail(pb::ERROR_REASON_RANGE_MISMATCH, where + " covers [" + std::to_string(h.range().start()) + ", " +
+                                                                 std::to_string(h.range().end()) + "); expected a range starting at layer " +
+                                                                 std::to_string(at));
+            }
+            if (h.compatibility_fingerprint() != info_.fingerprint) {
+                return fail(pb::ERROR_REASON_FINGERPRINT_MISMATCH, where + " has another compatibility fingerprint than this worker");
+            }
+            if (!peer_allowed(peers_.options(), h.endpoint())) {
+                return fail(pb::ERROR_REASON_BAD_REQUEST,
+                            where + " is not an allowed peer of this worker (dgr-worker --chain-peers; default: loopback)");
+            }
+            at = h.range().end();
+        }
+        if (at != info_.n_layer) {
+            return fail(pb::ERROR_REASON_RANGE_MISMATCH, "the downstream hops end at layer " + std::to_string(at) +
+                                                             "; the model has " + std::to_string(info_.n_layer));
+        }
+    }
+    const bool gen_req = !fast && sf->has_generate();
+    if (gen_req) {
+        if (!info_.head) return fail(pb::ERROR_REASON_BAD_REQUEST, "StepFrame.generate is for head Shards");
+        if (!w->sample) return fail(pb::ERROR_REASON_BAD_REQUEST, "StepFrame.generate needs sample = true");
+        const bool chained = chain_req || (s && !opening && s->down);
+        if (!info_.tail && !chained) {
+            return fail(pb::ERROR_REASON_BAD_REQUEST,
+                        "StepFrame.generate needs the route's tail: this worker is not the tail and the session has no downstream");
+        }
+    }
+
     // ---- admission: session slot and KV cells ----
     if (!make_room(n, opening, sid)) {
         const bool sessions_full = opening && sessions_.size() >= opts_.max_sessions;
@@ -758,11 +860,27 @@ void Scheduler::handle_frame(Event & ev) {
         publish_gauges();
     }
     s->sink = ev.sink;
-    if (new_sampling) {
+    if (chain_req) {
+        const pb::ChainHop & hop = sf->downstream(0);
+        s->down_hop = hop;
+        s->down_rest.assign(sf->downstream().begin() + 1, sf->downstream().end());
+        const uint64_t gen = s->generation;
+        s->down = DownstreamLink::open(
+            peers_.stub(hop.endpoint()), hop.endpoint(),
+            [this, sid, gen](pb::SessionResponse r) { post_downstream(sid, gen, std::move(r)); },
+            [this, sid, gen](const grpc::Status & st) { post_downstream_end(sid, gen, st); });
+    }
+    if (new_sampling && info_.tail) {
         if (opening || sampling.seed != s->sampling.seed) s->rng.seed(sampling.seed);
         s->sampling = sampling;
     } else if (opening) {
         s->rng.seed(0);
+    }
+    if (new_sampling && s->down) s->fwd_sampling = std::make_unique<pb::SamplingParams>(sf->sampling());
+    if (gen_req) {
+        s->generating = true;
+        s->gen_left = std::max<uint32_t>(1, sf->generate().max_tokens());
+        s->gen_continue = sf->generate().continue_after_finish();
     }
     s->busy = true;
     s->reserved = n;
@@ -837,15 +955,20 @@ void Scheduler::run_batch() {
             auto sink = s.sink;
             if (st == BackendStatus::resource_exhausted) {
                 s.busy = false;
+                s.generating = false;
                 kv_reserved_ -= s.reserved;
                 s.reserved = 0;
                 backend_.seq_rm(s.seq, (int32_t) s.positions, -1);
                 pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET, "no KV slot for the batch: " + err);
                 e.set_limit(opts_.kv_cells);
-                if (sink) answer_error(*sink, w.header, e, w.t0);
+                if (sink) {
+                    answer_error(*sink, w.header, e, w.t0, pb::CACHE_RESULT_UNSPECIFIED, w.internal);
+                } else if (!w.internal) {
+                    queued_--;
+                }
             } else {
                 drop_session(w.session_id, kReleased);
-                queued_--;  // this popped item (drop_session counts only queued ones)
+                if (!w.internal) queued_--;  // this popped item (drop_session counts only queued ones)
                 if (sink) {
                     pb::SessionResponse r;
                     *r.mutable_header() = w.header;
@@ -877,6 +1000,8 @@ void Scheduler::run_batch() {
         r.mutable_header()->set_cached_positions(s.positions);
         auto * ck = r.mutable_header()->mutable_payload_checksum();
         ck->set_algorithm(pb::CHECKSUM_ALGORITHM_CRC32);
+        int32_t sampled = -1;
+        bool finished = false;
         if (info_.tail) {
             auto * tail = r.mutable_tail();
             if (w.sample) {
@@ -902,6 +1027,8 @@ void Scheduler::run_batch() {
                     }
                 }
                 ck->set_value(crc32_tokens(&sr.token, 1));
+                sampled = sr.token;
+                finished = t->finish_reason() != pb::FINISH_REASON_UNSPECIFIED;
             } else {
                 ck->set_value(0);
             }
@@ -915,13 +1042,229 @@ void Scheduler::run_batch() {
             *r.mutable_boundary() = make_residual_bundle(out.data(), w.n, E, opts_.max_fragment_bytes, &crc);
             ck->set_value(crc);
         }
+        if (s.down) {  // chained route: the answer comes from downstream
+            forward(s, w, r);
+            continue;
+        }
         s.stored = r;
         s.has_stored = true;
         metrics_.steps++;
         metrics_.step_latency.observe(seconds_since(w.t0));
-        queued_--;
-        if (s.sink) s.sink->deliver(std::move(r));
+        if (!w.internal) queued_--;
+        if (s.sink) s.sink->deliver(std::move(r), false, grpc::Status::OK, !w.internal);
+        if (s.generating) {
+            if (sampled >= 0) {
+                continue_generation(s, w.header, sampled, finished);
+            } else {
+                s.generating = false;
+            }
+        }
     }
+}
+
+namespace {
+std::string code_name(grpc::StatusCode c) {
+    switch (c) {
+        case grpc::StatusCode::OK: return "OK";
+        case grpc::StatusCode::CANCELLED: return "CANCELLED";
+        case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+        case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+        case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+        case grpc::StatusCode::ABORTED: return "ABORTED";
+        case grpc::StatusCode::INTERNAL: return "INTERNAL";
+        case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+        case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+        default: return "status " + std::to_string((int) c);
+    }
+}
+}  // namespace
+
+void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r) {
+    s.busy = true;
+    s.awaiting = true;
+    s.pending_header = r.header();
+    s.pending_internal = w.internal;
+    s.pending_t0 = w.t0;
+    if (!w.internal) queued_--;  // in flight downstream, no longer queued here
+    if (!s.down_failed.empty()) {
+        pb::SessionResponse d;
+        *d.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE, s.down_failed, true);
+        Event ev;
+        ev.session_id = s.id;
+        ev.epoch = s.generation;
+        ev.resp = std::make_unique<pb::SessionResponse>(std::move(d));
+        s.down_failed.clear();  // the message is in the answer already
+        return handle_down_reply(ev);
+    }
+    pb::SessionRequest fr;
+    const uint32_t crc = r.header().payload_checksum().value();
+    const bool full = !s.down_opened || !w.decode || !w.sample || s.fwd_sampling;
+    if (full) {
+        auto * f = fr.mutable_step();
+        auto * h = f->mutable_header();
+        h->set_schema_version(pb::SCHEMA_VERSION_V1);
+        h->set_request_id(w.header.request_id());
+        h->set_session_id(s.id);
+        h->set_route_epoch(s.epoch);
+        h->set_compatibility_fingerprint(s.down_hop.compatibility_fingerprint());
+        *h->mutable_shard_range() = s.down_hop.range();
+        h->set_effective_start(s.down_hop.range().start());
+        h->set_phase(w.decode ? pb::PHASE_DECODE : pb::PHASE_PREFILL);
+        h->mutable_positions()->set_start(w.pos0);
+        h->mutable_positions()->set_end(w.pos0 + w.n);
+        h->set_step(s.down_step);
+        if (!s.down_opened) {
+            h->mutable_cache_expectation()->set_kind(pb::CACHE_EXPECTATION_KIND_EMPTY);
+        } else {
+            h->mutable_cache_expectation()->set_kind(pb::CACHE_EXPECTATION_KIND_POSITION);
+            h->mutable_cache_expectation()->set_position(w.pos0);
+        }
+        h->set_compression(pb::COMPRESSION_NONE);
+        h->mutable_payload_checksum()->set_algorithm(pb::CHECKSUM_ALGORITHM_CRC32);
+        h->mutable_payload_checksum()->set_value(crc);
+        *f->mutable_bundle() = std::move(*r.mutable_boundary());
+        if (s.fwd_sampling) {
+            *f->mutable_sampling() = *s.fwd_sampling;
+            s.fwd_sampling.reset();
+        }
+        f->set_sample(w.sample);
+        if (!s.down_opened) {
+            for (const auto & hop : s.down_rest) *f->add_downstream() = hop;
+        }
+    } else {
+        auto * f = fr.mutable_fast_decode();
+        f->set_session_id(s.id);
+        f->set_route_epoch(s.epoch);
+        f->set_step(s.down_step);
+        f->set_position(w.pos0);
+        *f->mutable_bundle() = std::move(*r.mutable_boundary());
+        f->set_request_id(w.header.request_id());
+    }
+    s.down_step++;
+    s.down_opened = true;
+    const size_t bytes = s.down->send(std::move(fr));
+    (w.decode ? metrics_.chain_frames_decode : metrics_.chain_frames_prefill)++;
+    (w.decode ? metrics_.chain_bytes_decode : metrics_.chain_bytes_prefill) += bytes;
+}
+
+void Scheduler::handle_down_reply(Event & ev) {
+    auto it = sessions_.find(ev.session_id);
+    if (it == sessions_.end() || it->second->generation != ev.epoch || !it->second->awaiting) return;
+    Session & s = *it->second;
+    s.awaiting = false;
+    s.busy = false;
+    s.last_used = Clock::now();
+    const pb::SessionResponse & d = *ev.resp;
+    const bool internal = s.pending_internal;
+    const pb::ResponseHeader hdr = s.pending_header;
+    auto sink = s.sink;
+    if (d.result_case() != pb::SessionResponse::kTail) {
+        pb::ShardError e = d.has_error() ? d.error()
+                                         : make_error(pb::ERROR_REASON_INTERNAL, "answered without a TailOutput");
+        e.set_message("downstream " + s.down_hop.endpoint() + " [" + std::to_string(s.down_hop.range().start()) + ", " +
+                      std::to_string(s.down_hop.range().end()) + "): " + e.message());
+        e.set_session_terminated(true);
+        const Clock::time_point t0 = s.pending_t0;
+        s.generating = false;
+        drop_session(ev.session_id, kReleased);  // also ends the downstream stream
+        if (sink) {
+            if (!internal) queued_++;  // answer_error counts the frame answered
+            answer_error(*sink, hdr, e, t0, pb::CACHE_RESULT_UNSPECIFIED, internal);
+        }
+        return;
+    }
+    pb::SessionResponse r;
+    *r.mutable_header() = hdr;
+    *r.mutable_header()->mutable_payload_checksum() = d.header().payload_checksum();
+    *r.mutable_tail() = d.tail();
+    s.stored = r;
+    s.has_stored = true;
+    metrics_.steps++;
+    metrics_.step_latency.observe(seconds_since(s.pending_t0));
+    if (sink) sink->deliver(std::move(r), false, grpc::Status::OK, !internal);
+    if (s.generating) {
+        if (d.tail().tokens_size() > 0) {
+            const auto & t = d.tail().tokens(0);
+            continue_generation(s, hdr, t.token_id(), t.finish_reason() != pb::FINISH_REASON_UNSPECIFIED);
+        } else {
+            s.generating = false;
+        }
+    }
+}
+
+void Scheduler::handle_down_end(Event & ev) {
+    auto it = sessions_.find(ev.session_id);
+    if (it == sessions_.end() || it->second->generation != ev.epoch || !it->second->down) return;
+    Session & s = *it->second;
+    std::string why = "ended the session stream: " + code_name(ev.status.error_code());
+    if (!ev.status.error_message().empty()) why += ": " + ev.status.error_message();
+    if (s.awaiting) {
+        pb::SessionResponse d;
+        *d.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE, why, true);  // the endpoint is prefixed there
+        Event rep;
+        rep.session_id = ev.session_id;
+        rep.epoch = ev.epoch;
+        rep.resp = std::make_unique<pb::SessionResponse>(std::move(d));
+        return handle_down_reply(rep);
+    }
+    s.down_failed = why;
+}
+
+void Scheduler::continue_generation(Session & s, const pb::ResponseHeader & last, int32_t token, bool finished) {
+    if (!s.generating) return;
+    if (s.gen_left > 0) s.gen_left--;
+    if (s.gen_left == 0 || (finished && !s.gen_continue)) {
+        s.generating = false;
+        return;
+    }
+    pb::ResponseHeader hdr;
+    hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
+    hdr.set_request_id(last.request_id());
+    hdr.set_session_id(s.id);
+    hdr.set_route_epoch(s.epoch);
+    hdr.set_step(last.step() + 1);
+    hdr.set_phase(pb::PHASE_DECODE);
+    hdr.mutable_positions()->set_start(s.positions);
+    hdr.mutable_positions()->set_end(s.positions + 1);
+    hdr.set_compression(pb::COMPRESSION_NONE);
+    hdr.set_cache_result(pb::CACHE_RESULT_HIT);
+    *hdr.mutable_computed_range() = last.computed_range();
+    auto stop = [&](pb::ShardError e) {
+        s.generating = false;
+        if (s.sink) answer_error(*s.sink, hdr, std::move(e), Clock::now(), pb::CACHE_RESULT_UNSPECIFIED, true);
+    };
+    if (token < 0 || (uint32_t) token >= info_.n_vocab) {
+        return stop(make_error(pb::ERROR_REASON_TOKEN_OUT_OF_VOCAB, "generation got token id " + std::to_string(token)));
+    }
+    if ((uint64_t) s.positions + 1 > opts_.max_session_positions) {
+        pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET, "generation reached max_session_positions");
+        e.set_limit(opts_.max_session_positions);
+        metrics_.rejected_kv++;
+        return stop(e);
+    }
+    if (!make_room(1, false, s.id)) {
+        pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET, "KV cells budget exhausted while generating");
+        e.set_limit(opts_.kv_cells);
+        metrics_.rejected_kv++;
+        return stop(e);
+    }
+    auto w = std::make_unique<Work>();
+    w->session_id = s.id;
+    w->generation = s.generation;
+    w->decode = true;
+    w->tokens.push_back(token);
+    w->pos0 = s.positions;
+    w->n = 1;
+    w->sample = true;
+    w->internal = true;
+    w->header = hdr;
+    w->t0 = Clock::now();
+    w->t_ready = w->t0;
+    s.busy = true;
+    s.reserved = 1;
+    kv_reserved_ += 1;
+    metrics_.generated_tokens++;
+    decode_q_.push_back(std::move(w));
 }
 
 }  // namespace dgr::worker

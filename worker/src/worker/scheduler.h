@@ -11,6 +11,7 @@
 #pragma once
 
 #include "worker/backend.h"
+#include "worker/downstream.h"
 #include "worker/metrics.h"
 #include "worker/sampling.h"
 #include "worker/stream_sink.h"
@@ -43,6 +44,8 @@ struct SchedulerOptions {
     double session_ttl_s = 600.0;   // a session idle this long is evicted (CACHE_MISS later)
     double evict_idle_s = 30.0;     // under KV/session pressure, LRU sessions idle this long may be evicted
     uint32_t tombstones = 4096;     // remembered ended sessions (for precise errors)
+    ChainOptions chain;             // chained routes: allowed peers, TLS towards them
+    uint64_t memory_budget_bytes = 0;  // --memory-budget-mb (0: none); weights + scratch + KV fit in it
 };
 
 using Clock = std::chrono::steady_clock;
@@ -62,6 +65,9 @@ public:
     void post_stream_closed(std::shared_ptr<StreamSink> sink, bool cancelled);
     void post_release(const pb::ReleaseSessionRequest & req, std::function<void(pb::ReleaseSessionResponse)> done);
     void post_cancel(const pb::CancelSessionRequest & req, std::function<void(pb::CancelSessionResponse)> done);
+    // --- called from downstream links (chained routes) ---
+    void post_downstream(const std::string & session_id, uint64_t generation, pb::SessionResponse resp);
+    void post_downstream_end(const std::string & session_id, uint64_t generation, const grpc::Status & status);
 
     // Draining: no new sessions (UNAVAILABLE); existing ones continue until released.
     void set_draining();
@@ -91,6 +97,22 @@ private:
         uint32_t reserved = 0;  // KV cells reserved by the queued step
         std::unique_ptr<Partial> partial;
         uint64_t generation = 0;
+        // chained route: this worker sends its boundary output to the next Shard itself
+        std::shared_ptr<DownstreamLink> down;
+        pb::ChainHop down_hop;
+        std::vector<pb::ChainHop> down_rest;  // carried by the opening forwarded frame
+        uint64_t down_step = 0;
+        bool down_opened = false;
+        std::string down_failed;              // the link ended: the next frame gets this error
+        std::unique_ptr<pb::SamplingParams> fwd_sampling;  // goes with the next forwarded StepFrame
+        bool awaiting = false;                // a forwarded step waits for the route's answer
+        pb::ResponseHeader pending_header;    // ... answered with this header
+        bool pending_internal = false;
+        Clock::time_point pending_t0;
+        // server-side generation (StepFrame.generate)
+        bool generating = false;
+        uint32_t gen_left = 0;                // responses still to give, the one in flight included
+        bool gen_continue = false;
     };
     struct Work {
         std::string session_id;
@@ -104,9 +126,10 @@ private:
         pb::ResponseHeader header;
         Clock::time_point t0;
         Clock::time_point t_ready;
+        bool internal = false;  // fed back by server-side generation (no client frame behind it)
     };
     struct Event {
-        enum Kind { frame, closed, release, cancel, stop } kind;
+        enum Kind { frame, closed, release, cancel, stop, down_reply, down_end } kind;
         std::shared_ptr<StreamSink> sink;
         std::unique_ptr<pb::SessionRequest> req;
         Clock::time_point t0;
@@ -115,6 +138,8 @@ private:
         uint64_t epoch = 0;
         std::function<void(pb::ReleaseSessionResponse)> release_done;
         std::function<void(pb::CancelSessionResponse)> cancel_done;
+        std::unique_ptr<pb::SessionResponse> resp;  // down_reply
+        grpc::Status status;                        // down_end
     };
 
     void loop();
@@ -122,8 +147,19 @@ private:
     uint32_t expected_decoders() const;
     void handle_frame(Event & ev);
     void handle_closed(Event & ev);
+    // `internal`: the error answers server-side generation, not a queued frame (the stream
+    // is not asked for its next frame and the queue count is untouched)
     void answer_error(StreamSink & sink, const pb::ResponseHeader & hdr, pb::ShardError err,
-                      Clock::time_point t0, pb::CacheResult cache = pb::CACHE_RESULT_UNSPECIFIED);
+                      Clock::time_point t0, pb::CacheResult cache = pb::CACHE_RESULT_UNSPECIFIED,
+                      bool internal = false);
+    void handle_down_reply(Event & ev);
+    void handle_down_end(Event & ev);
+    // sends a completed step's boundary rows to the session's downstream Shard
+    void forward(Session & s, const Work & w, pb::SessionResponse & r);
+    // server-side generation: after answering `token`, queue the next DECODE row (or stop)
+    void continue_generation(Session & s, const pb::ResponseHeader & last, int32_t token, bool finished);
+    // a client frame of the session is received and not answered yet
+    bool has_unanswered_frame(const Session & s) const;
     void run_batch();
     void finish_work(Work & w, Session & s, int32_t row);
     // drops the session's state; returns freed KV cells
@@ -137,6 +173,7 @@ private:
     Metrics & metrics_;
     SchedulerOptions opts_;
     const BackendInfo info_;
+    ChainPeers peers_;
 
     // inbox (guarded)
     mutable std::mutex mu_;

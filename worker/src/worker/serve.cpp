@@ -47,6 +47,7 @@ struct ServeOptions {
     uint32_t ctx_per_session = 2048;
     uint64_t kv_cells = 0;
     double kv_budget_mb = 0;
+    double memory_budget_mb = 0;
     uint32_t queue_limit = 64;
     uint32_t max_batch_tokens = 512;
     uint32_t max_prefill_chunk = 256;
@@ -54,6 +55,8 @@ struct ServeOptions {
     double session_ttl_s = 600, evict_idle_s = 30, drain_timeout_s = 10;
     std::string metrics_listen;
     std::string fingerprint, artifact_id, recipe_json;
+    std::string chain_peers = "127.0.0.1,localhost,::1";
+    std::string chain_tls_ca;
 };
 
 void usage() {
@@ -73,6 +76,8 @@ void usage() {
         "  --ctx-per-session N       most positions one session may hold, default 2048\n"
         "  --kv-cells N              KV cells shared by all sessions (default max-sessions*ctx-per-session, capped 65536)\n"
         "  --kv-budget-mb M          KV budget in MiB (converted to cells for the model)\n"
+        "  --memory-budget-mb M      everything the shard holds: weights + compute scratch + KV;\n"
+        "                            the KV cells are cut to what remains (refuses to start if nothing)\n"
         "  --kv-unified              llama: one KV cell pool shared by all sessions (default: one\n"
         "                            stream per session, kv cells / max sessions each, exact batching)\n"
         "  --queue-limit K           frames received and not yet answered, default 64\n"
@@ -83,7 +88,11 @@ void usage() {
         "  --evict-idle-s S          under pressure, LRU sessions idle this long may be evicted, default 30\n"
         "  --drain-timeout-s S       SIGTERM: wait this long for sessions to end, default 10\n"
         "  --metrics-listen HOST:PORT  Prometheus text on GET /metrics\n"
-        "  --fingerprint HEX --artifact-id HEX --recipe-json JSON  identity to serve (dgr.recipe)\n");
+        "  --fingerprint HEX --artifact-id HEX --recipe-json JSON  identity to serve (dgr.recipe)\n"
+        "  --chain-peers H1,H2       hosts a chained session may forward to (StepFrame.downstream);\n"
+        "                            '*' any; default 127.0.0.1,localhost,::1\n"
+        "  --chain-tls-ca F          verify downstream workers with this CA (TLS; the worker's\n"
+        "                            --tls-cert/--tls-key is presented as client identity)\n");
 }
 
 bool parse_u64(const char * s, uint64_t * out) {
@@ -185,6 +194,7 @@ int parse(int argc, char ** argv, ServeOptions * o) {
         else if (a == "--ctx-per-session") ok = num32(&o->ctx_per_session);
         else if (a == "--kv-cells") ok = num(&o->kv_cells);
         else if (a == "--kv-budget-mb") ok = dbl(&o->kv_budget_mb);
+        else if (a == "--memory-budget-mb") ok = dbl(&o->memory_budget_mb);
         else if (a == "--queue-limit") ok = num32(&o->queue_limit);
         else if (a == "--max-batch-tokens") ok = num32(&o->max_batch_tokens);
         else if (a == "--max-prefill-chunk") ok = num32(&o->max_prefill_chunk);
@@ -196,6 +206,8 @@ int parse(int argc, char ** argv, ServeOptions * o) {
         else if (a == "--fingerprint") ok = str(&o->fingerprint);
         else if (a == "--artifact-id") ok = str(&o->artifact_id);
         else if (a == "--recipe-json") ok = str(&o->recipe_json);
+        else if (a == "--chain-peers") ok = str(&o->chain_peers);
+        else if (a == "--chain-tls-ca") ok = str(&o->chain_tls_ca);
         else if (a == "--help" || a == "-h") { usage(); return 0; }
         else {
             std::fprintf(stderr, "dgr-worker: error: unknown serve option '%s'\n", a.c_str());
@@ -269,6 +281,13 @@ int serve_main(int argc, char ** argv) {
         f.max_batch_tokens = o.max_batch_tokens;
         f.decode_delay_ms = o.fake_delay_ms;
         backend = std::make_unique<FakeBackend>(f);
+        const uint64_t budget = (uint64_t) (o.memory_budget_mb * 1048576.0);
+        if (budget && backend->info().kv_bytes > budget) {
+            const double cell = 4.0 * f.n_embd * (f.layer_end - f.layer_start);
+            kv_cells = (uint64_t) ((double) budget / cell);
+            f.kv_cells = (uint32_t) kv_cells;
+            backend = std::make_unique<FakeBackend>(f);
+        }
     } else {
         llama_backend_init();
         if (o.kv_budget_mb > 0 && !o.kv_cells) {
@@ -304,6 +323,45 @@ int serve_main(int argc, char ** argv) {
             std::fprintf(stderr, "dgr-worker: error: %s\n", err.c_str());
             return 1;
         }
+        // --memory-budget-mb: weights and scratch are what they are; the KV cache gets the rest
+        const uint64_t budget = (uint64_t) (o.memory_budget_mb * 1048576.0);
+        for (int round = 0; budget && round < 3; ++round) {
+            const BackendInfo & in = backend->info();
+            const uint64_t fixed = in.weight_bytes + in.scratch_bytes;
+            const double mib = 1.0 / 1048576.0;
+            if (fixed >= budget) {
+                std::fprintf(stderr,
+                             "dgr-worker: error: the weights (%.1f MiB) and compute scratch (%.1f MiB) of layers [%u, %u) "
+                             "leave nothing of --memory-budget-mb %.1f for the KV cache\n",
+                             in.weight_bytes * mib, in.scratch_bytes * mib, in.layer_start, in.layer_end, o.memory_budget_mb);
+                return 2;
+            }
+            if (fixed + in.kv_bytes <= budget) break;
+            const uint64_t per_cell = std::max<uint64_t>(1, in.kv_bytes / std::max<uint64_t>(1, in.kv_cells));
+            uint64_t cells = (budget - fixed) / per_cell;
+            if (!o.kv_unified) {
+                const uint64_t per = cells / o.max_sessions / 256 * 256;  // llama.cpp: 256-cell streams
+                if (per == 0) {
+                    std::fprintf(stderr,
+                                 "dgr-worker: error: --memory-budget-mb %.1f leaves %.1f MiB for the KV cache: fewer than 256 "
+                                 "cells per session for %u sessions; lower --max-sessions or raise the budget\n",
+                                 o.memory_budget_mb, (budget - fixed) * mib, o.max_sessions);
+                    return 2;
+                }
+                o.ctx_per_session = (uint32_t) std::min<uint64_t>(o.ctx_per_session, per);
+                cells = per * o.max_sessions;
+            }
+            std::fprintf(stderr, "dgr-worker: memory budget %.1f MiB: weights %.1f + scratch %.1f MiB; KV cut to %llu cells\n",
+                         o.memory_budget_mb, in.weight_bytes * mib, in.scratch_bytes * mib, (unsigned long long) cells);
+            kv_cells = cells;
+            l.kv_cells = (uint32_t) cells;
+            backend.reset();
+            backend = LlamaBackend::create(l, &err);
+            if (!backend) {
+                std::fprintf(stderr, "dgr-worker: error: %s\n", err.c_str());
+                return 1;
+            }
+        }
     }
     backend->set_identity(o.fingerprint, o.artifact_id, o.recipe_json);
     if (kv_cells == 0) {
@@ -322,6 +380,30 @@ int serve_main(int argc, char ** argv) {
     so.max_message_bytes = o.max_message_bytes;
     so.session_ttl_s = o.session_ttl_s;
     so.evict_idle_s = o.evict_idle_s;
+    so.memory_budget_bytes = (uint64_t) (o.memory_budget_mb * 1048576.0);
+    so.chain.peers.clear();
+    {
+        std::stringstream ss(o.chain_peers);
+        std::string item;
+        while (std::getline(ss, item, ',')) {
+            if (item.size() > 1 && item.front() == '[' && item.back() == ']') item = item.substr(1, item.size() - 2);
+            for (auto & c : item) c = (char) std::tolower((unsigned char) c);
+            if (!item.empty()) so.chain.peers.push_back(item);
+        }
+    }
+    so.chain.max_message_bytes = o.max_message_bytes;
+    if (!o.chain_tls_ca.empty()) {
+        bool ok1 = true, ok2 = true, ok3 = true;
+        so.chain.tls_ca_pem = read_file(o.chain_tls_ca, &ok1);
+        if (!o.tls_cert.empty()) {
+            so.chain.tls_cert_pem = read_file(o.tls_cert, &ok2);
+            so.chain.tls_key_pem = read_file(o.tls_key, &ok3);
+        }
+        if (!ok1 || !ok2 || !ok3) {
+            std::fprintf(stderr, "dgr-worker: error: cannot read --chain-tls-ca/--tls-cert/--tls-key\n");
+            return 2;
+        }
+    }
     Scheduler scheduler(*backend, metrics, so);
     const auto & b = dgr::build_info();
     ShardService service(*backend, scheduler, metrics, ServiceInfo{b.dgr_version, b.pin_commit, b.patch_digest, b.backend});

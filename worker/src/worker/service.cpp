@@ -16,7 +16,7 @@ class SessionReactor;
 class StreamHandle final : public StreamSink {
 public:
     explicit StreamHandle(SessionReactor * r) : reactor_(r) {}
-    void deliver(pb::SessionResponse resp, bool terminal, grpc::Status status) override;
+    void deliver(pb::SessionResponse resp, bool terminal, grpc::Status status, bool read_next) override;
     void resume() override;
     void finish(grpc::Status status) override;
 
@@ -71,7 +71,7 @@ public:
             e.set_limit(queue_limit_);
             *r.mutable_error() = e;
             rejected_queue_++;
-            handle_->deliver(std::move(r), false, grpc::Status::OK);
+            handle_->deliver(std::move(r), false, grpc::Status::OK, true);
         }
     }
     void OnWriteDone(bool ok) override { handle_->on_write_done(ok); }
@@ -91,14 +91,14 @@ private:
 
 std::atomic<uint64_t> SessionReactor::rejected_queue_{0};
 
-void StreamHandle::deliver(pb::SessionResponse resp, bool terminal, grpc::Status status) {
+void StreamHandle::deliver(pb::SessionResponse resp, bool terminal, grpc::Status status, bool read_next) {
     std::lock_guard<std::recursive_mutex> lk(mu_);
     if (finished_ || finish_pending_) return;
     out_.push_back(std::move(resp));
     if (terminal) {
         finish_pending_ = true;
         final_ = status;
-    } else {
+    } else if (read_next) {
         need_read_ = true;
     }
     pump();
@@ -182,6 +182,12 @@ grpc::ServerUnaryReactor * ShardService::GetCapability(grpc::CallbackServerConte
     c->set_max_message_bytes(o.max_message_bytes);
     c->set_max_fragment_bytes(o.max_fragment_bytes);
     c->add_compressions(pb::COMPRESSION_NONE);
+    c->set_server_generation(true);
+    c->set_chain_forwarding(true);
+    c->set_weight_bytes(in.weight_bytes);
+    c->set_kv_bytes(in.kv_bytes);
+    c->set_scratch_bytes(in.scratch_bytes);
+    c->set_memory_budget_bytes(o.memory_budget_bytes);
     auto * r = resp->mutable_runtime();
     r->set_dgr_version(rt_.dgr_version);
     r->set_llama_commit(rt_.llama_commit);

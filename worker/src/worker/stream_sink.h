@@ -15,9 +15,11 @@ namespace pb = ::dgr::shard::v1;
 class StreamSink {
 public:
     virtual ~StreamSink() = default;
-    // Queue one response; the stream reads its next frame once it is written. `terminal`: end
-    // the stream with `status` after writing it.
-    virtual void deliver(pb::SessionResponse resp, bool terminal = false, grpc::Status status = grpc::Status::OK) = 0;
+    // Queue one response; the stream reads its next frame once it is written (unless
+    // `read_next` is false: a further response of an already answered frame, server-side
+    // generation). `terminal`: end the stream with `status` after writing it.
+    virtual void deliver(pb::SessionResponse resp, bool terminal = false, grpc::Status status = grpc::Status::OK,
+                         bool read_next = true) = 0;
     // The frame needs no response (a partial fragmented step): read the next one.
     virtual void resume() = 0;
     // End the stream (after any queued responses).

@@ -246,7 +246,7 @@ class ShardIdentity(_message.Message):
     def __init__(self, artifact_id: _Optional[str] = ..., recipe_json: _Optional[str] = ..., compatibility_fingerprint: _Optional[str] = ..., range: _Optional[_Union[ShardRange, _Mapping]] = ..., n_layer: _Optional[int] = ..., head: _Optional[bool] = ..., tail: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., architecture: _Optional[str] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("max_sessions", "kv_cells", "max_session_positions", "max_batch_tokens", "max_prefill_chunk_tokens", "max_message_bytes", "max_fragment_bytes", "compressions")
+    __slots__ = ("max_sessions", "kv_cells", "max_session_positions", "max_batch_tokens", "max_prefill_chunk_tokens", "max_message_bytes", "max_fragment_bytes", "compressions", "server_generation", "chain_forwarding", "weight_bytes", "kv_bytes", "scratch_bytes", "memory_budget_bytes")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_CELLS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSION_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,12 @@ class Capacity(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPRESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FORWARDING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCRATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
     kv_cells: int
     max_session_positions: int
@@ -263,7 +269,13 @@ class Capacity(_message.Message):
     max_message_bytes: int
     max_fragment_bytes: int
     compressions: _containers.RepeatedScalarFieldContainer[Compression]
-    def __init__(self, max_sessions: _Optional[int] = ..., kv_cells: _Optional[int] = ..., max_session_positions: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_prefill_chunk_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_fragment_bytes: _Optional[int] = ..., compressions: _Optional[_Iterable[_Union[Compression, str]]] = ...) -> None: ...
+    server_generation: bool
+    chain_forwarding: bool
+    weight_bytes: int
+    kv_bytes: int
+    scratch_bytes: int
+    memory_budget_bytes: int
+    def __init__(self, max_sessions: _Optional[int] = ..., kv_cells: _Optional[int] = ..., max_session_positions: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_prefill_chunk_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_fragment_bytes: _Optional[int] = ..., compressions: _Optional[_Iterable[_Union[Compression, str]]] = ..., server_generation: _Optional[bool] = ..., chain_forwarding: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., scratch_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class RuntimeInfo(_message.Message):
     __slots__ = ("dgr_version", "llama_commit", "patch_digest", "backend")
@@ -352,18 +364,40 @@ class SamplingParams(_message.Message):
     def __init__(self, mode: _Optional[_Union[SamplingMode, str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., ignore_eog: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepFrame(_message.Message):
-    __slots__ = ("header", "tokens", "bundle", "sampling", "sample")
+    __slots__ = ("header", "tokens", "bundle", "sampling", "sample", "downstream", "generate")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
     header: FrameHeader
     tokens: TokenSpan
     bundle: TensorBundle
     sampling: SamplingParams
     sample: bool
-    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., tokens: _Optional[_Union[TokenSpan, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ...) -> None: ...
+    downstream: _containers.RepeatedCompositeFieldContainer[ChainHop]
+    generate: GenerateParams
+    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., tokens: _Optional[_Union[TokenSpan, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., downstream: _Optional[_Iterable[_Union[ChainHop, _Mapping]]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ...) -> None: ...
+
+class ChainHop(_message.Message):
+    __slots__ = ("endpoint", "range", "compatibility_fingerprint")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    COMPATIBILITY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    range: ShardRange
+    compatibility_fingerprint: str
+    def __init__(self, endpoint: _Optional[str] = ..., range: _Optional[_Union[ShardRange, _Mapping]] = ..., compatibility_fingerprint: _Optional[str] = ...) -> None: ...
+
+class GenerateParams(_message.Message):
+    __slots__ = ("max_tokens", "continue_after_finish")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_AFTER_FINISH_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    continue_after_finish: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., continue_after_finish: _Optional[bool] = ...) -> None: ...
 
 class FastDecodeFrame(_message.Message):
     __slots__ = ("session_id", "route_epoch", "step", "position", "token_id", "bundle", "request_id")

@@ -1,0 +1,82 @@
+// Chained routes: a worker's own client stream to the next Shard of a route (one per session).
+// The scheduler sends the session's boundary frames through it and gets the route's answer
+// back as an event; it never waits on the network.
+#pragma once
+
+#include "dgr/shard/v1/shard_runtime.grpc.pb.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace dgr::worker {
+
+namespace pb = ::dgr::shard::v1;
+
+struct ChainOptions {
+    // Hosts a session may chain to ("*": any). Default: loopback only.
+    std::vector<std::string> peers = {"127.0.0.1", "localhost", "::1"};
+    // TLS towards downstream workers: CA to verify them (empty: plaintext), and the client
+    // identity presented to them (mTLS), usually the worker's own --tls-cert/--tls-key.
+    std::string tls_ca_pem, tls_cert_pem, tls_key_pem;
+    uint64_t max_message_bytes = 64ull << 20;
+};
+
+// host part of "host:port" / "[v6]:port", lower-cased; empty when malformed
+std::string endpoint_host(const std::string & endpoint);
+bool peer_allowed(const ChainOptions & o, const std::string & endpoint);
+
+class DownstreamLink : public grpc::ClientBidiReactor<pb::SessionRequest, pb::SessionResponse>,
+                       public std::enable_shared_from_this<DownstreamLink> {
+public:
+    using OnReply = std::function<void(pb::SessionResponse)>;
+    using OnEnd = std::function<void(const grpc::Status &)>;
+
+    // Starts the stream (connects lazily); callbacks run on gRPC threads.
+    static std::shared_ptr<DownstreamLink> open(pb::ShardRuntimeService::Stub * stub, std::string endpoint,
+                                                OnReply on_reply, OnEnd on_end);
+    // Queues one frame; returns its serialized size.
+    size_t send(pb::SessionRequest req);
+    // Ends the stream (the downstream drops the session); no callback after this returns.
+    void close();
+    const std::string & endpoint() const { return endpoint_; }
+
+    void OnReadDone(bool ok) override;
+    void OnWriteDone(bool ok) override;
+    void OnDone(const grpc::Status & s) override;
+
+private:
+    DownstreamLink(std::string endpoint, OnReply r, OnEnd e)
+        : endpoint_(std::move(endpoint)), on_reply_(std::move(r)), on_end_(std::move(e)) {}
+    std::string endpoint_;
+    OnReply on_reply_;
+    OnEnd on_end_;
+    grpc::ClientContext ctx_;
+    pb::SessionResponse resp_;
+    std::mutex mu_;
+    std::deque<pb::SessionRequest> out_;
+    bool writing_ = false;
+    bool closed_ = false;
+    bool done_ = false;
+    std::shared_ptr<DownstreamLink> self_;  // alive until OnDone
+};
+
+// Channels and stubs per downstream endpoint, shared by sessions.
+class ChainPeers {
+public:
+    explicit ChainPeers(ChainOptions o) : opts_(std::move(o)) {}
+    const ChainOptions & options() const { return opts_; }
+    pb::ShardRuntimeService::Stub * stub(const std::string & endpoint);
+private:
+    ChainOptions opts_;
+    std::mutex mu_;
+    std::map<std::string, std::unique_ptr<pb::ShardRuntimeService::Stub>> stubs_;
+};
+
+}  // namespace dgr::worker
