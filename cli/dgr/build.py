@@ -205,3 +205,81 @@ def tool_binary(name: str, backend: str = "cpu", *, build_missing: bool = True) 
     elif not exe.is_file():
         raise DgrError(f"{exe} not built", hint=f"run `dgr build --backend {backend} --target {name}`")
     return exe
+
+
+# --- llama.cpp's own RPC split (a yardstick for routes) --------------------------------------
+# GGML_RPC stays off in build/<backend>/ (the worker tree); the RPC tools are configured straight
+# from the patched llama.cpp tree into their own build/<backend>-rpc/ so that tree is never touched.
+RPC_SERVER = "ggml-rpc-server"   # the pinned CMake target/binary name (older upstreams: rpc-server)
+RPC_TARGETS = (RPC_SERVER, "llama-bench")
+_RPC_ALIASES = {"rpc-server": RPC_SERVER}
+_RPC_CMAKE = (
+    "-DGGML_RPC=ON", "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_COMMON=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_IS_DEV=OFF",
+)
+
+
+def rpc_build_dir(backend: str = "cpu") -> Path:
+    return paths.build_dir() / f"{backend}-rpc"
+
+
+def build_rpc_tools(backend: str = "cpu", jobs: int | None = None, *, clean: bool = False) -> Path:
+    """Build llama.cpp's RPC server and an RPC-enabled llama-bench in build/<backend>-rpc/ and
+    return its bin dir; concurrent calls on that tree wait for each other."""
+    flags = check_toolchain(backend)
+    paths.build_dir().mkdir(parents=True, exist_ok=True)
+    with open(paths.build_dir() / f".build-{backend}-rpc.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_rpc_locked(backend, flags, jobs=jobs, clean=clean)
+
+
+def _build_rpc_locked(backend: str, flags: list[str], *, jobs: int | None, clean: bool) -> Path:
+    pin, tree, digest = _ensure_sources()
+    bdir = rpc_build_dir(backend)
+    if clean and bdir.exists():
+        shutil.rmtree(bdir)
+    bdir.mkdir(parents=True, exist_ok=True)
+    config = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *_RPC_CMAKE, *flags]
+    if shutil.which("ccache"):
+        config += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
+                   "-DGGML_CCACHE=OFF"]
+    # the pin and patch digest are in the stamp (not CMake flags): a new series reconfigures
+    stamp_doc = {"source": str(tree), "pin": pin.commit, "patches": digest, "cmake": config}
+    stamp = bdir / "dgr-config.json"
+    previous = json.loads(stamp.read_text()) if stamp.is_file() else None
+    print(f"llama.cpp RPC tools ({backend}) in {bdir}", file=sys.stderr, flush=True)
+    if previous != stamp_doc or not (bdir / "build.ninja").is_file():
+        _run(["cmake", "-S", str(tree), "-B", str(bdir), *config])
+        stamp.write_text(json.dumps(stamp_doc, indent=1))
+    jobs = jobs or os.cpu_count() or 2
+    env = dict(os.environ)
+    env.setdefault("CCACHE_BASEDIR", "/")
+    _run(["ninja", "-C", str(bdir), f"-j{jobs}", *RPC_TARGETS], env=env)
+    bin_dir = bdir / "bin"
+    for alias, name in _RPC_ALIASES.items():   # `rpc-server`, the name the docs and older pins use
+        link = bin_dir / alias
+        if alias != name and not link.exists():
+            link.unlink(missing_ok=True)        # a dangling link
+            link.symlink_to(name)
+    for notice in pin.notices:
+        if (tree / notice).is_file():
+            shutil.copyfile(tree / notice, bin_dir / f"llama.cpp-{notice}")
+    return bin_dir
+
+
+def rpc_tool_binary(name: str, backend: str = "cpu", *, build_missing: bool = True) -> Path:
+    """``rpc-server`` (alias of the pinned ``ggml-rpc-server``) or ``llama-bench`` of
+    build/<backend>-rpc/bin; with ``build_missing`` the RPC tree is (re)built first (a no-op
+    Ninja run when up to date)."""
+    real = _RPC_ALIASES.get(name, name)
+    if real not in RPC_TARGETS:
+        raise DgrError(f"unknown RPC tool {name!r}; choose one of rpc-server, {', '.join(RPC_TARGETS)}")
+    exe = rpc_build_dir(backend) / "bin" / real
+    if build_missing:
+        build_rpc_tools(backend)
+    elif not exe.is_file():
+        raise DgrError(f"{exe} not built (llama.cpp RPC tools, GGML_RPC=ON)",
+                       hint=f"python -c 'from dgr.build import build_rpc_tools; build_rpc_tools(\"{backend}\")'")
+    return exe

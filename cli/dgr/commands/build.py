@@ -19,6 +19,8 @@ def build(
     target: Optional[List[str]] = typer.Option(None, "--target", help="Ninja target(s) (default dgr-worker)."),
     tests: bool = typer.Option(False, "--tests", help="Also build the CTest programs (dgr-tests)."),
     tools: bool = typer.Option(False, "--tools", help="Also build whole-model llama.cpp tools (llama-bench, …)."),
+    rpc: bool = typer.Option(False, "--rpc", help="Also build llama.cpp's rpc-server and an RPC llama-bench in "
+                                                  "build/<backend>-rpc/ (the RPC lane of `dgr bench route`)."),
 ) -> None:
     """Build build/<backend>/bin/dgr-worker (static llama.cpp, distribution gRPC)."""
     targets = tuple(target) if target else build_mod.DEFAULT_TARGETS
@@ -28,3 +30,5 @@ def build(
         targets += build_mod.TOOL_TARGETS
     res = build_mod.build(backend, jobs=jobs, clean=clean, targets=targets)
     typer.echo(f"built {', '.join(res.targets)} in {res.bin_dir}")
+    if rpc:
+        typer.echo(f"built rpc-server, llama-bench (GGML_RPC) in {build_mod.build_rpc_tools(backend, jobs=jobs, clean=clean)}")
