@@ -43,6 +43,28 @@ def test_route_matches_whole_model_exactly(routes):
     assert a.top_logprobs == b.top_logprobs   # exact, not approximately equal
 
 
+def test_chained_route_equals_stepwise(routes):
+    """The head forwarding along the chain and generating server-side gives the stepwise
+    driver's tokens (and logprobs) exactly, and so does the whole model generating server-side."""
+    r, w = routes
+
+    async def gen(eps, chain):
+        d = await RouteDriver(eps, chain=chain).connect()
+        try:
+            assert d.mode == ("stepwise" if chain is False else "chained")
+            toks = await d.tokenize("Chained shards forward their own boundaries. " * 3, add_special=True)
+            return await d.generate(toks, max_tokens=24, sampling=Sampling(top_logprobs=3, ignore_eog=True),
+                                    stop_on_eog=False)
+        finally:
+            await d.close()
+
+    chained, stepwise = asyncio.run(gen(r.endpoints, True)), asyncio.run(gen(r.endpoints, False))
+    whole = asyncio.run(gen(w.endpoints, True))
+    assert chained.error is None and stepwise.error is None and whole.error is None
+    assert len(chained.tokens) == 24 and chained.tokens == stepwise.tokens == whole.tokens
+    assert chained.top_logprobs == stepwise.top_logprobs
+
+
 def test_four_concurrent_sessions_isolated_and_released(routes):
     """Concurrent route sessions vs their own sequential runs (identical or a near-tie flip from
     batched numerics); one at a time the route equals the whole model exactly; nothing is left."""

@@ -1,4 +1,4 @@
-"""dgr bench worker: saturation logic (unit) and a short real-lane run."""
+"""dgr bench worker: saturation, per-mode rows and the summary (unit), and a short real-lane run."""
 
 from __future__ import annotations
 
@@ -19,6 +19,41 @@ def test_saturation_is_the_last_level_that_still_grew():
     assert wb.saturation(rows[:2]) is None
 
 
+def _measured(tps: float, occ: float) -> dict[str, float]:
+    return {"decode_tokens_per_s": tps, "decode_wall_s": 1.0, "batches": 10.0, "dgr_batch_occupancy_avg": occ,
+            "decode_busy_fraction": 0.5}
+
+
+def _doc() -> dict:
+    rows = [wb.level_row(1, {"stepwise": _measured(40.0, 1.0), "server_generation": _measured(46.0, 1.0)}, 50.0),
+            wb.level_row(4, {"stepwise": _measured(90.0, 3.1), "server_generation": _measured(120.0, 3.9)}, 125.0)]
+    return {"levels": rows, "saturation_sessions": wb.saturation(rows),
+            "stepwise_saturation_sessions": wb.saturation(rows, "stepwise"), "target_ratio": wb.TARGET_RATIO,
+            "target_mode": wb.TARGET_MODE, "meets_target": wb.meets(rows),
+            "stepwise_meets_target": wb.meets(rows, "stepwise")}
+
+
+def test_level_rows_keep_the_legacy_keys_from_server_generation():
+    doc = _doc()
+    one, four = doc["levels"]
+    assert one["worker_decode_tokens_per_s"] == 46.0 and one["ratio"] == pytest.approx(0.92)
+    assert four["dgr_batch_occupancy_avg"] == 3.9 and four["batches"] == 10.0
+    assert four["stepwise"]["ratio"] == pytest.approx(0.72) and four["server_generation"]["ratio"] == pytest.approx(0.96)
+    assert set(one["stepwise"]) == set(one["server_generation"]) == {
+        "worker_decode_tokens_per_s", "ratio", "dgr_batch_occupancy_avg", "batches", "decode_busy_fraction"}
+    assert doc["meets_target"] and not doc["stepwise_meets_target"]
+    assert wb.level_row(2, {"stepwise": _measured(1, 1), "server_generation": _measured(1, 1)}, None)["ratio"] is None
+    assert not wb.meets([wb.level_row(2, {"stepwise": _measured(1, 1), "server_generation": _measured(1, 1)}, None)])
+
+
+def test_summary_prints_both_ratios():
+    text = wb.summary(_doc())
+    assert "server-gen tok/s" in text and "stepwise ratio" in text
+    line4 = next(ln for ln in text.splitlines() if ln.split()[:1] == ["4"])
+    assert "0.96" in line4 and "0.72" in line4
+    assert "(server_generation): met" in text and "stepwise: not met" in text
+
+
 @pytest.mark.native
 @pytest.mark.real
 def test_bench_worker_writes_json(native_bin: Path, smollm2_path: Path, tmp_path: Path):
@@ -30,5 +65,10 @@ def test_bench_worker_writes_json(native_bin: Path, smollm2_path: Path, tmp_path
     (tmp_path / "b.json").write_text(json.dumps(doc))
     rows = {r["sessions"]: r for r in doc["levels"]}
     assert rows[1]["worker_decode_tokens_per_s"] > 0 and rows[1]["llama_batched_bench_tg_tokens_per_s"] > 0
-    assert rows[4]["dgr_batch_occupancy_avg"] > 1.5  # batching in use
+    assert rows[4]["dgr_batch_occupancy_avg"] > 1.5  # batching in use (server generation)
+    assert rows[4]["stepwise"]["dgr_batch_occupancy_avg"] > 1.5
+    assert rows[1]["stepwise"]["worker_decode_tokens_per_s"] > 0
+    assert rows[1]["server_generation"]["worker_decode_tokens_per_s"] == rows[1]["worker_decode_tokens_per_s"]
+    assert doc["target_mode"] == "server_generation" and isinstance(doc["stepwise_meets_target"], bool)
     assert "saturation_sessions" in doc and doc["label"] == "local-real"
+    assert "stepwise ratio" in wb.summary(doc)

@@ -243,10 +243,12 @@ class SessionReport:
     decode_tok_s: float
     decode_start_s: float      # since the run started
     decode_end_s: float
-    seam_bytes_per_decode_token: list[float]   # per seam (request frame bytes into shard i+1)
+    seam_bytes_per_decode_token: list[float]   # per seam (request frame bytes into shard i+1; chained
+                                               # mode: the route's figure, measured on the workers)
     hop_decode_rtt_s: list[float]               # per shard, mean decode round trip
     telemetry: dict[str, Any]
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    token_times_s: list[float] = field(default_factory=list)   # arrival of each token, since the run started
 
 
 @dataclass
@@ -257,6 +259,10 @@ class RunReport:
     wall_s: float
     workers: list[WorkerStats] = field(default_factory=list)
     driver_cpu_s: float = 0.0
+    mode: str = "stepwise"               # "chained" (head forwards, worker-side generation) or "stepwise"
+    # chained mode, per seam: serialized decode frame bytes a worker sent downstream per decode
+    # frame (dgr_chain_frame_bytes_sent_total / dgr_chain_frames_sent_total, phase="decode")
+    chain_seam_bytes_per_decode_token: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -272,6 +278,21 @@ class RunReport:
         return n / window if window > 0 else 0.0
 
     @property
+    def concurrent_decode_tok_s(self) -> float:
+        """Aggregate decode rate while every session was decoding (what llama-batched-bench's
+        S_TG measures: all B sequences decode together): tokens that arrived after the latest
+        first token and up to the earliest last token, over that window. 0 when the sessions
+        never decoded at the same time (staggered prefills, short answers)."""
+        ok = [s for s in self.sessions if s.error is None]
+        if not ok or any(len(s.token_times_s) < 2 for s in ok):
+            return 0.0
+        a = max(s.token_times_s[0] for s in ok)
+        b = min(s.token_times_s[-1] for s in ok)
+        if b <= a:
+            return 0.0
+        return sum(1 for s in ok for t in s.token_times_s if a < t <= b) / (b - a)
+
+    @property
     def aggregate_prefill_tok_s(self) -> float:
         ok = [s for s in self.sessions if s.error is None]
         if not ok:
@@ -285,16 +306,21 @@ class RunReport:
 
     @property
     def seam_bytes_per_decode_token(self) -> float:
+        if self.chain_seam_bytes_per_decode_token:
+            vals = [v for v in self.chain_seam_bytes_per_decode_token if v]
+            return sum(vals) / len(vals) if vals else 0.0
         vals = [v for s in self.sessions for v in s.seam_bytes_per_decode_token if v]
         return sum(vals) / len(vals) if vals else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "label": self.label, "route": self.route, "wall_s": self.wall_s, "ok": self.ok,
+            "label": self.label, "route": self.route, "mode": self.mode, "wall_s": self.wall_s, "ok": self.ok,
             "aggregate_decode_tok_s": self.aggregate_decode_tok_s,
+            "concurrent_decode_tok_s": self.concurrent_decode_tok_s,
             "aggregate_prefill_tok_s": self.aggregate_prefill_tok_s,
             "mean_ttft_s": self.mean_ttft_s,
             "seam_bytes_per_decode_token": self.seam_bytes_per_decode_token,
+            "chain_seam_bytes_per_decode_token": self.chain_seam_bytes_per_decode_token,
             "driver_cpu_s": self.driver_cpu_s,
             "sessions": [asdict(s) for s in self.sessions],
             "workers": [w.to_json() for w in self.workers],
@@ -369,6 +395,39 @@ class _Sampler:
             st.step_latency_s, st.step_count = d("dgr_step_latency_seconds_sum"), int(d("dgr_step_latency_seconds_count"))
 
 
+CHAIN_BYTES = "dgr_chain_frame_bytes_sent_total"
+CHAIN_FRAMES = "dgr_chain_frames_sent_total"
+
+
+async def chain_counters(driver: Any, phase: str = "decode") -> list[tuple[float, float]]:
+    """Per non-tail shard of the route: (serialized frame bytes, frames) it has sent downstream
+    for ``phase`` (worker counters; chained mode)."""
+    from dgr.shard.v1 import shard_runtime_pb2 as pb
+
+    out = []
+    for sh in driver.shards[:-1]:
+        nbytes = frames = 0.0
+        try:
+            r = await sh.stub.GetMetrics(pb.GetMetricsRequest(), timeout=5)
+        except Exception:
+            out.append((0.0, 0.0))
+            continue
+        for m in r.samples:
+            if m.labels.get("phase") != phase:
+                continue
+            if m.name == CHAIN_BYTES:
+                nbytes += m.value
+            elif m.name == CHAIN_FRAMES:
+                frames += m.value
+        out.append((nbytes, frames))
+    return out
+
+
+def chain_seam_bytes(before: Sequence[tuple[float, float]], after: Sequence[tuple[float, float]]) -> list[float]:
+    """Bytes per frame per seam between two :func:`chain_counters` readings (0: no frames)."""
+    return [(a[0] - b[0]) / (a[1] - b[1]) if a[1] > b[1] else 0.0 for b, a in zip(before, after)]
+
+
 def _rss(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -400,12 +459,15 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
                        stop_on_eog: bool = True, stats: list[WorkerStats] | None = None,
                        pids: Sequence[int] = (), on_text: Callable[[int, str], None] | None = None,
                        stream_period: float = 0.2, timeout: float = 60.0,
-                       token_prompts: Sequence[Sequence[int]] | None = None) -> RunReport:
+                       token_prompts: Sequence[Sequence[int]] | None = None,
+                       chain: bool | None = None) -> RunReport:
     """Runs one Route Session per prompt, all concurrently; streams text through ``on_text``
-    (session index, new text) and returns per-session and per-worker figures."""
+    (session index, new text) and returns per-session and per-worker figures. ``chain``: the
+    driver's mode (None: chained when the workers support it, False: stepwise, True: chained
+    or fail)."""
     from meshnet_adapter.route_driver import RouteDriver, Sampling
 
-    driver = await RouteDriver(list(endpoints), timeout=timeout).connect()
+    driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain).connect()
     try:
         toks = [list(t) for t in token_prompts] if token_prompts is not None else \
             await prompt_tokens(driver, prompts, chat=chat)
@@ -433,12 +495,20 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
                     return
 
         stream_task = asyncio.create_task(streamer()) if on_text is not None else None
+        chained = driver.chained and len(driver.shards) > 1
+        seam0 = await chain_counters(driver) if chained else []
         t0 = time.perf_counter()
         c0 = time.process_time()
 
+        times: list[list[float]] = [[] for _ in toks]
+
+        def on_token(i: int, tok: int) -> None:
+            times[i].append(time.perf_counter() - t0)
+            got[i].append(tok)
+
         async def one(i: int, p: list[int]) -> Any:
             return await driver.generate(p, max_tokens=max_tokens, sampling=sampling or Sampling(),
-                                         stop_on_eog=stop_on_eog, on_token=got[i].append)
+                                         stop_on_eog=stop_on_eog, on_token=lambda tok: on_token(i, tok))
 
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(toks)))
         wall = time.perf_counter() - t0
@@ -448,6 +518,7 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
             await stream_task
         if sampler:
             await sampler.stop()
+        chain_seam = chain_seam_bytes(seam0, await chain_counters(driver)) if chained else []
         reports = []
         for i, r in enumerate(results):
             tel = r.telemetry
@@ -459,11 +530,12 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
                 tokens=list(r.tokens), text=text, finish_reason=r.finish_reason, status=tel.status,
                 error=str(r.error) if r.error else None, ttft_s=tel.ttft_s, prefill_tok_s=tel.prefill_tok_s,
                 decode_tok_s=tel.decode_tok_s, decode_start_s=start, decode_end_s=start + tel.decode_s,
-                seam_bytes_per_decode_token=[n.decode_frame_bytes_per_token for n in tel.nodes[1:]],
+                seam_bytes_per_decode_token=(list(chain_seam) if chained else
+                                             [n.decode_frame_bytes_per_token for n in tel.nodes[1:]]),
                 hop_decode_rtt_s=[n.decode_step_s for n in tel.nodes], telemetry=tel.to_json(),
-                top_logprobs=[list(x) for x in r.top_logprobs]))
+                top_logprobs=[list(x) for x in r.top_logprobs], token_times_s=times[i]))
         return RunReport(label, [f"{s.endpoint}[{s.start}:{s.end})" for s in driver.shards], reports, wall,
-                         stats, cpu)
+                         stats, cpu, mode=driver.mode, chain_seam_bytes_per_decode_token=chain_seam)
     finally:
         await driver.close()
 
@@ -596,7 +668,7 @@ class RouteRun:
 async def _sequential(endpoints: Sequence[str], prompts: Sequence[str], label: str, **kw: Any) -> RunReport:
     """Each prompt alone (one session at a time); one combined report."""
     reps = [await run_sessions(endpoints, [p], label=label, **kw) for p in prompts]
-    out = RunReport(label, reps[0].route, [], sum(r.wall_s for r in reps))
+    out = RunReport(label, reps[0].route, [], sum(r.wall_s for r in reps), mode=reps[0].mode)
     for i, r in enumerate(reps):
         r.sessions[0].index = i
         out.sessions.append(r.sessions[0])
@@ -607,7 +679,7 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
               max_tokens: int = 32, sampling: Any = None, parity: bool = False, fake: bool = False,
               slices: bool = False, threads: int | None = None, chat: bool = True,
               stop_on_eog: bool = True, on_text: Callable[[int, str], None] | None = None,
-              log: Callable[[str], None] | None = None) -> RouteRun:
+              log: Callable[[str], None] | None = None, chain: bool | None = None) -> RouteRun:
     """Start local workers for ``split`` and run the prompts concurrently. With ``parity``
     (greedy): also run each prompt alone on the route and on one whole-model worker (exact
     parity), check the concurrent sessions' isolation against their sequential runs, and run
@@ -621,7 +693,7 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
     greedy = sampling is None or getattr(sampling, "temperature", 0) <= 0
     if parity and greedy:
         sampling = Sampling(top_logprobs=5, ignore_eog=getattr(sampling, "ignore_eog", False))
-    kw = dict(max_tokens=max_tokens, sampling=sampling, chat=chat, stop_on_eog=stop_on_eog)
+    kw = dict(max_tokens=max_tokens, sampling=sampling, chat=chat, stop_on_eog=stop_on_eog, chain=chain)
     label = f"route {','.join(f'{a}:{b}' for a, b in split)}"
     seq = wseq = whole = par = iso = None
     with LocalRoute(model, split, fake=fake, slices=slices, threads=threads, max_sessions=max_sessions,
@@ -645,13 +717,14 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
 
 def generate_remote(endpoints: Sequence[str], prompts: Sequence[str], *, max_tokens: int = 32,
                     sampling: Any = None, chat: bool = True, stop_on_eog: bool = True,
-                    on_text: Callable[[int, str], None] | None = None) -> RunReport:
+                    on_text: Callable[[int, str], None] | None = None,
+                    chain: bool | None = None) -> RunReport:
     """Sessions against already running workers (``dgr route generate --shard …``)."""
     from meshnet_adapter.route_driver import RouteError
 
     try:
         return asyncio.run(run_sessions(endpoints, prompts, max_tokens=max_tokens, sampling=sampling, chat=chat,
-                                        stop_on_eog=stop_on_eog, on_text=on_text))
+                                        stop_on_eog=stop_on_eog, on_text=on_text, chain=chain))
     except RouteError:
         raise
 
@@ -678,7 +751,8 @@ def summary_table(run: RouteRun) -> str:
     w0 = max(len(r[0]) for r in rows)
     lines = ["  ".join([r[0].ljust(w0), *(c.rjust(13) for c in r[1:])]) for r in rows]
     lines.append("")
-    lines.append(f"seam bytes per decode token (per seam, protobuf frame): {run.route.seam_bytes_per_decode_token:.0f}")
+    lines.append(f"seam bytes per decode token (per seam, protobuf frame): {run.route.seam_bytes_per_decode_token:.0f}"
+                 f" ({run.route.mode} route)")
     wrows = [("worker", "RSS", "KV peak", "KV cells peak/total", "mean batch rows", "mean queue ms")]
     for label, rep in (("route", run.route), ("whole", run.whole)):
         if rep is None:

@@ -2,19 +2,24 @@
 threads (DESIGN §8: ratios measured side by side, never absolute times).
 
 Measured, interleaved per repeat so machine noise hits both sides alike:
-- the route (local dgr-workers for the split) through the Python route driver: single-session
-  prefill (n_prompt tokens -> first token) and decode (n_gen tokens) tok/s, aggregate decode at
-  each concurrency, seam bytes per decode token per seam, per-hop decode round trip;
-- the whole model on one dgr-worker through the same driver (isolates the cost of the seam);
+- the route (local dgr-workers for the split) through the route driver in its default chained
+  mode (the head forwards boundaries along the chain, the worker generates server-side):
+  single-session prefill (n_prompt tokens -> first token) and decode (n_gen tokens) tok/s,
+  aggregate decode at each concurrency, seam bytes per decode token per seam (the workers'
+  dgr_chain_frame_bytes_sent_total / dgr_chain_frames_sent_total, phase="decode");
+- the same route driven stepwise from Python (``route_stepwise``: one stream per shard, one
+  frame per token per hop), with its per-hop decode round trip and frame bytes;
+- the whole model on one dgr-worker through the same driver (server-side generation; isolates
+  the cost of the seam);
 - whole-model llama.cpp at the pin: ``llama-bench`` (pp/tg) and ``llama-batched-bench``
   (aggregate tg at B = each concurrency);
 - llama.cpp RPC over two local ``rpc-server`` processes when the build has them (GGML_RPC);
   otherwise recorded as skipped with the reason;
 - the driver's own cost on fake-model workers (CPU and round trip per hop, no model compute).
 
-Targets (issue 6): single-session decode >= 90% and prefill >= 95% of llama-bench; aggregate
-decode at 4 sessions >= 90% of llama-batched-bench B=4; seam bytes per decode token per seam
-<= 2 * n_embd * 4 + 256.
+Targets (issue 6), judged on the chained route: single-session decode >= 90% and prefill >= 95%
+of llama-bench; aggregate decode at 4 sessions >= 90% of llama-batched-bench B=4; seam bytes per
+decode token per seam <= 2 * n_embd * 4 + 256.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class RouteBenchConfig:
     n_gen: int = 64
     concurrency: tuple[int, ...] = (1, 4)
     repeats: int = 3
+    rpc: bool = True               # also llama.cpp's RPC split (builds build/<backend>-rpc once)
     backend: str = "cpu"
     driver_overhead: bool = True
 
@@ -56,21 +62,29 @@ def _prompt(n: int, seed: int, n_vocab: int = 49152) -> list[int]:
     return out
 
 
-async def _measure(endpoints: list[str], n_prompt: int, n_gen: int, sessions: int, seed: int) -> dict[str, Any]:
+async def _measure(endpoints: list[str], n_prompt: int, n_gen: int, sessions: int, seed: int,
+                   chain: bool | None = None) -> dict[str, Any]:
     from meshnet_adapter.route_driver import Sampling
 
     from .route import run_sessions
 
     prompts = [_prompt(n_prompt, seed + i) for i in range(sessions)]
     rep = await run_sessions(endpoints, [""] * sessions, token_prompts=prompts, max_tokens=n_gen,
-                             sampling=Sampling(ignore_eog=True), stop_on_eog=False, label="bench")
+                             sampling=Sampling(ignore_eog=True), stop_on_eog=False, label="bench", chain=chain)
     if not rep.ok:
         raise DgrError("a benchmark session failed: " + "; ".join(s.error or "" for s in rep.sessions if s.error))
     s0 = rep.sessions[0]
     return {
         "sessions": sessions,
+        "mode": rep.mode,
         "prefill_tok_s": s0.prefill_tok_s if sessions == 1 else rep.aggregate_prefill_tok_s,
-        "decode_tok_s": s0.decode_tok_s if sessions == 1 else rep.aggregate_decode_tok_s,
+        # B > 1: the rate while all B sessions decode together, as llama-batched-bench's S_TG (the
+        # first-to-last window also holds the other sessions' prefills); that window's rate is
+        # kept as aggregate_decode_window_tok_s
+        "decode_tok_s": s0.decode_tok_s if sessions == 1 else (rep.concurrent_decode_tok_s
+                                                               or rep.aggregate_decode_tok_s),
+        "aggregate_decode_window_tok_s": rep.aggregate_decode_tok_s,
+        "concurrent_decode_tok_s": rep.concurrent_decode_tok_s,
         "ttft_s": rep.mean_ttft_s,
         "seam_bytes_per_decode_token": rep.seam_bytes_per_decode_token,
         "hop_decode_rtt_s": [statistics.mean(s.hop_decode_rtt_s[i] for s in rep.sessions)
@@ -116,35 +130,45 @@ def _batched_bench(model: Path, threads: int, n_prompt: int, n_gen: int, npl: tu
             "by_batch": {str(r["pl"]): {"pp_tok_s": r["speed_pp"], "tg_tok_s": r["speed_tg"]} for r in rows}}
 
 
-def _rpc(backend: str) -> dict[str, Any]:
-    from . import paths
-
-    exe = paths.backend_build_dir(backend) / "bin" / "rpc-server"
-    if not exe.is_file():
-        return {"skipped": True, "reason": "GGML_RPC is off in this build (no rpc-server binary); "
-                                           "llama.cpp RPC split not measured"}
-    return {"skipped": True, "reason": "rpc-server present but the RPC lane is not wired in this version"}
+def _rpc_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama.cpp's own RPC split (two local rpc-servers, dgr.rpc_lane), median over the repeats."""
+    ok = [r for r in runs if not r.get("skipped")]
+    if not ok:
+        return {"skipped": True, "reason": runs[0].get("reason", "not measured") if runs else "not measured"}
+    return {"skipped": False, "command": ok[0]["command"], "tensor_split": ok[0].get("tensor_split"),
+            "per_server": ok[0].get("per_server"), "warnings": sorted({w for r in ok for w in r.get("warnings", [])}),
+            "pp_tok_s": statistics.median(r["pp_tok_s"] for r in ok),
+            "tg_tok_s": statistics.median(r["tg_tok_s"] for r in ok), "runs": runs}
 
 
 async def _driver_overhead(n_tokens: int = 300) -> dict[str, Any]:
-    """Two fake-model workers: what the driver and gRPC cost per decode step per hop."""
+    """Two fake-model workers: what the driver and gRPC cost per decode step per hop (stepwise,
+    the driver relays every token), and per token in the chained mode (the driver only reads)."""
     from meshnet_adapter.route_driver import RouteDriver
 
     from .route import LocalRoute
 
-    with LocalRoute(None, [(0, 4), (4, 8)], fake=True) as lr:
-        d = await RouteDriver(lr.endpoints).connect()
+    async def one(chain: bool | None) -> tuple[Any, float, float, str]:
+        d = await RouteDriver(lr.endpoints, chain=chain).connect()
         try:
             await d.generate([1, 2, 3], max_tokens=10, stop_on_eog=False)
             c0, t0 = time.process_time(), time.perf_counter()
             r = await d.generate([1, 2, 3], max_tokens=n_tokens, stop_on_eog=False)
             cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+            if r.error is not None:
+                raise DgrError(f"driver overhead run ({d.mode}) failed: {r.error}")
+            return r, cpu, wall, d.mode
         finally:
             await d.close()
+
+    with LocalRoute(None, [(0, 4), (4, 8)], fake=True) as lr:
+        r, cpu, wall, _ = await one(False)
+        _, ccpu, cwall, cmode = await one(None)
     steps = (n_tokens - 1) * 2
     return {"hops": 2, "decode_tokens": n_tokens,
             "driver_cpu_per_hop_s": cpu / steps, "wall_per_token_s": wall / n_tokens,
-            "decode_rtt_per_hop_s": [n.decode_step_s for n in r.telemetry.nodes]}
+            "decode_rtt_per_hop_s": [n.decode_step_s for n in r.telemetry.nodes],
+            "chained": {"mode": cmode, "driver_cpu_per_token_s": ccpu / n_tokens, "wall_per_token_s": cwall / n_tokens}}
 
 
 def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -160,6 +184,7 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
         raise DgrError(f"split ends at layer {cfg.split[-1][1]}; the model has {n_layer} layers")
     max_s = max(4, max(cfg.concurrency))
     route_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+    step_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     whole_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     ctx = cfg.n_prompt + cfg.n_gen + 16
     say(f"starting route workers {','.join(f'{a}:{b}' for a, b in cfg.split)} and a whole-model worker "
@@ -168,17 +193,31 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
                     backend=cfg.backend) as lr, \
             LocalRoute(model, [(0, n_layer)], threads=threads, max_sessions=max_s, ctx_per_session=ctx,
                        backend=cfg.backend) as lw:
-        asyncio.run(_measure(lr.endpoints, 16, 4, 1, 999))   # warm up both
+        asyncio.run(_measure(lr.endpoints, 16, 4, 1, 999))   # warm up both, both modes
+        asyncio.run(_measure(lr.endpoints, 16, 4, 1, 999, chain=False))
         asyncio.run(_measure(lw.endpoints, 16, 4, 1, 999))
         lb_runs: list[dict[str, Any]] = []
         bb_runs: list[dict[str, Any]] = []
+        rpc_runs: list[dict[str, Any]] = []
+        if cfg.rpc:
+            from .rpc_lane import measure_rpc
+
+            say("llama.cpp RPC lane: building rpc-server and an RPC llama-bench if missing (build/"
+                f"{cfg.backend}-rpc; minutes the first time)")
         for rep in range(cfg.repeats):
             # everything interleaved per repeat: a shared host's load drifts over minutes
             say(f"repeat {rep + 1}/{cfg.repeats}: llama-bench")
             lb_runs.append(_llama_bench(model, threads, cfg.n_prompt, cfg.n_gen, 1, cfg.backend))
+            if cfg.rpc:
+                say(f"repeat {rep + 1}/{cfg.repeats}: llama.cpp RPC split over two local rpc-servers")
+                rpc_runs.append(measure_rpc(model, threads=threads, n_prompt=cfg.n_prompt, n_gen=cfg.n_gen, repeats=1,
+                                            backend=cfg.backend, split=tuple(cfg.split), build_missing=True))
             for c in cfg.concurrency:
-                say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): route, whole-model worker")
+                say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): route (chained), route (stepwise), "
+                    "whole-model worker")
                 route_runs[c].append(asyncio.run(_measure(lr.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100)))
+                step_runs[c].append(asyncio.run(_measure(lr.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100,
+                                                         chain=False)))
                 whole_runs[c].append(asyncio.run(_measure(lw.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100)))
             say(f"repeat {rep + 1}/{cfg.repeats}: llama-batched-bench")
             bb_runs.append(_batched_bench(model, threads, cfg.n_prompt, cfg.n_gen, cfg.concurrency, cfg.backend))
@@ -196,9 +235,9 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
         return {str(c): {"prefill_tok_s": _median(v, "prefill_tok_s"), "decode_tok_s": _median(v, "decode_tok_s"),
                          "ttft_s": _median(v, "ttft_s"),
                          "seam_bytes_per_decode_token": _median(v, "seam_bytes_per_decode_token"),
-                         "runs": v} for c, v in runs.items()}
+                         "mode": v[0]["mode"], "runs": v} for c, v in runs.items()}
 
-    route, whole = summary(route_runs), summary(whole_runs)
+    route, stepwise, whole = summary(route_runs), summary(step_runs), summary(whole_runs)
     one = str(min(cfg.concurrency))
     ratios: dict[str, Any] = {
         "route_decode_vs_llama_bench_tg": route[one]["decode_tok_s"] / lb["tg_tok_s"],
@@ -206,6 +245,9 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
         "route_decode_vs_whole_worker": route[one]["decode_tok_s"] / whole[one]["decode_tok_s"],
         "route_prefill_vs_whole_worker": route[one]["prefill_tok_s"] / whole[one]["prefill_tok_s"],
         "whole_worker_decode_vs_llama_bench_tg": whole[one]["decode_tok_s"] / lb["tg_tok_s"],
+        "route_stepwise_decode_vs_llama_bench_tg": stepwise[one]["decode_tok_s"] / lb["tg_tok_s"],
+        "route_stepwise_decode_vs_whole_worker": stepwise[one]["decode_tok_s"] / whole[one]["decode_tok_s"],
+        "route_decode_vs_route_stepwise": route[one]["decode_tok_s"] / stepwise[one]["decode_tok_s"],
     }
     # paired per repeat (same minute of machine load), then the median: robust on a shared host
     c1 = min(cfg.concurrency)
@@ -218,17 +260,32 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
             r["decode_tok_s"] / w["decode_tok_s"] for r, w in zip(route_runs[c1], whole_runs[c1])),
         "route_prefill_vs_whole_worker": statistics.median(
             r["prefill_tok_s"] / w["prefill_tok_s"] for r, w in zip(route_runs[c1], whole_runs[c1])),
+        "route_stepwise_decode_vs_llama_bench_tg": statistics.median(
+            r["decode_tok_s"] / l["tg_tok_s"] for r, l in zip(step_runs[c1], lb_runs)),
+        "route_stepwise_decode_vs_whole_worker": statistics.median(
+            r["decode_tok_s"] / w["decode_tok_s"] for r, w in zip(step_runs[c1], whole_runs[c1])),
     }
     if 4 in cfg.concurrency:
         paired["route_aggregate_decode_vs_batched_bench_B4"] = statistics.median(
             r["decode_tok_s"] / b["by_batch"]["4"]["tg_tok_s"] for r, b in zip(route_runs[4], bb_runs))
         paired["route_aggregate_decode_vs_whole_worker_4"] = statistics.median(
             r["decode_tok_s"] / w["decode_tok_s"] for r, w in zip(route_runs[4], whole_runs[4]))
+        paired["route_stepwise_aggregate_decode_vs_batched_bench_B4"] = statistics.median(
+            r["decode_tok_s"] / b["by_batch"]["4"]["tg_tok_s"] for r, b in zip(step_runs[4], bb_runs))
+    rpc = _rpc_summary(rpc_runs) if cfg.rpc else {"skipped": True, "reason": "--no-rpc"}
+    if not rpc["skipped"]:
+        pairs = [(r, x) for r, x in zip(route_runs[c1], rpc_runs) if not x.get("skipped")]
+        paired["route_decode_vs_llama_rpc_tg"] = statistics.median(r["decode_tok_s"] / x["tg_tok_s"] for r, x in pairs)
+        paired["route_prefill_vs_llama_rpc_pp"] = statistics.median(r["prefill_tok_s"] / x["pp_tok_s"] for r, x in pairs)
+        paired["llama_rpc_tg_vs_llama_bench_tg"] = statistics.median(
+            x["tg_tok_s"] / l["tg_tok_s"] for x, l in zip(rpc_runs, lb_runs) if not x.get("skipped"))
     ratios["paired_median"] = paired
     for c in cfg.concurrency:
         b = bb["by_batch"].get(str(c))
         if b and c > 1:
             ratios[f"route_aggregate_decode_vs_batched_bench_B{c}"] = route[str(c)]["decode_tok_s"] / b["tg_tok_s"]
+            ratios[f"route_stepwise_aggregate_decode_vs_batched_bench_B{c}"] = \
+                stepwise[str(c)]["decode_tok_s"] / b["tg_tok_s"]
             ratios[f"whole_worker_aggregate_decode_vs_batched_bench_B{c}"] = whole[str(c)]["decode_tok_s"] / b["tg_tok_s"]
     seam_limit = 2 * n_embd * 4 + 256
     seam = route[one]["seam_bytes_per_decode_token"]
@@ -244,8 +301,9 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
         "split": [f"{a}:{b}" for a, b in cfg.split], "threads": threads, "n_prompt": cfg.n_prompt,
         "n_gen": cfg.n_gen, "repeats": cfg.repeats, "concurrency": list(cfg.concurrency),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
-        "route": route, "whole_worker": whole, "llama_bench": lb, "llama_batched_bench": bb,
-        "llama_rpc": _rpc(cfg.backend), "driver_overhead": overhead, "rss_bytes": rss, "route_worker_env": route_env,
+        "route_mode": route[one]["mode"], "route": route, "route_stepwise": stepwise,
+        "whole_worker": whole, "whole_worker_mode": whole[one]["mode"], "llama_bench": lb, "llama_batched_bench": bb,
+        "llama_rpc": rpc, "driver_overhead": overhead, "rss_bytes": rss, "route_worker_env": route_env,
         "seam_bytes_limit": seam_limit, "ratios": ratios, "targets": targets,
     }
 
@@ -254,11 +312,16 @@ def summary(doc: dict[str, Any]) -> str:
     r, lb = doc["ratios"], doc["llama_bench"]
     one = str(min(doc["concurrency"]))
     route, whole = doc["route"][one], doc["whole_worker"][one]
+    stepwise = doc.get("route_stepwise", {}).get(one)
+    n = len(doc["split"])
     lines = [
         f"model {Path(doc['model']).name}, split {','.join(doc['split'])}, {doc['threads']} threads, "
         f"pp{doc['n_prompt']} tg{doc['n_gen']}, median of {doc['repeats']}",
         f"{'':28}{'prefill tok/s':>14}{'decode tok/s':>14}",
-        f"{'route (' + str(len(doc['split'])) + ' workers)':28}{route['prefill_tok_s']:>14.1f}{route['decode_tok_s']:>14.1f}",
+        f"{'route (' + str(n) + ' workers, ' + doc.get('route_mode', 'stepwise') + ')':28}"
+        f"{route['prefill_tok_s']:>14.1f}{route['decode_tok_s']:>14.1f}",
+        *([f"{'route (' + str(n) + ' workers, stepwise)':28}{stepwise['prefill_tok_s']:>14.1f}"
+           f"{stepwise['decode_tok_s']:>14.1f}"] if stepwise else []),
         f"{'whole model, 1 dgr-worker':28}{whole['prefill_tok_s']:>14.1f}{whole['decode_tok_s']:>14.1f}",
         f"{'llama-bench':28}{lb['pp_tok_s']:>14.1f}{lb['tg_tok_s']:>14.1f}",
     ]
@@ -266,18 +329,30 @@ def summary(doc: dict[str, Any]) -> str:
         if c == 1:
             continue
         b = doc["llama_batched_bench"]["by_batch"].get(str(c), {})
+        sw = doc.get("route_stepwise", {}).get(str(c))
         lines.append(f"aggregate decode at {c} sessions: route {doc['route'][str(c)]['decode_tok_s']:.1f}, "
-                     f"whole worker {doc['whole_worker'][str(c)]['decode_tok_s']:.1f}, "
+                     + (f"route stepwise {sw['decode_tok_s']:.1f}, " if sw else "")
+                     + f"whole worker {doc['whole_worker'][str(c)]['decode_tok_s']:.1f}, "
                      f"llama-batched-bench B={c} {b.get('tg_tok_s', 0):.1f} tok/s")
     lines.append("ratios of medians: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k != "paired_median"))
     lines.append("paired per-repeat ratios (median; the targets use these): "
                  + ", ".join(f"{k} {v:.2f}" for k, v in r["paired_median"].items()))
     lines.append(f"seam bytes per decode token per seam: {route['seam_bytes_per_decode_token']:.0f} "
-                 f"(limit {doc['seam_bytes_limit']})")
+                 + (f"(stepwise {stepwise['seam_bytes_per_decode_token']:.0f}) " if stepwise else "")
+                 + f"(limit {doc['seam_bytes_limit']})")
     if doc.get("driver_overhead"):
         o = doc["driver_overhead"]
-        lines.append(f"driver (fake workers): {o['driver_cpu_per_hop_s'] * 1e3:.3f} ms CPU per hop per token, "
+        lines.append(f"driver (fake workers, stepwise): {o['driver_cpu_per_hop_s'] * 1e3:.3f} ms CPU per hop per token, "
                      f"{o['wall_per_token_s'] * 1e3:.3f} ms per token over 2 hops")
-    lines.append(f"llama.cpp RPC: {doc['llama_rpc'].get('reason', 'measured')}")
+        if o.get("chained"):
+            ch = o["chained"]
+            lines.append(f"driver (fake workers, {ch['mode']}): {ch['driver_cpu_per_token_s'] * 1e3:.3f} ms CPU per token, "
+                         f"{ch['wall_per_token_s'] * 1e3:.3f} ms per token over 2 hops")
+    rpc = doc["llama_rpc"]
+    if rpc.get("skipped"):
+        lines.append(f"llama.cpp RPC split: not measured ({rpc.get('reason')})")
+    else:
+        lines.append(f"llama.cpp RPC split over 2 local rpc-servers (-ts {rpc.get('tensor_split')}): prefill "
+                     f"{rpc['pp_tok_s']:.1f}, decode {rpc['tg_tok_s']:.1f} tok/s")
     lines.append("targets: " + ", ".join(f"{k} {'PASS' if v else 'MISS'}" for k, v in doc["targets"].items()))
     return "\n".join(lines)

@@ -80,6 +80,8 @@ def route(
     n_prompt: int = typer.Option(128, "--n-prompt"),
     n_gen: int = typer.Option(64, "--n-gen"),
     repeats: int = typer.Option(3, "--repeats"),
+    rpc: bool = typer.Option(True, "--rpc/--no-rpc",
+                             help="Also measure llama.cpp's RPC split (two local rpc-servers; builds them once)."),
     out: Path = typer.Option(Path("route-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """2-shard route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads."""
@@ -88,7 +90,7 @@ def route(
     from ..route import parse_split
 
     cfg = rb.RouteBenchConfig(split=tuple(parse_split(split)), threads=threads or 0, n_prompt=n_prompt,
-                              n_gen=n_gen, repeats=repeats)
+                              n_gen=n_gen, repeats=repeats, rpc=rpc)
     doc = rb.run_route_bench(resolve_model(model), cfg, progress=lambda s: typer.echo(s, err=True))
     out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     typer.echo(rb.summary(doc))
@@ -102,7 +104,7 @@ def worker(
     threads: int = typer.Option(2, "--threads"),
     n_prompt: int = typer.Option(32, "--n-prompt"),
     n_gen: int = typer.Option(64, "--n-gen"),
-    repeats: int = typer.Option(2, "--repeats"),
+    repeats: int = typer.Option(3, "--repeats"),
     out: Path = typer.Option(Path("worker-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """One dgr-worker (whole model): aggregate decode tok/s per session count next to llama-batched-bench."""

@@ -103,6 +103,7 @@ private:
         std::vector<pb::ChainHop> down_rest;  // carried by the opening forwarded frame
         uint64_t down_step = 0;
         bool down_opened = false;
+        bool down_colocated = false;          // every hop is on this host (loopback): shares our cores
         std::string down_failed;              // the link ended: the next frame gets this error
         std::unique_ptr<pb::SamplingParams> fwd_sampling;  // goes with the next forwarded StepFrame
         bool awaiting = false;                // a forwarded step waits for the route's answer
@@ -144,7 +145,10 @@ private:
 
     void loop();
     bool dispatch(std::deque<Event> & evs);  // false: stop
-    uint32_t expected_decoders() const;
+    // sessions whose next DECODE row is likely to arrive soon: plain ones (a client round trip
+    // away) and chained generating ones whose route runs on this host (a downstream compute away)
+    struct Expected { uint32_t plain = 0, colocated_chain = 0; };
+    Expected expected_decoders() const;
     void handle_frame(Event & ev);
     void handle_closed(Event & ev);
     // `internal`: the error answers server-side generation, not a queued frame (the stream
