@@ -69,12 +69,15 @@ async def _measure(endpoints: list[str], n_prompt: int, n_gen: int, sessions: in
     from .route import run_sessions
 
     prompts = [_prompt(n_prompt, seed + i) for i in range(sessions)]
+    m0 = _compute_counters(endpoints)
     rep = await run_sessions(endpoints, [""] * sessions, token_prompts=prompts, max_tokens=n_gen,
                              sampling=Sampling(ignore_eog=True), stop_on_eog=False, label="bench", chain=chain)
     if not rep.ok:
         raise DgrError("a benchmark session failed: " + "; ".join(s.error or "" for s in rep.sessions if s.error))
     s0 = rep.sessions[0]
+    m1 = _compute_counters(endpoints)
     return {
+        "profile": _profile(m0, m1, rep.concurrent_decode_tok_s if sessions > 1 else s0.decode_tok_s),
         "sessions": sessions,
         "mode": rep.mode,
         "prefill_tok_s": s0.prefill_tok_s if sessions == 1 else rep.aggregate_prefill_tok_s,
@@ -92,6 +95,67 @@ async def _measure(endpoints: list[str], n_prompt: int, n_gen: int, sessions: in
         "driver_cpu_s": rep.driver_cpu_s,
         "wall_s": rep.wall_s,
     }
+
+
+_COUNTERS = ("dgr_decode_only_busy_seconds_total", "dgr_decode_only_batches_total", "dgr_decode_only_rows_total")
+
+
+def _compute_counters(endpoints: list[str]) -> list[dict[str, float]]:
+    from meshnet_adapter.client import WorkerClient
+
+    out = []
+    for ep in endpoints:
+        with WorkerClient(ep, timeout=10) as c:
+            s = {m.name: m.value for m in c.metrics().samples if not m.labels}
+        out.append({k: s.get(k, 0.0) for k in _COUNTERS})
+    return out
+
+
+def _profile(before: list[dict[str, float]], after: list[dict[str, float]], decode_tok_s: float) -> dict[str, Any]:
+    """Where a decode step's time goes: per worker, compute per decode-only batch (inside
+    llama_decode) and rows per batch; the wall time per step (1 / steps per second) minus the
+    shards' compute is what the hand-offs cost (gRPC hops, wake-ups, sampling, the driver)."""
+    per = []
+    for b, a in zip(before, after):
+        n = a["dgr_decode_only_batches_total"] - b["dgr_decode_only_batches_total"]
+        busy = a["dgr_decode_only_busy_seconds_total"] - b["dgr_decode_only_busy_seconds_total"]
+        rows = a["dgr_decode_only_rows_total"] - b["dgr_decode_only_rows_total"]
+        per.append({"decode_batches": n, "compute_ms_per_batch": 1e3 * busy / n if n else 0.0,
+                    "rows_per_batch": rows / n if n else 0.0})
+    rows = per[0]["rows_per_batch"] if per else 0.0
+    step_ms = 1e3 * rows / decode_tok_s if decode_tok_s > 0 and rows else 0.0
+    compute = sum(p["compute_ms_per_batch"] for p in per)
+    return {"workers": per, "step_ms": step_ms, "compute_ms_per_step": compute,
+            "handoff_ms_per_step": step_ms - compute if step_ms else 0.0}
+
+
+def _median_profile(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ps = [r["profile"] for r in runs if r.get("profile")]
+    if not ps:
+        return {}
+    nw = len(ps[0]["workers"])
+    return {"step_ms": statistics.median(p["step_ms"] for p in ps),
+            "compute_ms_per_step": statistics.median(p["compute_ms_per_step"] for p in ps),
+            "handoff_ms_per_step": statistics.median(p["handoff_ms_per_step"] for p in ps),
+            "worker_compute_ms_per_batch": [statistics.median(p["workers"][i]["compute_ms_per_batch"] for p in ps)
+                                            for i in range(nw)],
+            "worker_rows_per_batch": [statistics.median(p["workers"][i]["rows_per_batch"] for p in ps)
+                                      for i in range(nw)]}
+
+
+def profile_lines(doc: dict[str, Any]) -> list[str]:
+    """One line per measured configuration: step time = each shard's compute + hand-offs."""
+    out = []
+    for label, key in (("route", "route"), ("route stepwise", "route_stepwise"), ("whole worker", "whole_worker")):
+        for c, v in sorted((doc.get(key) or {}).items(), key=lambda kv: int(kv[0])):
+            p = v.get("profile") or {}
+            if not p.get("step_ms"):
+                continue
+            parts = " + ".join(f"{x:.2f}" for x in p["worker_compute_ms_per_batch"])
+            out.append(f"profile {label}, {c} session(s): step {p['step_ms']:.2f} ms = compute {parts} ms "
+                       f"+ hand-offs {p['handoff_ms_per_step']:.2f} ms; rows per batch "
+                       + "/".join(f"{x:.2f}" for x in p["worker_rows_per_batch"]))
+    return out
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float:
@@ -235,7 +299,7 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
         return {str(c): {"prefill_tok_s": _median(v, "prefill_tok_s"), "decode_tok_s": _median(v, "decode_tok_s"),
                          "ttft_s": _median(v, "ttft_s"),
                          "seam_bytes_per_decode_token": _median(v, "seam_bytes_per_decode_token"),
-                         "mode": v[0]["mode"], "runs": v} for c, v in runs.items()}
+                         "mode": v[0]["mode"], "profile": _median_profile(v), "runs": v} for c, v in runs.items()}
 
     route, stepwise, whole = summary(route_runs), summary(step_runs), summary(whole_runs)
     one = str(min(cfg.concurrency))
@@ -348,6 +412,7 @@ def summary(doc: dict[str, Any]) -> str:
             ch = o["chained"]
             lines.append(f"driver (fake workers, {ch['mode']}): {ch['driver_cpu_per_token_s'] * 1e3:.3f} ms CPU per token, "
                          f"{ch['wall_per_token_s'] * 1e3:.3f} ms per token over 2 hops")
+    lines.extend(profile_lines(doc))
     rpc = doc["llama_rpc"]
     if rpc.get("skipped"):
         lines.append(f"llama.cpp RPC split: not measured ({rpc.get('reason')})")

@@ -61,6 +61,9 @@ std::vector<Sample> Metrics::samples(const Gauges & g) const {
     s.push_back({"dgr_prefill_tokens_total", {}, (double) prefill_tokens.load()});
     s.push_back({"dgr_decode_tokens_total", {}, (double) decode_tokens.load()});
     s.push_back({"dgr_decode_busy_seconds_total", {}, busy_seconds.load()});
+    s.push_back({"dgr_decode_only_busy_seconds_total", {}, decode_only_busy_seconds.load()});
+    s.push_back({"dgr_decode_only_batches_total", {}, (double) decode_only_batches.load()});
+    s.push_back({"dgr_decode_only_rows_total", {}, (double) decode_only_rows.load()});
     s.push_back({"dgr_batches_total", {}, (double) batches.load()});
     s.push_back({"dgr_batch_rows_total", {}, (double) batch_rows.load()});
     s.push_back({"dgr_steps_total", {}, (double) steps.load()});

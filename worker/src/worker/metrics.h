@@ -60,6 +60,10 @@ public:
     std::atomic<uint64_t> rejected_kv{0};        // append refused for KV budget
     std::atomic<uint64_t> step_errors{0};
     std::atomic<double> busy_seconds{0.0};       // time spent inside decode calls
+    // the same for decode calls without prefill rows (per-token compute, for profiles)
+    std::atomic<double> decode_only_busy_seconds{0.0};
+    std::atomic<uint64_t> decode_only_batches{0};
+    std::atomic<uint64_t> decode_only_rows{0};
     // chained routes: frames (and their serialized bytes) sent to the next Shard
     std::atomic<uint64_t> chain_frames_prefill{0};
     std::atomic<uint64_t> chain_frames_decode{0};

@@ -1010,6 +1010,11 @@ void Scheduler::run_batch() {
     }
     metrics_.batches++;
     metrics_.batch_rows += (uint64_t) batch.n_rows();
+    if (n_prefill == 0) {
+        metrics_.decode_only_busy_seconds = metrics_.decode_only_busy_seconds.load() + took;
+        metrics_.decode_only_batches++;
+        metrics_.decode_only_rows += n_decode;
+    }
     metrics_.batch_occupancy.observe((double) items.size());
     metrics_.prefill_tokens += n_prefill;
     metrics_.decode_tokens += n_decode;
