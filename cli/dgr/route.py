@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import DgrError
+from .llama_whole import WholeLlama
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -655,6 +656,9 @@ class RouteRun:
     isolation: Isolation | None = None   # concurrent route sessions vs their sequential runs
     route_sequential: RunReport | None = None
     whole_sequential: RunReport | None = None
+    # stock whole-model llama.cpp (llama-batched-bench at the pin), measured after the runs above
+    llama: WholeLlama | None = None
+    llama_error: str | None = None       # why it was asked for but not measured
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "split": [f"{a}:{b}" for a, b in self.split],
@@ -662,7 +666,35 @@ class RouteRun:
                 "parity": self.parity.to_json() if self.parity else None,
                 "isolation": self.isolation.to_json() if self.isolation else None,
                 "route_sequential": self.route_sequential.to_json() if self.route_sequential else None,
-                "whole_sequential": self.whole_sequential.to_json() if self.whole_sequential else None}
+                "whole_sequential": self.whole_sequential.to_json() if self.whole_sequential else None,
+                "llama": self.llama.to_json() if self.llama else None, "llama_error": self.llama_error}
+
+
+def whole_llama_baseline(model: Path | None, *, threads: int, n_prompt: int, n_gen: int,
+                         sessions: tuple[int, ...], log: Callable[[str], None] | None = None,
+                         backend: str = "cpu") -> tuple[WholeLlama | None, str | None]:
+    """Stock whole-model llama.cpp figures (:func:`dgr.llama_whole.measure_whole_llama`), or
+    ``(None, reason)`` when they cannot be had (no GGUF, tool missing and not buildable, the
+    tool failed): a yardstick, never a reason for the caller to fail."""
+    from . import llama_whole
+
+    log = log or (lambda _m: None)
+    if model is None:
+        return None, "no GGUF model (fake-model workers)"
+    log(f"whole-model llama.cpp: llama-batched-bench -npp {n_prompt} -ntg {n_gen} "
+        f"-npl {','.join(str(b) for b in sorted(set(sessions)))} -t {threads} (stock llama.cpp at the pin, ~10-20 s)")
+    try:
+        res = llama_whole.measure_whole_llama(model, threads=threads, n_prompt=n_prompt, n_gen=n_gen,
+                                              sessions=sessions, backend=backend)
+    except Exception as exc:  # noqa: BLE001 - a failed yardstick is reported, not raised
+        reason = (exc.one_line() if isinstance(exc, DgrError) else str(exc)) or type(exc).__name__
+        log(f"llama.cpp baseline not measured: {reason}")
+        return None, reason
+    if not res.rows:
+        reason = "llama-batched-bench printed no result rows"
+        log(f"llama.cpp baseline not measured: {reason}")
+        return None, reason
+    return res, None
 
 
 async def _sequential(endpoints: Sequence[str], prompts: Sequence[str], label: str, **kw: Any) -> RunReport:
@@ -679,11 +711,15 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
               max_tokens: int = 32, sampling: Any = None, parity: bool = False, fake: bool = False,
               slices: bool = False, threads: int | None = None, chat: bool = True,
               stop_on_eog: bool = True, on_text: Callable[[int, str], None] | None = None,
-              log: Callable[[str], None] | None = None, chain: bool | None = None) -> RouteRun:
+              log: Callable[[str], None] | None = None, chain: bool | None = None,
+              llama_baseline: bool = False) -> RouteRun:
     """Start local workers for ``split`` and run the prompts concurrently. With ``parity``
     (greedy): also run each prompt alone on the route and on one whole-model worker (exact
     parity), check the concurrent sessions' isolation against their sequential runs, and run
-    the prompts concurrently on the whole-model worker for the same figures."""
+    the prompts concurrently on the whole-model worker for the same figures. With
+    ``llama_baseline``: afterwards (every worker stopped) measure stock whole-model llama.cpp
+    (llama-batched-bench) at the mean prompt length, ``max_tokens``, 1 and len(prompts)
+    sessions and the workers' thread count; a failure is recorded in ``llama_error``."""
     from meshnet_adapter.route_driver import Sampling
 
     log = log or (lambda _m: None)
@@ -712,7 +748,13 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
         if greedy:
             par = compare(seq, wseq)
             iso = isolation(rep, seq)
-    return RouteRun(rep, whole, par, list(split), str(model) if model else "fake", iso, seq, wseq)
+    llama = llama_err = None
+    if llama_baseline:  # after the route and whole-worker runs: never competes with them for cores
+        n_prompt = round(sum(s.prompt_tokens for s in rep.sessions) / max(1, len(rep.sessions)))
+        llama, llama_err = whole_llama_baseline(None if fake else model, threads=threads, n_prompt=n_prompt,
+                                                n_gen=max_tokens, sessions=(1, len(prompts)), log=log)
+    return RouteRun(rep, whole, par, list(split), str(model) if model else "fake", iso, seq, wseq,
+                    llama=llama, llama_error=llama_err)
 
 
 def generate_remote(endpoints: Sequence[str], prompts: Sequence[str], *, max_tokens: int = 32,
@@ -735,6 +777,29 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
+WHOLE_WORKER = "whole model on 1 dgr-worker"
+LLAMA_BENCH = "llama.cpp (llama-batched-bench)"
+TABLE_WIDTH = 100
+
+
+def _llama_note(run: RouteRun) -> list[str]:
+    """The footnote under the llama.cpp rows, or the line saying why there are none."""
+    import textwrap
+
+    if run.llama is not None:
+        args = dict(zip(run.llama.command, run.llama.command[1:]))
+        text = (f"llama.cpp rows: stock llama-batched-bench at the pin, whole model, -t {args.get('-t', '?')}, "
+                f"{args.get('-npp', '?')}-token prompts (the route's mean prompt length), {args.get('-ntg', '?')} "
+                f"tokens generated. It decodes the B sequences in lockstep from equal-length prompts of "
+                f"synthetic tokens, so its figures are the yardstick, not a run of the same prompts.")
+    elif run.llama_error is not None:
+        reason = " ".join(run.llama_error.split())
+        text = f"llama.cpp baseline: not measured ({reason[:297] + '...' if len(reason) > 300 else reason})"
+    else:
+        return []
+    return textwrap.wrap(text, TABLE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+
+
 def summary_table(run: RouteRun) -> str:
     rows = [("", "TTFT ms", "prefill tok/s", "decode tok/s")]
     for s in run.route.sessions:
@@ -744,25 +809,43 @@ def summary_table(run: RouteRun) -> str:
                  f"{run.route.aggregate_decode_tok_s:.1f}"))
     if run.whole:
         for s in run.whole.sessions:
-            rows.append((f"whole  session {s.index}", f"{s.ttft_s * 1e3:.0f}", f"{s.prefill_tok_s:.0f}",
+            rows.append((f"{WHOLE_WORKER}  session {s.index}", f"{s.ttft_s * 1e3:.0f}", f"{s.prefill_tok_s:.0f}",
                          f"{s.decode_tok_s:.1f}" if s.error is None else "FAILED"))
-        rows.append(("whole  aggregate", f"{run.whole.mean_ttft_s * 1e3:.0f}",
+        rows.append((f"{WHOLE_WORKER}  aggregate", f"{run.whole.mean_ttft_s * 1e3:.0f}",
                      f"{run.whole.aggregate_prefill_tok_s:.0f}", f"{run.whole.aggregate_decode_tok_s:.1f}"))
+    if run.llama:
+        for r in run.llama.rows:
+            if r.sessions == 1:
+                rows.append((f"{LLAMA_BENCH} 1 session", f"{r.ttft_s * 1e3:.0f}", f"{r.prefill_tok_s:.0f}",
+                             f"{r.decode_tok_s:.1f}"))
+                continue
+            # each of the B sequences: the prompt phase holds all B prompts, so per-session
+            # prefill is the aggregate / B (comparable to the route's "session i" rows)
+            rows.append((f"{LLAMA_BENCH} per session ({r.sessions})", f"{r.ttft_s * 1e3:.0f}",
+                         f"{r.prefill_tok_s / r.sessions:.0f}", f"{r.per_session_decode_tok_s:.1f}"))
+            rows.append((f"{LLAMA_BENCH} aggregate ({r.sessions})", f"{r.ttft_s * 1e3:.0f}",
+                         f"{r.prefill_tok_s:.0f}", f"{r.decode_tok_s:.1f}"))
     w0 = max(len(r[0]) for r in rows)
     lines = ["  ".join([r[0].ljust(w0), *(c.rjust(13) for c in r[1:])]) for r in rows]
+    lines += _llama_note(run)
     lines.append("")
     lines.append(f"seam bytes per decode token (per seam, protobuf frame): {run.route.seam_bytes_per_decode_token:.0f}"
                  f" ({run.route.mode} route)")
     wrows = [("worker", "RSS", "KV peak", "KV cells peak/total", "mean batch rows", "mean queue ms")]
-    for label, rep in (("route", run.route), ("whole", run.whole)):
+    for label, rep in (("route", run.route), ("whole 1 dgr-worker", run.whole)):
         if rep is None:
             continue
         for w in rep.workers:
             wrows.append((f"{label} [{w.range})", _mb(w.rss_peak_bytes), _mb(w.kv_peak_bytes),
                           f"{w.kv_cells_peak}/{w.kv_cells_total}", f"{w.mean_batch_rows:.2f}",
                           f"{w.mean_queue_wait_s * 1e3:.2f}"))
-    w0 = max(len(r[0]) for r in wrows)
-    lines += ["  ".join([r[0].ljust(w0), *(c.rjust(12) for c in r[1:])]) for r in wrows]
+    if run.llama and run.llama.rows:
+        # peak RSS of the llama-batched-bench process; KV its sequences held at the largest B
+        top = max(run.llama.rows, key=lambda r: r.sessions)
+        wrows.append((f"llama-batched-bench ({top.sessions})", _mb(run.llama.peak_rss_bytes), _mb(top.kv_bytes),
+                      "-", "-", "-"))
+    widths = [max(len(r[k]) for r in wrows) for k in range(len(wrows[0]))]
+    lines += ["  ".join([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:], widths[1:]))]) for r in wrows]
     if run.parity:
         p = run.parity
         lines.append("")

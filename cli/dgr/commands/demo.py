@@ -18,7 +18,8 @@ def demo(
     out: Optional[Path] = typer.Option(None, "--out", help="Write the full report (JSON) here."),
 ) -> None:
     """Split the default model over two local workers, run 4 chat prompts concurrently with live
-    output, check greedy parity against the whole model and print TTFT/throughput/memory."""
+    output, check greedy parity against the whole model and print TTFT/throughput/memory, next
+    to the whole model on one dgr-worker and stock llama.cpp (llama-batched-bench)."""
     from .. import route as rt
     from ..errors import DgrError
     from ..models import resolve_model
@@ -36,7 +37,8 @@ def demo(
         typer.echo(f"[{i}] user: {p}")
     typer.echo("")
     res = rt.run_local(src, rng, prompts, max_tokens=max_tokens, parity=True, threads=threads,
-                       on_text=lambda i, t: typer.echo(f"[{i}] {t}".replace("\n", " ")), log=log)
+                       on_text=lambda i, t: typer.echo(f"[{i}] {t}".replace("\n", " ")), log=log,
+                       llama_baseline=True)
     typer.echo("")
     for s in res.route.sessions:
         typer.echo(f"[{s.index}] assistant: {s.text.strip()}" if s.error is None else f"[{s.index}] error: {s.error}")
