@@ -271,15 +271,17 @@ def run(ctx: StoryContext) -> None:
         for line in summary(bench).splitlines():
             ctx.commands.append(f"# bench: {line}")
         pr = bench["ratios"]["paired_median"]
+        from ..route_bench import profile_lines
+
         ctx.limitation(
-            "Where the route time goes (dgr bench route, same run): the whole model on one dgr-worker through the "
-            f"same driver reaches {bench['ratios']['whole_worker_decode_vs_llama_bench_tg']:.2f} of llama-bench decode "
-            f"(worker + gRPC + driver path; driver alone {bench['driver_overhead']['driver_cpu_per_hop_s'] * 1e3:.2f} ms CPU "
-            f"per hop per token on fake workers), and the seam costs route/whole-worker {pr['route_decode_vs_whole_worker']:.2f} "
-            "single-session decode. Both shards share this host's cores: at 4 sessions they compute at the same time "
-            f"and oversubscribe them (route/whole-worker {pr.get('route_aggregate_decode_vs_whole_worker_4', 0):.2f}); "
-            "the whole worker's own batched decode is "
-            f"{bench['ratios'].get('whole_worker_aggregate_decode_vs_batched_bench_B4', 0):.2f} of llama-batched-bench B=4.")
+            f"Where the route time goes (dgr bench route, same run; the route is {bench['route']['1']['mode']}: the "
+            "driver streams to the head only, the workers forward the boundary and feed tokens back themselves): "
+            f"route/whole-worker decode {pr['route_decode_vs_whole_worker']:.2f}, whole worker/llama-bench "
+            f"{bench['ratios']['whole_worker_decode_vs_llama_bench_tg']:.2f}; "
+            + "; ".join(profile_lines(bench)[:2])
+            + ". Both shards share this host's 2 cores, so a route step costs both halves' compute one after the "
+            "other, plus the hand-offs, plus what splitting the graph costs each half (two llama_decode calls, "
+            "thread wake-ups on cores the other process just used).")
         for k, ok in bench["targets"].items():
             if not ok:
                 ctx.limitation(f"route benchmark target missed: {k} (paired per-repeat ratios: "
