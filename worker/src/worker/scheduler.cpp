@@ -722,7 +722,7 @@ void Scheduler::handle_frame(Event & ev) {
     }
     SamplingConfig sampling;
     bool new_sampling = false;
-    if (!fast && sf->has_sampling() && (info_.tail || (!info_.tail && (sf->downstream_size() > 0 || (s && s->down))))) {
+    if (!fast && sf->has_sampling() && (info_.tail || sf->downstream_size() > 0 || (s && s->down))) {
         sampling = to_config(sf->sampling());
         const std::string bad = validate_sampling(sampling);
         if (!bad.empty()) return fail(pb::ERROR_REASON_BAD_REQUEST, "sampling: " + bad);
