@@ -279,7 +279,7 @@ def _rpc_built() -> bool:
 
 @pytest.mark.real
 @pytest.mark.skipif(not _rpc_built(), reason="llama.cpp RPC tools not built (build/cpu-rpc): "
-                                             "python -c 'from dgr.build import build_rpc_tools; build_rpc_tools()'")
+                                             "run `dgr build --rpc`")
 def test_real_rpc_split_over_two_servers(smollm2_path):
     r = rpc_lane.measure_rpc(smollm2_path, threads=1, n_prompt=32, n_gen=16,
                              build_missing=False)   # never builds: CI must not compile llama.cpp twice
