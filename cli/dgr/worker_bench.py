@@ -18,6 +18,7 @@ target (>= 0.9x llama-batched-bench) is judged on server generation (``target_mo
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import threading
 import time
@@ -133,11 +134,28 @@ def _mode_row(r: dict[str, float], ref: float | None) -> dict:
     }
 
 
-def level_row(b: int, per_mode: dict[str, dict[str, float]], ref: float | None) -> dict:
-    """One level of the JSON: the legacy keys from the target mode, plus one sub-dict per mode."""
+def paired_ratio(worker_runs: Sequence[float], ref_runs: Sequence[float]) -> float | None:
+    """Median over the repeats of worker / llama-batched-bench measured back to back: a shared
+    host's load drifts over minutes, so the two halves of a pair see the same load (the best-of
+    figures may come from different minutes)."""
+    pairs = [w / r for w, r in zip(worker_runs, ref_runs) if r > 0]
+    return statistics.median(pairs) if pairs else None
+
+
+def level_row(b: int, per_mode: dict[str, dict[str, float]], ref: float | None,
+              runs: dict[str, list[float]] | None = None, ref_runs: list[float] | None = None) -> dict:
+    """One level of the JSON: the legacy keys from the target mode, plus one sub-dict per mode.
+    With the per-repeat figures (``runs`` per mode, ``ref_runs``) each mode also gets its paired
+    ratio (reported; the target is judged on the best-of ratio)."""
     modes = {m: _mode_row(per_mode[m], ref) for m in MODES if m in per_mode}
+    for m, row in modes.items():
+        if runs and ref_runs and m in runs:
+            row["paired_ratio"] = paired_ratio(runs[m], ref_runs)
+            row["runs_tokens_per_s"] = list(runs[m])
     t = modes[TARGET_MODE]
     return {
+        "paired_ratio": t.get("paired_ratio"),
+        "llama_batched_bench_runs_tokens_per_s": list(ref_runs or []),
         "sessions": b,
         "worker_decode_tokens_per_s": t["worker_decode_tokens_per_s"],
         "llama_batched_bench_tg_tokens_per_s": ref,
@@ -150,6 +168,8 @@ def level_row(b: int, per_mode: dict[str, dict[str, float]], ref: float | None) 
 
 
 def meets(rows: Sequence[dict], mode: str | None = None) -> bool:
+    """Every level >= the target, on the best-of-the-repeats ratio (the paired ratio is
+    reported next to it)."""
     def ratio(r: dict) -> float | None:
         return r["ratio"] if mode is None else r[mode]["ratio"]
     return bool(rows) and all(ratio(r) is not None and ratio(r) >= TARGET_RATIO for r in rows)
@@ -166,6 +186,8 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
     per = cfg.prompt_tokens + cfg.gen_tokens + 16
     results: dict[int, dict[str, dict[str, float]]] = {b: {} for b in levels}
     ref: dict[int, float] = {}
+    runs: dict[int, dict[str, list[float]]] = {b: {m: [] for m in MODES} for b in levels}
+    ref_runs: dict[int, list[float]] = {b: [] for b in levels}
     progress(f"{levels} sessions, pp {cfg.prompt_tokens}, tg {cfg.gen_tokens}, {cfg.threads} threads, "
              f"{cfg.repeats} repeats, modes {', '.join(MODES)}")
     with WorkerProcess.start(["--model", str(model), "--max-sessions", str(max(levels)),
@@ -179,17 +201,19 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
             for _ in range(cfg.repeats):
                 for mode in MODES:
                     r = _worker_level(client, b, cfg, mode)
+                    runs[b][mode].append(r["decode_tokens_per_s"])
                     best = results[b].get(mode)
                     if best is None or r["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
                         results[b][mode] = r
                 one = _batched_bench(batched_bench, model, WorkerBenchConfig(
                     levels=(b,), prompt_tokens=cfg.prompt_tokens, gen_tokens=cfg.gen_tokens, threads=cfg.threads))
                 ref[b] = max(ref.get(b, 0.0), one.get(b, 0.0))
+                ref_runs[b].append(one.get(b, 0.0))
             sg, sw = results[b]["server_generation"], results[b]["stepwise"]
             progress(f"  B={b}: worker server generation {sg['decode_tokens_per_s']:.1f} tok/s "
                      f"(occupancy {sg['dgr_batch_occupancy_avg']:.2f}), stepwise {sw['decode_tokens_per_s']:.1f} tok/s "
                      f"(occupancy {sw['dgr_batch_occupancy_avg']:.2f}), llama-batched-bench {ref[b]:.1f} tok/s")
-    rows = [level_row(b, results[b], ref.get(b) or None) for b in levels]
+    rows = [level_row(b, results[b], ref.get(b) or None, runs[b], ref_runs[b]) for b in levels]
     return {
         "kind": "dgr.bench.worker/v1",
         "label": "local-real",
@@ -221,21 +245,24 @@ def summary(doc: dict) -> str:
     def f(v: float | None, spec: str) -> str:
         return format(v, spec) if v is not None else "-"
 
-    lines = ["sessions  server-gen tok/s  stepwise tok/s  batched-bench tok/s  ratio  stepwise ratio  occupancy"]
+    lines = ["best of the repeats; paired = median over repeats of worker / batched-bench run back to back",
+             "sessions  server-gen tok/s  stepwise tok/s  batched-bench tok/s  ratio  paired  stepwise ratio  "
+             "stepwise paired  occupancy"]
     for r in doc["levels"]:
         sw = r.get("stepwise", {})
         lines.append(f"{r['sessions']:>8}  {r['worker_decode_tokens_per_s']:>16.1f}  "
                      f"{f(sw.get('worker_decode_tokens_per_s'), '.1f'):>14}  "
                      f"{f(r['llama_batched_bench_tg_tokens_per_s'] or None, '.1f'):>19}  "
-                     f"{f(r['ratio'], '.2f'):>5}  {f(sw.get('ratio'), '.2f'):>14}  "
-                     f"{r['dgr_batch_occupancy_avg']:>9.2f}")
+                     f"{f(r['ratio'], '.2f'):>5}  {f(r.get('paired_ratio'), '.2f'):>6}  {f(sw.get('ratio'), '.2f'):>14}  "
+                     f"{f(sw.get('paired_ratio'), '.2f'):>15}  {r['dgr_batch_occupancy_avg']:>9.2f}")
     mode = doc.get("target_mode", "stepwise")
     sat = doc["saturation_sessions"]
     top = max((r["sessions"] for r in doc["levels"]), default=0)
     line = ((f"saturation at {sat} sessions" if sat is not None
              else f"no saturation up to {top} sessions (each level adds >= 5%)")
             + f"; target >= {doc.get('target_ratio', TARGET_RATIO)}x "
-            f"({mode}): {'met' if doc['meets_target'] else 'not met'}")
+            f"({mode}, best of the repeats): "
+            f"{'met' if doc['meets_target'] else 'not met'}")
     if "stepwise_meets_target" in doc:
         line += f"; stepwise: {'met' if doc['stepwise_meets_target'] else 'not met'}"
     lines.append(line)
