@@ -17,6 +17,7 @@ from dgr.shard.v1 import shard_runtime_pb2 as pb
 from meshnet_adapter.client import WorkerClient
 from meshnet_adapter.route_driver import RouteDriver, RouteError, Sampling
 from meshnet_adapter.worker_process import WorkerProcess
+from fakeroute import start_fake, start_fake_routes
 
 pytestmark = pytest.mark.native
 
@@ -25,24 +26,15 @@ PROMPTS = [[256, *b"hello world"], [256, *b"route sessions are isolated"], [256,
 SPLITS = {"2-shard": ("0:4", "4:8"), "3-shard": ("0:3", "3:5", "5:8")}
 
 
-def _start(native_bin, *args: str) -> WorkerProcess:
-    return WorkerProcess.start(["--fake-model", *args], binary=native_bin / "dgr-worker")
+_start = start_fake
 
 
 @pytest.fixture(scope="module")
 def fake_workers(native_bin):
-    procs: dict[str, WorkerProcess] = {}
-    try:
-        procs["whole"] = _start(native_bin)
-        procs["0:4"] = _start(native_bin, "--layers", "0:4")
-        procs["4:8"] = _start(native_bin, "--layers", "4:8")
-        procs["0:3"] = _start(native_bin, "--layers", "0:3")
-        procs["3:5"] = _start(native_bin, "--layers", "3:5", "--max-prefill-chunk", "5")
-        procs["5:8"] = _start(native_bin, "--layers", "5:8")
-        yield procs
-    finally:
-        for p in procs.values():
-            p.kill()
+    procs = start_fake_routes(native_bin)
+    yield procs
+    for p in procs.values():
+        p.kill()
 
 
 def _eps(fake_workers, split):

@@ -11,33 +11,23 @@ import time
 
 import pytest
 
-from dgr.shard.v1 import shard_runtime_pb2 as pb
-from meshnet_adapter.route_driver import RouteDriver, RouteError, RouteSessionError, Sampling
-from meshnet_adapter.worker_process import WorkerProcess
+from meshnet_adapter.route_driver import RouteDriver, RouteError, Sampling
+from fakeroute import start_fake, start_fake_routes
 
 pytestmark = pytest.mark.native
 
 
-def _start(native_bin, *args: str) -> WorkerProcess:
-    return WorkerProcess.start(["--fake-model", *args], binary=native_bin / "dgr-worker")
+_start = start_fake
 
 
 @pytest.fixture(scope="module")
 def fake_workers(native_bin):
     """whole [0:8), a 2-shard route 0:4,4:8 and a 3-shard route 0:3,3:5,5:8 with a small
     prefill chunk on the middle shard (so prompts go in several chunks)."""
-    procs: dict[str, WorkerProcess] = {}
-    try:
-        procs["whole"] = _start(native_bin)
-        procs["0:4"] = _start(native_bin, "--layers", "0:4")
-        procs["4:8"] = _start(native_bin, "--layers", "4:8")
-        procs["0:3"] = _start(native_bin, "--layers", "0:3")
-        procs["3:5"] = _start(native_bin, "--layers", "3:5", "--max-prefill-chunk", "5")
-        procs["5:8"] = _start(native_bin, "--layers", "5:8")
-        yield procs
-    finally:
-        for p in procs.values():
-            p.kill()
+    procs = start_fake_routes(native_bin)
+    yield procs
+    for p in procs.values():
+        p.kill()
 
 
 def _run(coro):

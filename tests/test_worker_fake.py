@@ -17,6 +17,7 @@ import pytest
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 from meshnet_adapter.client import Sampling, ShardError, WorkerError, WorkerUnavailable, boundary_rows, sampled
 from meshnet_adapter.worker_process import WorkerProcess
+from fakeroute import poll
 
 pytestmark = pytest.mark.native
 
@@ -38,16 +39,6 @@ def start(worker_bin: Path, *args: str) -> WorkerProcess:
 def worker(worker_bin: Path):
     with start(worker_bin, "--session-ttl-s", "600") as w:
         yield w
-
-
-def poll(fn, deadline_s: float = 10.0, what: str = "condition"):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def run_alone(client, prompt, n=N_GEN, sampling=None):

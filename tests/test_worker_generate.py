@@ -4,7 +4,6 @@ feeds each sampled token back itself and answers one response per token (seconds
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 from meshnet_adapter.client import Sampling, ShardError, WorkerError, sampled
 from meshnet_adapter.worker_process import WorkerProcess
+from fakeroute import poll
 
 pytestmark = pytest.mark.native
 
@@ -46,16 +46,6 @@ def stepwise(client, prompt, n, sampling=None) -> list[int]:
         out = [first, *s.generate(first, n - 1)]
         s.release()
     return out
-
-
-def poll(fn, deadline_s: float = 10.0, what: str = "condition"):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_capability_advertises_server_generation(worker):
