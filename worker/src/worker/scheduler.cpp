@@ -155,28 +155,27 @@ void Scheduler::post_cancel(const pb::CancelSessionRequest & req, std::function<
 }
 
 void Scheduler::post_downstream(const std::string & session_id, uint64_t generation, pb::SessionResponse resp) {
-    {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (stopped_) return;
-        Event ev;
-        ev.kind = Event::down_reply;
-        ev.session_id = session_id;
-        ev.epoch = generation;
-        ev.resp = std::make_unique<pb::SessionResponse>(std::move(resp));
-        inbox_.push_back(std::move(ev));
-    }
-    cv_.notify_one();
+    Event ev;
+    ev.kind = Event::down_reply;
+    ev.session_id = session_id;
+    ev.epoch = generation;  // the session's generation: a reply for an older one is dropped
+    ev.resp = std::make_unique<pb::SessionResponse>(std::move(resp));
+    post_unless_stopped(std::move(ev));
 }
 
 void Scheduler::post_downstream_end(const std::string & session_id, uint64_t generation, const grpc::Status & status) {
+    Event ev;
+    ev.kind = Event::down_end;
+    ev.session_id = session_id;
+    ev.epoch = generation;
+    ev.status = status;
+    post_unless_stopped(std::move(ev));
+}
+
+void Scheduler::post_unless_stopped(Event ev) {
     {
         std::lock_guard<std::mutex> lk(mu_);
         if (stopped_) return;
-        Event ev;
-        ev.kind = Event::down_end;
-        ev.session_id = session_id;
-        ev.epoch = generation;
-        ev.status = status;
         inbox_.push_back(std::move(ev));
     }
     cv_.notify_one();

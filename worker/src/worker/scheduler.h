@@ -143,6 +143,7 @@ private:
         grpc::Status status;                        // down_end
     };
 
+    void post_unless_stopped(Event ev);  // downstream events after stop() are dropped
     void loop();
     bool dispatch(std::deque<Event> & evs);  // false: stop
     // sessions whose next DECODE row is likely to arrive soon: plain ones (a client round trip
