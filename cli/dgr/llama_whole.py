@@ -99,5 +99,3 @@ def measure_whole_llama(model: Path, *, threads: int, n_prompt: int, n_gen: int,
         raise DgrError(f"llama-batched-bench failed (exit {proc.returncode}): {err.strip()[-300:]}")
     rows = parse_rows(out, kv_bytes_per_cell(model, 0, model_n_layer(model)))
     return WholeLlama(cmd, rows, peak, time.perf_counter() - t0)
-
-

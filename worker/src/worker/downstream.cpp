@@ -20,12 +20,16 @@ std::string endpoint_host(const std::string & ep) {
     return host;
 }
 
+bool is_loopback_host(const std::string & host) {
+    return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
 bool peer_allowed(const ChainOptions & o, const std::string & endpoint) {
     const std::string host = endpoint_host(endpoint);
     if (host.empty()) return false;
     for (const auto & p : o.peers) {
         if (p == "*" || p == host) return true;
-        if (p == "127.0.0.1" && host.rfind("127.", 0) == 0) return true;  // all of 127/8
+        if (p == "127.0.0.1" && is_loopback_host(host) && host != "localhost" && host != "::1") return true;  // 127/8
     }
     return false;
 }

@@ -31,6 +31,7 @@ struct ChainOptions {
 // host part of "host:port" / "[v6]:port", lower-cased; empty when malformed
 std::string endpoint_host(const std::string & endpoint);
 bool peer_allowed(const ChainOptions & o, const std::string & endpoint);
+bool is_loopback_host(const std::string & host);  // localhost, ::1, 127/8
 
 class DownstreamLink : public grpc::ClientBidiReactor<pb::SessionRequest, pb::SessionResponse>,
                        public std::enable_shared_from_this<DownstreamLink> {

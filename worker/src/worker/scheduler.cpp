@@ -605,8 +605,7 @@ void Scheduler::handle_frame(Event & ev) {
             // the same (session, epoch) on a second stream: only replays make sense there
         }
         if (!s->down_failed.empty()) {
-            const std::string why = "downstream " + s->down_hop.endpoint() + " [" + std::to_string(s->down_hop.range().start()) +
-                                    ", " + std::to_string(s->down_hop.range().end()) + "): " + s->down_failed;
+            const std::string why = down_label(*s) + ": " + s->down_failed;
             drop_session(sid, kReleased);
             pb::SessionResponse r;
             *r.mutable_header() = hdr;
@@ -887,11 +886,9 @@ void Scheduler::handle_frame(Event & ev) {
         const pb::ChainHop & hop = sf->downstream(0);
         s->down_hop = hop;
         s->down_rest.assign(sf->downstream().begin() + 1, sf->downstream().end());
-        s->down_colocated = true;
-        for (const auto & h : sf->downstream()) {
-            const std::string host = endpoint_host(h.endpoint());
-            s->down_colocated = s->down_colocated && (host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0);
-        }
+        s->down_colocated = std::all_of(sf->downstream().begin(), sf->downstream().end(), [](const pb::ChainHop & h) {
+            return is_loopback_host(endpoint_host(h.endpoint()));
+        });
         const uint64_t gen = s->generation;
         s->down = DownstreamLink::open(
             peers_.stub(hop.endpoint()), hop.endpoint(),
@@ -1094,6 +1091,11 @@ void Scheduler::run_batch() {
     }
 }
 
+std::string Scheduler::down_label(const Session & s) {
+    return "downstream " + s.down_hop.endpoint() + " [" + std::to_string(s.down_hop.range().start()) + ", " +
+           std::to_string(s.down_hop.range().end()) + ")";
+}
+
 namespace {
 std::string code_name(grpc::StatusCode c) {
     switch (c) {
@@ -1193,8 +1195,7 @@ void Scheduler::handle_down_reply(Event & ev) {
     if (d.result_case() != pb::SessionResponse::kTail) {
         pb::ShardError e = d.has_error() ? d.error()
                                          : make_error(pb::ERROR_REASON_INTERNAL, "answered without a TailOutput");
-        e.set_message("downstream " + s.down_hop.endpoint() + " [" + std::to_string(s.down_hop.range().start()) + ", " +
-                      std::to_string(s.down_hop.range().end()) + "): " + e.message());
+        e.set_message(down_label(s) + ": " + e.message());
         e.set_session_terminated(true);
         const Clock::time_point t0 = s.pending_t0;
         s.generating = false;

@@ -163,6 +163,8 @@ private:
     void forward(Session & s, const Work & w, pb::SessionResponse & r);
     // server-side generation: after answering `token`, queue the next DECODE row (or stop)
     void continue_generation(Session & s, const pb::ResponseHeader & last, int32_t token, bool finished);
+    // "downstream HOST:PORT [A, B)": how errors of a chained session name the next Shard
+    static std::string down_label(const Session & s);
     // a client frame of the session is received and not answered yet
     bool has_unanswered_frame(const Session & s) const;
     void run_batch();
