@@ -29,7 +29,7 @@ struct LlamaBackendOptions {
     // never interleave with another's, so batched results equal unbatched ones bit for bit and
     // each session holds kv_cells / n_seq_max cells. true: one shared cell pool.
     bool kv_unified = false;
-    std::string artifact_id;  // override (else derived from the model metadata, unverified)
+    std::string artifact_id;  // override (serve computes the real one first, common/identity.h; empty: unverified-…)
     std::string fingerprint;  // override
 };
 

@@ -1,5 +1,6 @@
 #include "worker/serve.h"
 
+#include "common/identity.h"
 #include "version.h"
 #include "worker/fake_backend.h"
 #include "worker/llama_backend.h"
@@ -88,7 +89,8 @@ void usage() {
         "  --evict-idle-s S          under pressure, LRU sessions idle this long may be evicted, default 30\n"
         "  --drain-timeout-s S       SIGTERM: wait this long for sessions to end, default 10\n"
         "  --metrics-listen HOST:PORT  Prometheus text on GET /metrics\n"
-        "  --fingerprint HEX --artifact-id HEX --recipe-json JSON  identity to serve (dgr.recipe)\n"
+        "  --fingerprint HEX --artifact-id HEX --recipe-json JSON  identity to serve (dgr.recipe;\n"
+        "                            default: computed from the file, common/identity.h)\n"
         "  --chain-peers H1,H2       hosts a chained session may forward to (StepFrame.downstream);\n"
         "                            '*' any; default 127.0.0.1,localhost,::1\n"
         "  --chain-tls-ca F          verify downstream workers with this CA (TLS; the worker's\n"
@@ -289,6 +291,25 @@ int serve_main(int argc, char ** argv) {
             backend = std::make_unique<FakeBackend>(f);
         }
     } else {
+        if (o.fingerprint.empty() || o.artifact_id.empty()) {
+            // No identity given (`dgr worker serve` passes one): compute the real one, equal to
+            // dgr.identity.identify + dgr.recipe.recipe_for (common/identity.h). Unreadable file,
+            // architecture without an adapter, ...: refuse to start.
+            dgr::LocalRecipe r;
+            const auto log = [](const std::string & line) { std::fprintf(stderr, "dgr-worker: %s\n", line.c_str()); };
+            const auto t0 = std::chrono::steady_clock::now();
+            if (!dgr::local_recipe_for(o.model, &r, &err, log)) {
+                std::fprintf(stderr, "dgr-worker: error: cannot compute the artifact identity: %s\n", err.c_str());
+                return 2;
+            }
+            if (!r.identity.slice) {
+                std::fprintf(stderr, "dgr-worker: artifact id %s (%.2f s)\n", r.identity.artifact_id.c_str(),
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+            }
+            if (o.artifact_id.empty()) o.artifact_id = r.identity.artifact_id;
+            if (o.fingerprint.empty()) o.fingerprint = r.fingerprint;
+            if (o.recipe_json.empty()) o.recipe_json = r.recipe_json;
+        }
         llama_backend_init();
         if (o.kv_budget_mb > 0 && !o.kv_cells) {
             const uint64_t per_cell = llama_kv_bytes_per_cell(o.model, o.has_layers ? o.layer_start : 0,
