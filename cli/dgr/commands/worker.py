@@ -37,6 +37,8 @@ def serve(
     chain_peers: Optional[str] = typer.Option(
         None, "--chain-peers", help="Hosts chained sessions may forward to (comma-separated, '*' any; default loopback)."),
     chain_tls_ca: Optional[Path] = typer.Option(None, "--chain-tls-ca", help="PEM CA to verify downstream workers (TLS)."),
+    io_nice: Optional[int] = typer.Option(None, "--io-nice", min=0, max=19,
+                                          help="Nice value of gRPC/non-compute threads (default 10; 0: off)."),
     queue_limit: Optional[int] = typer.Option(None, "--queue-limit", help="Unanswered frames (default 64)."),
     max_batch_tokens: Optional[int] = typer.Option(None, "--max-batch-tokens", help="Rows per decode call (default 512)."),
     max_prefill_chunk: Optional[int] = typer.Option(None, "--max-prefill-chunk", help="Rows per PREFILL step (default 256)."),
@@ -74,6 +76,7 @@ def serve(
         "--max-prefill-chunk": max_prefill_chunk, "--metrics-listen": metrics_listen,
         "--drain-timeout-s": drain_timeout_s, "--session-ttl-s": session_ttl_s,
         "--memory-budget-mb": memory_budget_mb, "--chain-peers": chain_peers, "--chain-tls-ca": chain_tls_ca,
+        "--io-nice": io_nice,
     }
     for flag, value in opts.items():
         if value is not None:
