@@ -434,7 +434,6 @@ int serve_main(int argc, char ** argv) {
     }
     Scheduler scheduler(*backend, metrics, so);
     const auto & b = dgr::build_info();
-    ShardService service(*backend, scheduler, metrics, ServiceInfo{b.dgr_version, b.pin_commit, b.patch_digest, b.backend});
 
     // The scheduler thread computes (llama_decode and the OpenMP team it starts): start it at this
     // thread's priority, then lower this thread's (Linux nice is per thread and inherited), so
@@ -449,6 +448,8 @@ int serve_main(int argc, char ** argv) {
             std::fprintf(stderr, "dgr-worker: warning: cannot lower the gRPC threads' priority: %s\n", std::strerror(errno));
         }
     }
+    // its delivery thread starts here, at --io-nice too
+    ShardService service(*backend, scheduler, metrics, ServiceInfo{b.dgr_version, b.pin_commit, b.patch_digest, b.backend});
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;

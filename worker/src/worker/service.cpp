@@ -2,20 +2,46 @@
 
 #include "worker/errors.h"
 
+#include <condition_variable>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 namespace dgr::worker {
+
+namespace {
+class StreamHandle;
+}
+
+// Runs the stream writes the scheduler hands over. StartWrite serializes the response and
+// writes to the transport inline (measured: ~0.25 ms per token on the scheduler thread, 2-4 %
+// of a SmolLM2 decode step at one session); done here, the next llama_decode starts at once.
+class Deliverer {
+public:
+    Deliverer() : thread_([this] { loop(); }) {}
+    ~Deliverer() { stop(); }
+    // Pumps `h` on the delivery thread (inline once stopped).
+    void schedule(std::shared_ptr<StreamHandle> h);
+    void stop();
+
+private:
+    void loop();
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<std::shared_ptr<StreamHandle>> q_;
+    bool stop_ = false;
+    std::thread thread_;  // last: starts after the members above exist
+};
 
 namespace {
 
 class SessionReactor;
 
 // The scheduler's handle on one stream; outlives the reactor (detached in OnDone).
-class StreamHandle final : public StreamSink {
+class StreamHandle final : public StreamSink, public std::enable_shared_from_this<StreamHandle> {
 public:
-    explicit StreamHandle(SessionReactor * r) : reactor_(r) {}
+    StreamHandle(SessionReactor * r, std::shared_ptr<Deliverer> d) : reactor_(r), deliverer_(std::move(d)) {}
     void deliver(pb::SessionResponse resp, bool terminal, grpc::Status status, bool read_next) override;
     void resume() override;
     void finish(grpc::Status status) override;
@@ -29,11 +55,24 @@ public:
         std::lock_guard<std::recursive_mutex> lk(mu_);
         reactor_ = nullptr;
     }
+    void pump_now() {
+        std::lock_guard<std::recursive_mutex> lk(mu_);
+        pump();
+    }
 
 private:
     void pump();  // with mu_ held
+    // pump from the delivery thread (the caller may be the scheduler)
+    void kick() {
+        if (deliverer_) {
+            deliverer_->schedule(shared_from_this());
+        } else {
+            pump();
+        }
+    }
     std::recursive_mutex mu_;
     SessionReactor * reactor_;
+    std::shared_ptr<Deliverer> deliverer_;
     std::deque<pb::SessionResponse> out_;
     pb::SessionResponse writing_;
     bool write_in_flight_ = false;
@@ -46,8 +85,9 @@ private:
 
 class SessionReactor final : public grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> {
 public:
-    SessionReactor(Scheduler & sched, uint32_t queue_limit) : sched_(sched), queue_limit_(queue_limit) {
-        handle_ = std::make_shared<StreamHandle>(this);
+    SessionReactor(Scheduler & sched, uint32_t queue_limit, std::shared_ptr<Deliverer> deliverer)
+        : sched_(sched), queue_limit_(queue_limit) {
+        handle_ = std::make_shared<StreamHandle>(this, std::move(deliverer));
         req_ = std::make_unique<pb::SessionRequest>();
         StartRead(req_.get());
     }
@@ -101,13 +141,13 @@ void StreamHandle::deliver(pb::SessionResponse resp, bool terminal, grpc::Status
     } else if (read_next) {
         need_read_ = true;
     }
-    pump();
+    kick();
 }
 
 void StreamHandle::resume() {
     std::lock_guard<std::recursive_mutex> lk(mu_);
     need_read_ = true;
-    pump();
+    kick();
 }
 
 void StreamHandle::finish(grpc::Status status) {
@@ -115,7 +155,7 @@ void StreamHandle::finish(grpc::Status status) {
     if (finished_ || finish_pending_) return;
     finish_pending_ = true;
     final_ = status;
-    pump();
+    kick();
 }
 
 void StreamHandle::on_write_done(bool ok) {
@@ -151,8 +191,50 @@ void StreamHandle::pump() {
 
 }  // namespace
 
+void Deliverer::schedule(std::shared_ptr<StreamHandle> h) {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!stop_) {
+            q_.push_back(std::move(h));
+            cv_.notify_one();
+            return;
+        }
+    }
+    h->pump_now();
+}
+
+void Deliverer::stop() {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (stop_) return;
+        stop_ = true;
+    }
+    cv_.notify_one();
+    if (thread_.joinable()) thread_.join();
+}
+
+void Deliverer::loop() {
+    for (;;) {
+        std::shared_ptr<StreamHandle> h;
+        {
+            std::unique_lock<std::mutex> lk(mu_);
+            cv_.wait(lk, [this] { return stop_ || !q_.empty(); });
+            if (q_.empty()) return;  // stopped and drained
+            h = std::move(q_.front());
+            q_.pop_front();
+        }
+        h->pump_now();
+    }
+}
+
+ShardService::ShardService(ModelBackend & backend, Scheduler & scheduler, Metrics & metrics, ServiceInfo rt)
+    : backend_(backend), scheduler_(scheduler), metrics_(metrics), rt_(std::move(rt)),
+      deliverer_(std::make_shared<Deliverer>()) {}
+
+ShardService::~ShardService() { deliverer_->stop(); }
+
 grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> * ShardService::Session(grpc::CallbackServerContext *) {
-    return new SessionReactor(scheduler_, scheduler_.options().queue_limit);
+    return new SessionReactor(scheduler_, scheduler_.options().queue_limit, deliverer_);
 }
 
 grpc::ServerUnaryReactor * ShardService::GetCapability(grpc::CallbackServerContext * ctx, const pb::GetCapabilityRequest *,

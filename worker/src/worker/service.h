@@ -10,9 +10,12 @@
 #include "worker/scheduler.h"
 
 #include <atomic>
+#include <memory>
 #include <string>
 
 namespace dgr::worker {
+
+class Deliverer;  // service.cpp: hands Session stream writes to gRPC off the scheduler thread
 
 struct ServiceInfo {
     std::string dgr_version, llama_commit, patch_digest, backend;
@@ -20,8 +23,9 @@ struct ServiceInfo {
 
 class ShardService final : public pb::ShardRuntimeService::CallbackService {
 public:
-    ShardService(ModelBackend & backend, Scheduler & scheduler, Metrics & metrics, ServiceInfo rt)
-        : backend_(backend), scheduler_(scheduler), metrics_(metrics), rt_(std::move(rt)) {}
+    // Starts the delivery thread (it inherits the calling thread's priority: see serve.cpp).
+    ShardService(ModelBackend & backend, Scheduler & scheduler, Metrics & metrics, ServiceInfo rt);
+    ~ShardService() override;
 
     grpc::ServerUnaryReactor * GetCapability(grpc::CallbackServerContext * ctx, const pb::GetCapabilityRequest * req,
                                              pb::GetCapabilityResponse * resp) override;
@@ -48,6 +52,7 @@ private:
     Metrics & metrics_;
     ServiceInfo rt_;
     std::atomic<bool> draining_{false};
+    std::shared_ptr<Deliverer> deliverer_;
 };
 
 }  // namespace dgr::worker
