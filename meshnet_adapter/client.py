@@ -72,7 +72,12 @@ def _wrap(exc: grpc.RpcError) -> WorkerError:
 
 @dataclass(frozen=True)
 class Sampling:
-    """The tail's sampling contract (greedy unless ``temperature`` > 0)."""
+    """The tail's sampling contract: greedy unless ``temperature`` > 0.
+
+    ``ignore_eog`` is False by default: generation stops at end-of-generation (and at
+    ``stop_token_ids``). Pass ``ignore_eog=True`` to generate through them. In greedy mode the
+    stochastic fields (temperature, top_k, top_p, min_p, seed) are not sent.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -80,14 +85,16 @@ class Sampling:
     min_p: float = 0.0
     seed: int = 0
     top_logprobs: int = 0
-    ignore_eog: bool = True
+    ignore_eog: bool = False
     stop_token_ids: tuple[int, ...] = ()
 
     def to_proto(self) -> pb.SamplingParams:
-        mode = pb.SAMPLING_MODE_STOCHASTIC if self.temperature > 0 else pb.SAMPLING_MODE_GREEDY
-        return pb.SamplingParams(mode=mode, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                 min_p=self.min_p, seed=self.seed, top_logprobs=self.top_logprobs,
-                                 ignore_eog=self.ignore_eog, stop_token_ids=list(self.stop_token_ids))
+        common = dict(top_logprobs=self.top_logprobs, ignore_eog=self.ignore_eog,
+                      stop_token_ids=list(self.stop_token_ids))
+        if self.temperature <= 0:
+            return pb.SamplingParams(mode=pb.SAMPLING_MODE_GREEDY, **common)
+        return pb.SamplingParams(mode=pb.SAMPLING_MODE_STOCHASTIC, temperature=self.temperature, top_k=self.top_k,
+                                 top_p=self.top_p, min_p=self.min_p, seed=self.seed, **common)
 
 
 def channel_options(max_message_bytes: int = 64 << 20) -> list[tuple[str, int]]:

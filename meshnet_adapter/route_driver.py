@@ -40,6 +40,7 @@ from dgr.errors import DgrError
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 from dgr.shard.v1 import shard_runtime_pb2_grpc as pbg
 
+from .client import Sampling  # re-exported: one Sampling class for the client and the route driver
 from .telemetry import GenerationTelemetry, NodeTiming
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -85,25 +86,6 @@ class ShardHandle:
     @property
     def end(self) -> int:
         return self.capability.identity.range.end
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0       # 0 -> greedy
-    top_k: int = 0
-    top_p: float = 0.0
-    min_p: float = 0.0
-    seed: int = 0
-    top_logprobs: int = 0
-    ignore_eog: bool = False
-
-    def to_proto(self) -> pb.SamplingParams:
-        if self.temperature <= 0:
-            return pb.SamplingParams(mode=pb.SAMPLING_MODE_GREEDY, top_logprobs=self.top_logprobs,
-                                     ignore_eog=self.ignore_eog)
-        return pb.SamplingParams(mode=pb.SAMPLING_MODE_STOCHASTIC, temperature=self.temperature,
-                                 top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
-                                 top_logprobs=self.top_logprobs, ignore_eog=self.ignore_eog)
 
 
 @dataclass

@@ -43,7 +43,7 @@ def test_two_backends_run_a_route_step_by_step_and_attribute_work(native_bin, tm
 
         prompt = [256, *b"backend"]
         hs = head.open_session("s1", request_id="req-1")
-        ts = tail.open_session("s1", request_id="req-1", sampling=Sampling())
+        ts = tail.open_session("s1", request_id="req-1", sampling=Sampling(ignore_eog=True))
         out = hs.step(tokens=prompt)
         assert out.boundary is not None and out.boundary.shape == (len(prompt), 8)
         tok = ts.step(rows=out.boundary).token
@@ -55,7 +55,7 @@ def test_two_backends_run_a_route_step_by_step_and_attribute_work(native_bin, tm
         ts.release()
         # the same tokens as one whole fake worker
         with WorkerProcess.start(["--fake-model"], binary=native_bin / "dgr-worker") as w, w.client() as c:
-            s = c.open_session("w", sampling=Sampling())
+            s = c.open_session("w", sampling=Sampling(ignore_eog=True))
             first = s.prefill(prompt)
             assert [first, *s.generate(first, 9)] == got
         tel = head.telemetry()

@@ -283,7 +283,7 @@ def test_truncate_and_sampling_are_deterministic(worker):
         assert s.positions == 4
         again = s.generate(gen[0], 5)
         assert again == gen[1:]
-    samp = Sampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.01, seed=1234, top_logprobs=3)
+    samp = Sampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.01, seed=1234, top_logprobs=3, ignore_eog=True)
     a = run_alone(c, [1, 2, 3], sampling=samp)
     b = run_alone(c, [1, 2, 3], sampling=samp)
     g = run_alone(c, [1, 2, 3])

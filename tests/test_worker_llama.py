@@ -42,7 +42,7 @@ def generate(c: WorkerClient, prompt: str, n: int, *, record: bool = False) -> l
     """Greedy tokens; with top_logprobs=2 so that a divergence can be checked for a near tie."""
     ids = c.tokenize(prompt, add_special=True)
     out: list[int] = []
-    with c.open_session(sampling=Sampling(top_logprobs=2)) as s:
+    with c.open_session(sampling=Sampling(top_logprobs=2, ignore_eog=True)) as s:
         r = s.prefill_chunk(ids)
         for k in range(n):
             t = r.tail.tokens[0]
