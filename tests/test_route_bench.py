@@ -1,11 +1,15 @@
 """`dgr bench route` pieces that need no model: the per-step profile (compute per shard vs
-hand-offs) and the llama.cpp RPC summary."""
+hand-offs), the seam floor summary, the llama-bench depth and the llama.cpp RPC summary."""
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
+
 import pytest
 
-from dgr.route_bench import _median_profile, _profile, _rpc_summary, profile_lines
+from dgr import route_bench
+from dgr.route_bench import _floor_summary, _median_profile, _profile, _rpc_summary, floor_lines, profile_lines
 
 
 def counters(busy: float, batches: float, rows: float) -> dict[str, float]:
@@ -54,3 +58,49 @@ def test_rpc_summary_medians_and_skips():
             {"skipped": True, "reason": "flaky"}]
     s = _rpc_summary(runs)
     assert not s["skipped"] and s["pp_tok_s"] == 110.0 and s["tg_tok_s"] == 45.0 and s["warnings"] == ["w"]
+
+
+def floor_run(whole: float, in_proc: float, two: float, same: bool = True) -> dict:
+    return {"command": "dgr-seam-floor ...", "same_tokens": same, "whole_decode_tok_s": whole,
+            "in_process_decode_tok_s": in_proc, "two_process_decode_tok_s": two}
+
+
+def test_floor_summary_pairs_each_repeat_with_the_route_and_llama_bench():
+    floor = {1: [floor_run(100, 99, 95), floor_run(80, 80, 72)], 4: [floor_run(200, 198, 190)]}
+    route = {1: [{"decode_tok_s": 76.0}, {"decode_tok_s": 72.0}], 4: [{"decode_tok_s": 171.0}]}
+    lb = [{"tg_tok_s": 100.0}, {"tg_tok_s": 90.0}]
+    s = _floor_summary(floor, route, lb)
+    pm = s["paired_median"]
+    assert s["by_sessions"]["1"]["two_process_decode_tok_s"] == pytest.approx(83.5)
+    assert pm["floor_two_process_vs_whole_1"] == pytest.approx((0.95 + 0.9) / 2)
+    assert pm["route_decode_vs_floor_two_process_1"] == pytest.approx((76 / 95 + 1.0) / 2)
+    assert pm["floor_whole_vs_llama_bench_tg"] == pytest.approx((1.0 + 80 / 90) / 2)
+    assert pm["route_decode_vs_floor_two_process_4"] == pytest.approx(0.9)
+    assert "floor_whole_vs_llama_bench_tg_4" not in pm      # llama-bench is single-session only
+    doc = {"seam_floor": s, "route": {"1": {"decode_tok_s": 74.0}, "4": {"decode_tok_s": 171.0}}}
+    lines = floor_lines(doc)
+    assert len(lines) == 2 and "two processes over a socketpair 83.5; the route 74.0" in lines[0]
+    s2 = _floor_summary({1: [floor_run(100, 99, 95, same=False)]}, {1: [{"decode_tok_s": 70.0}]}, lb)
+    assert "sampled different ids" in floor_lines({"seam_floor": s2, "route": {"1": {"decode_tok_s": 70.0}}})[0]
+    assert floor_lines({"seam_floor": {"skipped": True, "reason": "3 shards"}}) == []
+
+
+def test_llama_bench_decode_is_taken_at_the_prompt_depth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The route decodes after its prompt; llama-bench tg runs with -d n_prompt to match."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text("""#!/usr/bin/env python3
+import json, sys
+a = sys.argv
+p, n = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
+d = int(a[a.index("-d") + 1]) if "-d" in a else 0
+print(json.dumps([{"n_prompt": p, "n_gen": n, "n_depth": d, "avg_ts": 500.0 if p else 100.0 - d / 10,
+                   "stddev_ts": 1.0}]))
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    import dgr.build
+
+    monkeypatch.setattr(dgr.build, "tool_binary", lambda name, backend="cpu": fake)
+    r = route_bench._llama_bench(Path("m.gguf"), 2, 128, 64, 1, "cpu")
+    assert r["pp_tok_s"] == 500.0
+    assert r["tg_depth"] == 128 and r["tg_tok_s"] == pytest.approx(87.2)
+    assert "-p 128 -n 0" in r["command"] and "-p 0 -n 64 -d 128" in r["command"]

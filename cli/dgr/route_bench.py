@@ -11,8 +11,13 @@ Measured, interleaved per repeat so machine noise hits both sides alike:
   frame per token per hop), with its per-hop decode round trip and frame bytes;
 - the whole model on one dgr-worker through the same driver (server-side generation; isolates
   the cost of the seam);
-- whole-model llama.cpp at the pin: ``llama-bench`` (pp/tg) and ``llama-batched-bench``
-  (aggregate tg at B = each concurrency);
+- whole-model llama.cpp at the pin: ``llama-bench`` (pp at depth 0; tg at depth n_prompt, where
+  the route decodes) and ``llama-batched-bench`` (aggregate tg at B = each concurrency, after
+  its n_prompt prefill);
+- the seam floor (2-shard splits; ``dgr-seam-floor``): the same lock-step generation as the
+  whole model in one process, as head+tail in one process, and as head and tail in two
+  processes over a socketpair, with the route workers' environment: what two processes taking
+  turns on the same cores cost before any transport, against which the route's cost is read;
 - llama.cpp RPC over two local ``rpc-server`` processes when the build has them (GGML_RPC);
   otherwise recorded as skipped with the reason;
 - the driver's own cost on fake-model workers (CPU and round trip per hop, no model compute).
@@ -158,24 +163,67 @@ def profile_lines(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def floor_lines(doc: dict[str, Any]) -> list[str]:
+    """The seam floor next to the route: decode tok/s without any transport."""
+    f = doc.get("seam_floor") or {}
+    if f.get("skipped", True):
+        return []
+    out = []
+    for c, v in sorted(f["by_sessions"].items(), key=lambda kv: int(kv[0])):
+        route = doc["route"].get(c, {}).get("decode_tok_s", 0.0)
+        out.append(f"seam floor, {c} session(s), decode tok/s: whole model in one process {v['whole_decode_tok_s']:.1f}, "
+                   f"head+tail in one process {v['in_process_decode_tok_s']:.1f}, head and tail in two processes "
+                   f"over a socketpair {v['two_process_decode_tok_s']:.1f}; the route {route:.1f}"
+                   + ("" if v["same_tokens"] else " (the three ways sampled different ids)"))
+    return out
+
+
 def _median(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
 def _llama_bench(model: Path, threads: int, n_prompt: int, n_gen: int, repeats: int, backend: str) -> dict[str, Any]:
+    """pp at depth 0 and tg at depth ``n_prompt``: the route decodes its n_gen tokens after an
+    n_prompt prompt, and attention over a deeper cache costs more per token (a few % at 128 on
+    SmolLM2, about 30 % at 512), so tg from an empty cache would flatter the yardstick."""
     from .build import tool_binary
 
     exe = tool_binary("llama-bench", backend)
-    cmd = [str(exe), "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-t", str(threads),
-           "-r", str(repeats), "-o", "json"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if p.returncode != 0:
-        raise DgrError(f"llama-bench failed: {p.stderr.strip()[-300:]}")
-    rows = json.loads(p.stdout)
+    base = [str(exe), "-m", str(model), "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    cmds = [base + ["-p", str(n_prompt), "-n", "0"], base + ["-p", "0", "-n", str(n_gen), "-d", str(n_prompt)]]
+    rows = []
+    for cmd in cmds:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if p.returncode != 0:
+            raise DgrError(f"llama-bench failed: {p.stderr.strip()[-300:]}")
+        rows.extend(json.loads(p.stdout))
     pp = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
     tg = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
-    return {"command": " ".join(cmd), "pp_tok_s": pp["avg_ts"], "tg_tok_s": tg["avg_ts"],
-            "pp_stddev": pp.get("stddev_ts"), "tg_stddev": tg.get("stddev_ts")}
+    return {"command": " ; ".join(" ".join(c) for c in cmds), "pp_tok_s": pp["avg_ts"], "tg_tok_s": tg["avg_ts"],
+            "tg_depth": tg.get("n_depth", n_prompt), "pp_stddev": pp.get("stddev_ts"), "tg_stddev": tg.get("stddev_ts")}
+
+
+def _seam_floor(model: Path, *, split: int, threads: int, sessions: int, n_prompt: int, n_gen: int,
+                max_sessions: int, ctx: int, env: dict[str, str], backend: str) -> dict[str, Any]:
+    """``dgr-seam-floor``: the same lock-step generation as the whole model in one process, as
+    head+tail in one process, and as head and tail in two processes over a socketpair (no gRPC)."""
+    from .build import tool_binary
+
+    exe = tool_binary("dgr-seam-floor", backend)
+    cmd = [str(exe), "--model", str(model), "--split", str(split), "--threads", str(threads), "--sessions",
+           str(sessions), "--prompt-tokens", str(n_prompt), "--gen-tokens", str(n_gen), "--rounds", "1",
+           "--max-sessions", str(max_sessions), "--ctx-per-session", str(ctx)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **env})
+    if p.returncode != 0:
+        raise DgrError(f"dgr-seam-floor failed: {p.stderr.strip()[-300:]}")
+    doc = json.loads(p.stdout)
+    m = doc["median"]
+    return {"command": " ".join(cmd), "same_tokens": doc["same_tokens"],
+            "whole_ms_per_step": m["whole_ms_per_step"], "in_process_ms_per_step": m["in_process_ms_per_step"],
+            "two_process_ms_per_step": m["two_process_ms_per_step"],
+            "whole_decode_tok_s": sessions * 1e3 / m["whole_ms_per_step"],
+            "in_process_decode_tok_s": sessions * 1e3 / m["in_process_ms_per_step"],
+            "two_process_decode_tok_s": sessions * 1e3 / m["two_process_ms_per_step"]}
 
 
 def _batched_bench(model: Path, threads: int, n_prompt: int, n_gen: int, npl: tuple[int, ...],
@@ -192,6 +240,33 @@ def _batched_bench(model: Path, threads: int, n_prompt: int, n_gen: int, npl: tu
     rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
     return {"command": " ".join(cmd),
             "by_batch": {str(r["pl"]): {"pp_tok_s": r["speed_pp"], "tg_tok_s": r["speed_tg"]} for r in rows}}
+
+
+def _floor_summary(floor_runs: dict[int, list[dict[str, Any]]], route_runs: dict[int, list[dict[str, Any]]],
+                   lb_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of the seam floor per concurrency, and ratios paired per repeat: what two
+    processes cost without any transport, and what the route costs on top of that floor."""
+    out: dict[str, Any] = {"skipped": False, "by_sessions": {}, "paired_median": {}}
+    keys = ("whole_decode_tok_s", "in_process_decode_tok_s", "two_process_decode_tok_s")
+    for c, runs in floor_runs.items():
+        if not runs:
+            continue
+        out["by_sessions"][str(c)] = {**{k: statistics.median(r[k] for r in runs) for k in keys},
+                                      "same_tokens": all(r["same_tokens"] for r in runs),
+                                      "command": runs[0]["command"], "runs": runs}
+        pm = out["paired_median"]
+        pm[f"floor_in_process_vs_whole_{c}"] = statistics.median(
+            r["in_process_decode_tok_s"] / r["whole_decode_tok_s"] for r in runs)
+        pm[f"floor_two_process_vs_whole_{c}"] = statistics.median(
+            r["two_process_decode_tok_s"] / r["whole_decode_tok_s"] for r in runs)
+        pm[f"route_decode_vs_floor_two_process_{c}"] = statistics.median(
+            x["decode_tok_s"] / r["two_process_decode_tok_s"] for x, r in zip(route_runs[c], runs))
+        if c == 1:
+            pm["floor_whole_vs_llama_bench_tg"] = statistics.median(
+                r["whole_decode_tok_s"] / lb["tg_tok_s"] for r, lb in zip(runs, lb_runs))
+            pm["floor_two_process_vs_llama_bench_tg"] = statistics.median(
+                r["two_process_decode_tok_s"] / lb["tg_tok_s"] for r, lb in zip(runs, lb_runs))
+    return out
 
 
 def _rpc_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -250,6 +325,7 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
     route_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     step_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     whole_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+    floor_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     ctx = cfg.n_prompt + cfg.n_gen + 16
     say(f"starting route workers {','.join(f'{a}:{b}' for a, b in cfg.split)} and a whole-model worker "
         f"({threads} threads each)")
@@ -283,6 +359,12 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
                 step_runs[c].append(asyncio.run(_measure(lr.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100,
                                                          chain=False)))
                 whole_runs[c].append(asyncio.run(_measure(lw.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100)))
+                if len(cfg.split) == 2:
+                    say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): seam floor (whole, head+tail in one "
+                        "process, head and tail in two processes over a socketpair)")
+                    floor_runs[c].append(_seam_floor(model, split=cfg.split[0][1], threads=threads, sessions=c,
+                                                     n_prompt=cfg.n_prompt, n_gen=cfg.n_gen, max_sessions=max_s,
+                                                     ctx=ctx, env=dict(lr.env), backend=cfg.backend))
             say(f"repeat {rep + 1}/{cfg.repeats}: llama-batched-bench")
             bb_runs.append(_batched_bench(model, threads, cfg.n_prompt, cfg.n_gen, cfg.concurrency, cfg.backend))
         rss = {"route": [w.rss_bytes() for w in lr.workers], "whole": [w.rss_bytes() for w in lw.workers]}
@@ -336,6 +418,10 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
             r["decode_tok_s"] / w["decode_tok_s"] for r, w in zip(route_runs[4], whole_runs[4]))
         paired["route_stepwise_aggregate_decode_vs_batched_bench_B4"] = statistics.median(
             r["decode_tok_s"] / b["by_batch"]["4"]["tg_tok_s"] for r, b in zip(step_runs[4], bb_runs))
+    floor = _floor_summary(floor_runs, route_runs, lb_runs) if len(cfg.split) == 2 else \
+        {"skipped": True, "reason": "the seam floor is measured for 2-shard splits"}
+    if not floor.get("skipped"):
+        paired.update({k: v for k, v in floor["paired_median"].items()})
     rpc = _rpc_summary(rpc_runs) if cfg.rpc else {"skipped": True, "reason": "--no-rpc"}
     if not rpc["skipped"]:
         pairs = [(r, x) for r, x in zip(route_runs[c1], rpc_runs) if not x.get("skipped")]
@@ -367,7 +453,7 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
         "route_mode": route[one]["mode"], "route": route, "route_stepwise": stepwise,
         "whole_worker": whole, "whole_worker_mode": whole[one]["mode"], "llama_bench": lb, "llama_batched_bench": bb,
-        "llama_rpc": rpc, "driver_overhead": overhead, "rss_bytes": rss, "route_worker_env": route_env,
+        "llama_rpc": rpc, "seam_floor": floor, "driver_overhead": overhead, "rss_bytes": rss, "route_worker_env": route_env,
         "seam_bytes_limit": seam_limit, "ratios": ratios, "targets": targets,
     }
 
@@ -413,6 +499,7 @@ def summary(doc: dict[str, Any]) -> str:
             lines.append(f"driver (fake workers, {ch['mode']}): {ch['driver_cpu_per_token_s'] * 1e3:.3f} ms CPU per token, "
                          f"{ch['wall_per_token_s'] * 1e3:.3f} ms per token over 2 hops")
     lines.extend(profile_lines(doc))
+    lines.extend(floor_lines(doc))
     rpc = doc["llama_rpc"]
     if rpc.get("skipped"):
         lines.append(f"llama.cpp RPC split: not measured ({rpc.get('reason')})")
