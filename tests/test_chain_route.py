@@ -41,8 +41,9 @@ def _eps(fake_workers, split):
     return [fake_workers[r].target for r in SPLITS[split]]
 
 
-async def _generate_all(endpoints, prompts, *, chain=None, expect_mode=None, **kw):
-    d = await RouteDriver(endpoints, chain=chain).connect()
+async def _generate_all(endpoints, prompts, *, chain=None, expect_mode=None, tokens_per_answer=None, **kw):
+    opts = {} if tokens_per_answer is None else {"tokens_per_answer": tokens_per_answer}
+    d = await RouteDriver(endpoints, chain=chain, **opts).connect()
     try:
         if expect_mode:
             assert d.mode == expect_mode
@@ -93,6 +94,23 @@ def test_chained_equals_stepwise(fake_workers, split, sampling):
     # the head fed every token but the first of each session back itself
     assert fed == len(PROMPTS) * 23
     _wait_idle([fake_workers[r] for r in SPLITS[split]])
+
+
+def test_tokens_per_answer_changes_the_answers_not_the_tokens(fake_workers):
+    eps = _eps(fake_workers, "2-shard")
+    ref = asyncio.run(_generate_all(eps, PROMPTS, chain=False, max_tokens=30, stop_on_eog=False))
+    bytes_out = {}
+    for per_answer in (1, 8):
+        got = asyncio.run(_generate_all(eps, PROMPTS, chain=True, expect_mode="chained",
+                                        tokens_per_answer=per_answer, max_tokens=30, stop_on_eog=False))
+        for g, r in zip(got, ref):
+            assert g.error is None and g.tokens == r.tokens and len(g.tokens) == 30
+            assert g.telemetry.nodes[0].decode_steps == 29           # one step per token, grouped or not
+        bytes_out[per_answer] = sum(g.telemetry.nodes[0].frame_bytes_out for g in got)
+    # grouped answers share one header: fewer answers, fewer bytes for the same tokens
+    assert bytes_out[8] < 0.6 * bytes_out[1], bytes_out
+    with pytest.raises(RouteError, match="tokens_per_answer must be >= 1"):
+        RouteDriver(eps, tokens_per_answer=0)
 
 
 @pytest.mark.parametrize("split", list(SPLITS))

@@ -220,3 +220,62 @@ def test_shard_error_type_for_refused_frames(worker):
             s.decode_generate(first, 4)
         assert ei.value.reason == pb.ERROR_REASON_STEP_OUT_OF_ORDER
         s.close()
+
+
+def _gen_frame(s, prompt, n: int, per_answer: int) -> pb.SessionRequest:
+    req = s.generate_frame(pb.PHASE_PREFILL, prompt, n)
+    req.step.generate.tokens_per_answer = per_answer
+    return req
+
+
+def _read_tokens(s, n: int) -> tuple[list[pb.SessionResponse], list[int], pb.ShardError | None]:
+    """Answers until n tokens or an error; returns the answers, their tokens and the error."""
+    answers: list[pb.SessionResponse] = []
+    tokens: list[int] = []
+    while len(tokens) < n:
+        r = s.recv()
+        if r.HasField("error"):
+            return answers, tokens, r.error
+        answers.append(r)
+        tokens += [t.token_id for t in r.tail.tokens]
+        s.step, s.positions = r.header.step + 1, r.header.cached_positions
+    return answers, tokens, None
+
+
+def test_tokens_per_answer_groups_generated_tokens_in_order(worker):
+    c = worker.client()
+    prompt = PROMPTS[0]   # one chunk
+    ref = stepwise(c, prompt, N)
+    with c.open_session() as s:
+        s.send(_gen_frame(s, prompt, N, 4))
+        answers, tokens, err = _read_tokens(s, N)
+        s.release()
+    assert err is None and tokens == ref
+    assert len(answers[0].tail.tokens) == 1 and answers[0].header.phase == pb.PHASE_PREFILL   # the first at once
+    assert all(1 <= len(a.tail.tokens) <= 4 for a in answers[1:])
+    assert len(answers) < N, "a fast generation should group tokens"
+    done = 1
+    for a in answers[1:]:
+        k = len(a.tail.tokens)
+        p0 = len(prompt) + done - 1                      # input position of the first token's step
+        assert (a.header.positions.start, a.header.positions.end) == (p0, p0 + k)
+        assert [t.position for t in a.tail.tokens] == list(range(p0 + 1, p0 + k + 1))
+        assert a.header.step == done + k - 1             # the last token's step
+        assert a.header.cached_positions == p0 + k
+        done += k
+    assert done == N
+
+
+def test_held_tokens_go_out_before_an_error(worker_bin):
+    """A KV budget reached mid-generation: every token sampled before it arrives, then the error."""
+    prompt = PROMPTS[1]
+    with WorkerProcess.start(["--fake-model", "--kv-cells", "40", "--max-sessions", "1"], binary=worker_bin) as w:
+        c = w.client()
+        ref = stepwise(c, prompt, 20)
+        with c.open_session() as s:
+            s.send(_gen_frame(s, prompt, 100, 8))
+            answers, tokens, err = _read_tokens(s, 100)
+    assert err is not None and err.reason == pb.ERROR_REASON_OVER_BUDGET, err
+    assert len(tokens) == 40 - len(prompt) + 1       # every cell filled, the last token not fed
+    assert tokens[:20] == ref
+    assert len(answers) < len(tokens)

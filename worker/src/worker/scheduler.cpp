@@ -906,6 +906,7 @@ void Scheduler::handle_frame(Event & ev) {
         s->generating = true;
         s->gen_left = std::max<uint32_t>(1, sf->generate().max_tokens());
         s->gen_continue = sf->generate().continue_after_finish();
+        s->gen_per_answer = std::max<uint32_t>(1, sf->generate().tokens_per_answer());
     }
     s->busy = true;
     s->reserved = n;
@@ -1080,7 +1081,13 @@ void Scheduler::run_batch() {
         metrics_.steps++;
         metrics_.step_latency.observe(seconds_since(w.t0));
         if (!w.internal) queued_--;
-        if (s.sink) s.sink->deliver(std::move(r), false, grpc::Status::OK, !w.internal);
+        if (s.sink) {
+            if (holds_answer(s, w.internal, finished)) {
+                s.sink->hold(std::move(r), s.gen_per_answer);
+            } else {
+                s.sink->deliver(std::move(r), false, grpc::Status::OK, !w.internal);
+            }
+        }
         if (s.generating) {
             if (sampled >= 0) {
                 continue_generation(s, w.header, sampled, finished);
@@ -1219,7 +1226,15 @@ void Scheduler::handle_down_reply(Event & ev) {
     s.has_stored = true;
     metrics_.steps++;
     metrics_.step_latency.observe(seconds_since(s.pending_t0));
-    if (sink) sink->deliver(std::move(r), false, grpc::Status::OK, !internal);
+    const bool finished = d.tail().tokens_size() > 0 &&
+                          d.tail().tokens(0).finish_reason() != pb::FINISH_REASON_UNSPECIFIED;
+    if (sink) {
+        if (holds_answer(s, internal, finished)) {
+            sink->hold(std::move(r), s.gen_per_answer);
+        } else {
+            sink->deliver(std::move(r), false, grpc::Status::OK, !internal);
+        }
+    }
     if (s.generating) {
         if (d.tail().tokens_size() > 0) {
             const auto & t = d.tail().tokens(0);
@@ -1246,6 +1261,11 @@ void Scheduler::handle_down_end(Event & ev) {
         return handle_down_reply(rep);
     }
     s.down_failed = why;
+}
+
+bool Scheduler::holds_answer(const Session & s, bool internal, bool finished) {
+    // a generated token (not the frame's own first one) that more tokens will follow
+    return internal && s.generating && s.gen_per_answer > 1 && s.gen_left > 1 && !finished;
 }
 
 void Scheduler::continue_generation(Session & s, const pb::ResponseHeader & last, int32_t token, bool finished) {

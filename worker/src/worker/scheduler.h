@@ -114,6 +114,7 @@ private:
         bool generating = false;
         uint32_t gen_left = 0;                // responses still to give, the one in flight included
         bool gen_continue = false;
+        uint32_t gen_per_answer = 1;          // GenerateParams.tokens_per_answer (>= 1)
     };
     struct Work {
         std::string session_id;
@@ -162,6 +163,9 @@ private:
     // sends a completed step's boundary rows to the session's downstream Shard
     void forward(Session & s, const Work & w, pb::SessionResponse & r);
     // server-side generation: after answering `token`, queue the next DECODE row (or stop)
+    // Server-side generation: whether this answer is held to go out with the next ones
+    // (GenerateParams.tokens_per_answer) rather than at once.
+    static bool holds_answer(const Session & s, bool internal, bool finished);
     void continue_generation(Session & s, const pb::ResponseHeader & last, int32_t token, bool finished);
     // "downstream HOST:PORT [A, B)": how errors of a chained session name the next Shard
     static std::string down_label(const Session & s);

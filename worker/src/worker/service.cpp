@@ -2,6 +2,7 @@
 
 #include "worker/errors.h"
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -43,6 +44,7 @@ class StreamHandle final : public StreamSink, public std::enable_shared_from_thi
 public:
     StreamHandle(SessionReactor * r, std::shared_ptr<Deliverer> d) : reactor_(r), deliverer_(std::move(d)) {}
     void deliver(pb::SessionResponse resp, bool terminal, grpc::Status status, bool read_next) override;
+    void hold(pb::SessionResponse resp, uint32_t flush_at) override;
     void resume() override;
     void finish(grpc::Status status) override;
 
@@ -62,6 +64,13 @@ public:
 
 private:
     void pump();  // with mu_ held
+    // queue what hold() keeps, with mu_ held
+    void release_held() {
+        if (held_n_ == 0) return;
+        out_.push_back(std::move(held_));
+        held_ = pb::SessionResponse();
+        held_n_ = 0;
+    }
     // pump from the delivery thread (the caller may be the scheduler)
     void kick() {
         if (deliverer_) {
@@ -73,6 +82,9 @@ private:
     std::recursive_mutex mu_;
     SessionReactor * reactor_;
     std::shared_ptr<Deliverer> deliverer_;
+    pb::SessionResponse held_;  // generated tokens kept for one answer (hold)
+    uint32_t held_n_ = 0;
+    std::chrono::steady_clock::time_point last_hold_{};
     std::deque<pb::SessionResponse> out_;
     pb::SessionResponse writing_;
     bool write_in_flight_ = false;
@@ -134,6 +146,7 @@ std::atomic<uint64_t> SessionReactor::rejected_queue_{0};
 void StreamHandle::deliver(pb::SessionResponse resp, bool terminal, grpc::Status status, bool read_next) {
     std::lock_guard<std::recursive_mutex> lk(mu_);
     if (finished_ || finish_pending_) return;
+    release_held();
     out_.push_back(std::move(resp));
     if (terminal) {
         finish_pending_ = true;
@@ -142,6 +155,34 @@ void StreamHandle::deliver(pb::SessionResponse resp, bool terminal, grpc::Status
         need_read_ = true;
     }
     kick();
+}
+
+void StreamHandle::hold(pb::SessionResponse resp, uint32_t flush_at) {
+    std::lock_guard<std::recursive_mutex> lk(mu_);
+    if (finished_ || finish_pending_) return;
+    // Tokens are held only while they follow each other quickly: a token that comes more than
+    // kHoldGap after the previous one goes out at once (with what is held), so holding never
+    // delays a token by more than (flush_at - 1) * kHoldGap.
+    constexpr auto kHoldGap = std::chrono::milliseconds(50);
+    const auto now = std::chrono::steady_clock::now();
+    const bool slow = now - last_hold_ > kHoldGap;
+    last_hold_ = now;
+    if (slow) flush_at = 1;
+    const uint32_t n = (uint32_t) resp.tail().tokens_size();
+    if (held_n_ == 0) {
+        held_ = std::move(resp);
+    } else {
+        // the answer reads as the last step's (step, cached positions), its positions span all
+        for (auto & t : *resp.mutable_tail()->mutable_tokens()) *held_.mutable_tail()->add_tokens() = std::move(t);
+        const uint32_t start = held_.header().positions().start();
+        *held_.mutable_header() = resp.header();
+        held_.mutable_header()->mutable_positions()->set_start(start);
+    }
+    held_n_ += n;
+    if (held_n_ >= flush_at) {
+        release_held();
+        kick();
+    }
 }
 
 void StreamHandle::resume() {
@@ -153,6 +194,7 @@ void StreamHandle::resume() {
 void StreamHandle::finish(grpc::Status status) {
     std::lock_guard<std::recursive_mutex> lk(mu_);
     if (finished_ || finish_pending_) return;
+    release_held();
     finish_pending_ = true;
     final_ = status;
     kick();
@@ -164,6 +206,8 @@ void StreamHandle::on_write_done(bool ok) {
     if (!ok) {
         // the stream is broken (peer gone); OnCancel/OnReadDone(false) will follow
         out_.clear();
+        held_ = pb::SessionResponse();
+        held_n_ = 0;
         need_read_ = false;
     }
     pump();

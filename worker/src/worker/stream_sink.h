@@ -6,6 +6,7 @@
 
 #include <grpcpp/support/status.h>
 
+#include <cstdint>
 #include <string>
 
 namespace dgr::worker {
@@ -20,6 +21,13 @@ public:
     // generation). `terminal`: end the stream with `status` after writing it.
     virtual void deliver(pb::SessionResponse resp, bool terminal = false, grpc::Status status = grpc::Status::OK,
                          bool read_next = true) = 0;
+    // Server-side generation: hold a generated token's response and send it together with the
+    // next ones (their tokens appended to its TailOutput) once `flush_at` tokens are held; any
+    // deliver() or finish() first sends what is held. The default sends it at once.
+    virtual void hold(pb::SessionResponse resp, uint32_t flush_at) {
+        (void) flush_at;
+        deliver(std::move(resp), false, grpc::Status::OK, false);
+    }
     // The frame needs no response (a partial fragmented step): read the next one.
     virtual void resume() = 0;
     // End the stream (after any queued responses).

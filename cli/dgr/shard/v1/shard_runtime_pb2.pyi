@@ -392,12 +392,14 @@ class ChainHop(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., range: _Optional[_Union[ShardRange, _Mapping]] = ..., compatibility_fingerprint: _Optional[str] = ...) -> None: ...
 
 class GenerateParams(_message.Message):
-    __slots__ = ("max_tokens", "continue_after_finish")
+    __slots__ = ("max_tokens", "continue_after_finish", "tokens_per_answer")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_AFTER_FINISH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_ANSWER_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     continue_after_finish: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., continue_after_finish: _Optional[bool] = ...) -> None: ...
+    tokens_per_answer: int
+    def __init__(self, max_tokens: _Optional[int] = ..., continue_after_finish: _Optional[bool] = ..., tokens_per_answer: _Optional[int] = ...) -> None: ...
 
 class FastDecodeFrame(_message.Message):
     __slots__ = ("session_id", "route_epoch", "step", "position", "token_id", "bundle", "request_id")
