@@ -104,3 +104,10 @@ print(json.dumps([{"n_prompt": p, "n_gen": n, "n_depth": d, "avg_ts": 500.0 if p
     assert r["pp_tok_s"] == 500.0
     assert r["tg_depth"] == 128 and r["tg_tok_s"] == pytest.approx(87.2)
     assert "-p 128 -n 0" in r["command"] and "-p 0 -n 64 -d 128" in r["command"]
+
+
+def test_bracket_is_the_mean_of_the_yardstick_before_and_after_the_route():
+    b = route_bench._bracket({"command": "x", "pp_tok_s": 200.0, "tg_tok_s": 80.0},
+                             {"command": "x", "pp_tok_s": 220.0, "tg_tok_s": 100.0})
+    assert (b["pp_tok_s"], b["tg_tok_s"]) == (210.0, 90.0)
+    assert b["before"]["tg_tok_s"] == 80.0 and b["after"]["tg_tok_s"] == 100.0

@@ -1,7 +1,9 @@
 """`dgr bench route`: a 2-shard route against whole-model llama.cpp, in one run, same model and
 threads (DESIGN §8: ratios measured side by side, never absolute times).
 
-Measured, interleaved per repeat so machine noise hits both sides alike:
+Measured, interleaved per repeat so machine noise hits both sides alike; the chained route at
+each concurrency is bracketed by its yardstick (llama-bench at 1 session, llama-batched-bench at
+B = sessions, measured just before and just after it; the targets use the mean of the two):
 - the route (local dgr-workers for the split) through the route driver in its default chained
   mode (the head forwards boundaries along the chain, the worker generates server-side):
   single-session prefill (n_prompt tokens -> first token) and decode (n_gen tokens) tok/s,
@@ -203,6 +205,21 @@ def _llama_bench(model: Path, threads: int, n_prompt: int, n_gen: int, repeats: 
             "tg_depth": tg.get("n_depth", n_prompt), "pp_stddev": pp.get("stddev_ts"), "tg_stddev": tg.get("stddev_ts")}
 
 
+def _yardstick(model: Path, threads: int, cfg: RouteBenchConfig, sessions: int) -> dict[str, Any]:
+    """Whole-model llama.cpp for one concurrency: llama-bench (pp, tg) at 1 session, else
+    llama-batched-bench at B = sessions (tg as pp_tok_s/tg_tok_s of that batch size)."""
+    if sessions == 1:
+        return _llama_bench(model, threads, cfg.n_prompt, cfg.n_gen, 1, cfg.backend)
+    r = _batched_bench(model, threads, cfg.n_prompt, cfg.n_gen, (sessions,), cfg.backend)
+    return {"command": r["command"], **r["by_batch"][str(sessions)]}
+
+
+def _bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """A yardstick measured just before and just after the route: the mean of the two."""
+    return {"command": before["command"], "pp_tok_s": (before["pp_tok_s"] + after["pp_tok_s"]) / 2,
+            "tg_tok_s": (before["tg_tok_s"] + after["tg_tok_s"]) / 2, "before": before, "after": after}
+
+
 def _seam_floor(model: Path, *, split: int, threads: int, sessions: int, n_prompt: int, n_gen: int,
                 max_sessions: int, ctx: int, env: dict[str, str], backend: str) -> dict[str, Any]:
     """``dgr-seam-floor``: the same lock-step generation as the whole model in one process, as
@@ -326,6 +343,7 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
     step_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     whole_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     floor_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+    brackets: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     ctx = cfg.n_prompt + cfg.n_gen + 16
     say(f"starting route workers {','.join(f'{a}:{b}' for a, b in cfg.split)} and a whole-model worker "
         f"({threads} threads each)")
@@ -345,17 +363,23 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
             say("llama.cpp RPC lane: building rpc-server and an RPC llama-bench if missing (build/"
                 f"{cfg.backend}-rpc; minutes the first time)")
         for rep in range(cfg.repeats):
-            # everything interleaved per repeat: a shared host's load drifts over minutes
-            say(f"repeat {rep + 1}/{cfg.repeats}: llama-bench")
-            lb_runs.append(_llama_bench(model, threads, cfg.n_prompt, cfg.n_gen, 1, cfg.backend))
+            # everything interleaved per repeat (a shared host's load drifts over minutes), and the
+            # chained route bracketed by its yardstick: measured just before and just after it
+            for c in cfg.concurrency:
+                yard = "llama-bench" if c == 1 else f"llama-batched-bench B={c}"
+                say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): {yard}, route (chained), {yard}")
+                before = _yardstick(model, threads, cfg, c)
+                route_runs[c].append(asyncio.run(_measure(lr.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100)))
+                after = _yardstick(model, threads, cfg, c)
+                brackets[c].append(_bracket(before, after))
+            lb_runs.append(brackets[min(cfg.concurrency)][-1] if min(cfg.concurrency) == 1 else
+                           _llama_bench(model, threads, cfg.n_prompt, cfg.n_gen, 1, cfg.backend))
             if cfg.rpc:
                 say(f"repeat {rep + 1}/{cfg.repeats}: llama.cpp RPC split over two local rpc-servers")
                 rpc_runs.append(measure_rpc(model, threads=threads, n_prompt=cfg.n_prompt, n_gen=cfg.n_gen, repeats=1,
                                             backend=cfg.backend, split=tuple(cfg.split), build_missing=True))
             for c in cfg.concurrency:
-                say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): route (chained), route (stepwise), "
-                    "whole-model worker")
-                route_runs[c].append(asyncio.run(_measure(lr.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100)))
+                say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): route (stepwise), whole-model worker")
                 step_runs[c].append(asyncio.run(_measure(lr.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100,
                                                          chain=False)))
                 whole_runs[c].append(asyncio.run(_measure(lw.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100)))
@@ -413,7 +437,7 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
     }
     if 4 in cfg.concurrency:
         paired["route_aggregate_decode_vs_batched_bench_B4"] = statistics.median(
-            r["decode_tok_s"] / b["by_batch"]["4"]["tg_tok_s"] for r, b in zip(route_runs[4], bb_runs))
+            r["decode_tok_s"] / b["tg_tok_s"] for r, b in zip(route_runs[4], brackets[4]))
         paired["route_aggregate_decode_vs_whole_worker_4"] = statistics.median(
             r["decode_tok_s"] / w["decode_tok_s"] for r, w in zip(route_runs[4], whole_runs[4]))
         paired["route_stepwise_aggregate_decode_vs_batched_bench_B4"] = statistics.median(
@@ -453,6 +477,7 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
         "route_mode": route[one]["mode"], "route": route, "route_stepwise": stepwise,
         "whole_worker": whole, "whole_worker_mode": whole[one]["mode"], "llama_bench": lb, "llama_batched_bench": bb,
+        "yardstick_brackets": {str(c): v for c, v in brackets.items()},
         "llama_rpc": rpc, "seam_floor": floor, "driver_overhead": overhead, "rss_bytes": rss, "route_worker_env": route_env,
         "seam_bytes_limit": seam_limit, "ratios": ratios, "targets": targets,
     }
