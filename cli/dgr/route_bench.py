@@ -228,7 +228,7 @@ def _seam_floor(model: Path, *, split: int, threads: int, sessions: int, n_promp
 
     exe = tool_binary("dgr-seam-floor", backend)
     cmd = [str(exe), "--model", str(model), "--split", str(split), "--threads", str(threads), "--sessions",
-           str(sessions), "--prompt-tokens", str(n_prompt), "--gen-tokens", str(n_gen), "--rounds", "1",
+           str(sessions), "--prompt-tokens", str(n_prompt), "--gen-tokens", str(n_gen), "--rounds", "3",
            "--max-sessions", str(max_sessions), "--ctx-per-session", str(ctx)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **env})
     if p.returncode != 0:

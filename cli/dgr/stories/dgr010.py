@@ -280,8 +280,12 @@ def run(ctx: StoryContext) -> None:
             f"{bench['ratios']['whole_worker_decode_vs_llama_bench_tg']:.2f}; "
             + "; ".join(profile_lines(bench)[:2])
             + ". Both shards share this host's 2 cores, so a route step costs both halves' compute one after the "
-            "other, plus the hand-offs, plus what splitting the graph costs each half (two llama_decode calls, "
-            "thread wake-ups on cores the other process just used).")
+            "other, plus the hand-offs."
+            + (" The seam floor (the same generation without gRPC) tells the two apart: two processes over a "
+               f"socketpair / the whole model in one process {pr['floor_two_process_vs_whole_1']:.2f}, head+tail "
+               f"in one process / whole {pr['floor_in_process_vs_whole_1']:.2f}, the route / the two-process floor "
+               f"{pr['route_decode_vs_floor_two_process_1']:.2f} (1 session; single floor samples are noisy on "
+               "a shared host)." if "floor_two_process_vs_whole_1" in pr else ""))
         for k, ok in bench["targets"].items():
             if not ok:
                 ctx.limitation(f"route benchmark target missed: {k} (paired per-repeat ratios: "
