@@ -111,3 +111,18 @@ def test_bracket_is_the_mean_of_the_yardstick_before_and_after_the_route():
                              {"command": "x", "pp_tok_s": 220.0, "tg_tok_s": 100.0})
     assert (b["pp_tok_s"], b["tg_tok_s"]) == (210.0, 90.0)
     assert b["before"]["tg_tok_s"] == 80.0 and b["after"]["tg_tok_s"] == 100.0
+
+
+def test_steal_is_a_share_of_cpu_time_and_reported_only_when_present(monkeypatch: pytest.MonkeyPatch):
+    ticks = iter([(1000, 10), (1400, 110)])
+    monkeypatch.setattr(route_bench, "_cpu_times", lambda: next(ticks))
+    t0 = route_bench._cpu_times()
+    assert route_bench._steal_since(t0) == pytest.approx(0.25)
+    assert route_bench._steal_since(None) is None
+    quiet = {"route": {"1": {"runs": [{"host_steal_fraction": 0.0}]}},
+             "yardstick_brackets": {"1": [{"before": {"host_steal_fraction": 0.0}, "after": {"host_steal_fraction": None}}]}}
+    assert route_bench.steal_lines(quiet) == []
+    busy = {"route": {"1": {"runs": [{"host_steal_fraction": 0.31}]}},
+            "yardstick_brackets": {"1": [{"before": {"host_steal_fraction": 0.02}, "after": {"host_steal_fraction": 0.0}}]}}
+    assert route_bench.steal_lines(busy) == [
+        "host steal (CPU time taken by the hypervisor), 1 session(s): route runs 31%, yardsticks before/after 2%/0%"]

@@ -69,6 +69,28 @@ def _prompt(n: int, seed: int, n_vocab: int = 49152) -> list[int]:
     return out
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(all, steal) CPU ticks of the host so far (Linux /proc/stat), None where unknown."""
+    try:
+        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        ticks = [int(x) for x in f[1:]]
+        return sum(ticks[:8]), ticks[7] if len(ticks) > 7 else 0
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _steal_since(t0: tuple[int, int] | None) -> float | None:
+    """Share of CPU time the hypervisor took from this VM since ``t0`` (None where unknown).
+    A shared host's bursts of steal slow a measurement without any fault of its own; the share
+    is recorded with every sample so a reader can see which ones a burst hit."""
+    if t0 is None:
+        return None
+    t1 = _cpu_times()
+    if t1 is None or t1[0] <= t0[0]:
+        return None
+    return (t1[1] - t0[1]) / (t1[0] - t0[0])
+
+
 async def _measure(endpoints: list[str], n_prompt: int, n_gen: int, sessions: int, seed: int,
                    chain: bool | None = None) -> dict[str, Any]:
     from meshnet_adapter.route_driver import Sampling
@@ -77,13 +99,16 @@ async def _measure(endpoints: list[str], n_prompt: int, n_gen: int, sessions: in
 
     prompts = [_prompt(n_prompt, seed + i) for i in range(sessions)]
     m0 = _compute_counters(endpoints)
+    c0 = _cpu_times()
     rep = await run_sessions(endpoints, [""] * sessions, token_prompts=prompts, max_tokens=n_gen,
                              sampling=Sampling(ignore_eog=True), stop_on_eog=False, label="bench", chain=chain)
     if not rep.ok:
         raise DgrError("a benchmark session failed: " + "; ".join(s.error or "" for s in rep.sessions if s.error))
     s0 = rep.sessions[0]
+    steal = _steal_since(c0)
     m1 = _compute_counters(endpoints)
     return {
+        "host_steal_fraction": steal,
         "profile": _profile(m0, m1, rep.concurrent_decode_tok_s if sessions > 1 else s0.decode_tok_s),
         "sessions": sessions,
         "mode": rep.mode,
@@ -165,6 +190,20 @@ def profile_lines(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def steal_lines(doc: dict[str, Any]) -> list[str]:
+    """The hypervisor's steal during the chained route samples and their yardsticks, when any."""
+    out = []
+    for c, v in sorted(doc.get("route", {}).items(), key=lambda kv: int(kv[0])):
+        route = [r.get("host_steal_fraction") for r in v.get("runs", [])]
+        yard = [y.get("host_steal_fraction") for b in doc.get("yardstick_brackets", {}).get(c, [])
+                for y in (b["before"], b["after"])]
+        if any(x for x in route + yard):
+            fmt = lambda xs: "/".join("?" if x is None else f"{100 * x:.0f}%" for x in xs)  # noqa: E731
+            out.append(f"host steal (CPU time taken by the hypervisor), {c} session(s): route runs {fmt(route)}, "
+                       f"yardsticks before/after {fmt(yard)}")
+    return out
+
+
 def floor_lines(doc: dict[str, Any]) -> list[str]:
     """The seam floor next to the route: decode tok/s without any transport."""
     f = doc.get("seam_floor") or {}
@@ -208,10 +247,13 @@ def _llama_bench(model: Path, threads: int, n_prompt: int, n_gen: int, repeats: 
 def _yardstick(model: Path, threads: int, cfg: RouteBenchConfig, sessions: int) -> dict[str, Any]:
     """Whole-model llama.cpp for one concurrency: llama-bench (pp, tg) at 1 session, else
     llama-batched-bench at B = sessions (tg as pp_tok_s/tg_tok_s of that batch size)."""
+    c0 = _cpu_times()
     if sessions == 1:
-        return _llama_bench(model, threads, cfg.n_prompt, cfg.n_gen, 1, cfg.backend)
-    r = _batched_bench(model, threads, cfg.n_prompt, cfg.n_gen, (sessions,), cfg.backend)
-    return {"command": r["command"], **r["by_batch"][str(sessions)]}
+        r = _llama_bench(model, threads, cfg.n_prompt, cfg.n_gen, 1, cfg.backend)
+    else:
+        b = _batched_bench(model, threads, cfg.n_prompt, cfg.n_gen, (sessions,), cfg.backend)
+        r = {"command": b["command"], **b["by_batch"][str(sessions)]}
+    return {**r, "host_steal_fraction": _steal_since(c0)}
 
 
 def _bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -525,6 +567,7 @@ def summary(doc: dict[str, Any]) -> str:
                          f"{ch['wall_per_token_s'] * 1e3:.3f} ms per token over 2 hops")
     lines.extend(profile_lines(doc))
     lines.extend(floor_lines(doc))
+    lines.extend(steal_lines(doc))
     rpc = doc["llama_rpc"]
     if rpc.get("skipped"):
         lines.append(f"llama.cpp RPC split: not measured ({rpc.get('reason')})")
