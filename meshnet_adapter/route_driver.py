@@ -258,8 +258,8 @@ class RouteDriver:
     (:class:`RouteError` when a shard lacks it).
 
     ``tokens_per_answer`` (chained mode): the head may send up to this many generated tokens in
-    one answer while they come less than 50 ms apart (``GenerateParams.tokens_per_answer``); the
-    first token and the last always come at once. Fewer answers cost this process less CPU,
+    one answer while they come less than 50 ms apart, none held longer than 50 ms
+    (``GenerateParams.tokens_per_answer``); the first token and the last always come at once. Fewer answers cost this process less CPU,
     which on a host shared with the shards is compute time. 1: one answer per token."""
 
     def __init__(self, endpoints: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S,

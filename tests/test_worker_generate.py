@@ -279,3 +279,17 @@ def test_held_tokens_go_out_before_an_error(worker_bin):
     assert len(tokens) == 40 - len(prompt) + 1       # every cell filled, the last token not fed
     assert tokens[:20] == ref
     assert len(answers) < len(tokens)
+
+
+def test_held_tokens_wait_at_most_about_50_ms(worker_bin):
+    """At 30 ms per token, 8 tokens per answer would hold the first one 210 ms: the worker sends
+    what it holds after 50 ms instead (and at once when tokens come more than 50 ms apart)."""
+    prompt = PROMPTS[0]
+    with WorkerProcess.start(["--fake-model", "--fake-delay-ms", "30"], binary=worker_bin) as w:
+        c = w.client()
+        with c.open_session(step_timeout=30) as s:
+            s.send(_gen_frame(s, prompt, 24, 8))
+            answers, tokens, err = _read_tokens(s, 24)
+            s.release()
+    assert err is None and len(tokens) == 24
+    assert max(len(a.tail.tokens) for a in answers) <= 4, [len(a.tail.tokens) for a in answers]

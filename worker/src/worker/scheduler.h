@@ -162,10 +162,10 @@ private:
     void handle_down_end(Event & ev);
     // sends a completed step's boundary rows to the session's downstream Shard
     void forward(Session & s, const Work & w, pb::SessionResponse & r);
-    // server-side generation: after answering `token`, queue the next DECODE row (or stop)
-    // Server-side generation: whether this answer is held to go out with the next ones
-    // (GenerateParams.tokens_per_answer) rather than at once.
+    // server-side generation: whether this answer is held to go out with the next ones
+    // (GenerateParams.tokens_per_answer) rather than at once
     static bool holds_answer(const Session & s, bool internal, bool finished);
+    // server-side generation: after answering `token`, queue the next DECODE row (or stop)
     void continue_generation(Session & s, const pb::ResponseHeader & last, int32_t token, bool finished);
     // "downstream HOST:PORT [A, B)": how errors of a chained session name the next Shard
     static std::string down_label(const Session & s);

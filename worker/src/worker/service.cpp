@@ -24,6 +24,8 @@ public:
     ~Deliverer() { stop(); }
     // Pumps `h` on the delivery thread (inline once stopped).
     void schedule(std::shared_ptr<StreamHandle> h);
+    // At `when`, sends what `h` holds (hold()) if it is still held by then.
+    void flush_at(std::weak_ptr<StreamHandle> h, std::chrono::steady_clock::time_point when);
     void stop();
 
 private:
@@ -31,6 +33,7 @@ private:
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<std::shared_ptr<StreamHandle>> q_;
+    std::deque<std::pair<std::chrono::steady_clock::time_point, std::weak_ptr<StreamHandle>>> timers_;  // in time order
     bool stop_ = false;
     std::thread thread_;  // last: starts after the members above exist
 };
@@ -61,6 +64,17 @@ public:
         std::lock_guard<std::recursive_mutex> lk(mu_);
         pump();
     }
+    // Sends what hold() keeps once it has waited kHoldMax (the delivery thread's timer).
+    void flush_stale(std::chrono::steady_clock::time_point now) {
+        std::lock_guard<std::recursive_mutex> lk(mu_);
+        if (held_n_ == 0 || finished_ || finish_pending_ || now - held_since_ < kHoldMax) return;
+        release_held();
+        pump();
+    }
+    // Tokens are held only while they follow each other within kHoldGap, and none for longer
+    // than kHoldMax (a stall: the delivery thread's timer sends them).
+    static constexpr std::chrono::milliseconds kHoldGap{50};
+    static constexpr std::chrono::milliseconds kHoldMax{50};
 
 private:
     void pump();  // with mu_ held
@@ -84,7 +98,8 @@ private:
     std::shared_ptr<Deliverer> deliverer_;
     pb::SessionResponse held_;  // generated tokens kept for one answer (hold)
     uint32_t held_n_ = 0;
-    std::chrono::steady_clock::time_point last_hold_{};
+    std::chrono::steady_clock::time_point last_hold_{};   // when hold() was last called
+    std::chrono::steady_clock::time_point held_since_{};  // when the held answer began
     std::deque<pb::SessionResponse> out_;
     pb::SessionResponse writing_;
     bool write_in_flight_ = false;
@@ -160,10 +175,8 @@ void StreamHandle::deliver(pb::SessionResponse resp, bool terminal, grpc::Status
 void StreamHandle::hold(pb::SessionResponse resp, uint32_t flush_at) {
     std::lock_guard<std::recursive_mutex> lk(mu_);
     if (finished_ || finish_pending_) return;
-    // Tokens are held only while they follow each other quickly: a token that comes more than
-    // kHoldGap after the previous one goes out at once (with what is held), so holding never
-    // delays a token by more than (flush_at - 1) * kHoldGap.
-    constexpr auto kHoldGap = std::chrono::milliseconds(50);
+    // a token that comes more than kHoldGap after the previous one goes out at once (with what
+    // is held): slow generations are not delayed at all
     const auto now = std::chrono::steady_clock::now();
     const bool slow = now - last_hold_ > kHoldGap;
     last_hold_ = now;
@@ -171,6 +184,8 @@ void StreamHandle::hold(pb::SessionResponse resp, uint32_t flush_at) {
     const uint32_t n = (uint32_t) resp.tail().tokens_size();
     if (held_n_ == 0) {
         held_ = std::move(resp);
+        held_since_ = now;
+        if (n < flush_at && deliverer_) deliverer_->flush_at(weak_from_this(), now + kHoldMax);
     } else {
         // the answer reads as the last step's (step, cached positions), its positions span all
         for (auto & t : *resp.mutable_tail()->mutable_tokens()) *held_.mutable_tail()->add_tokens() = std::move(t);
@@ -247,6 +262,15 @@ void Deliverer::schedule(std::shared_ptr<StreamHandle> h) {
     h->pump_now();
 }
 
+void Deliverer::flush_at(std::weak_ptr<StreamHandle> h, std::chrono::steady_clock::time_point when) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) return;
+    auto it = timers_.end();   // one delay for all: almost always the last in time order
+    while (it != timers_.begin() && std::prev(it)->first > when) --it;
+    timers_.emplace(it, when, std::move(h));
+    cv_.notify_one();
+}
+
 void Deliverer::stop() {
     {
         std::lock_guard<std::mutex> lk(mu_);
@@ -258,16 +282,31 @@ void Deliverer::stop() {
 }
 
 void Deliverer::loop() {
+    std::unique_lock<std::mutex> lk(mu_);
     for (;;) {
-        std::shared_ptr<StreamHandle> h;
-        {
-            std::unique_lock<std::mutex> lk(mu_);
-            cv_.wait(lk, [this] { return stop_ || !q_.empty(); });
-            if (q_.empty()) return;  // stopped and drained
-            h = std::move(q_.front());
+        if (!q_.empty()) {
+            std::shared_ptr<StreamHandle> h = std::move(q_.front());
             q_.pop_front();
+            lk.unlock();
+            h->pump_now();
+            lk.lock();
+            continue;
         }
-        h->pump_now();
+        if (stop_) return;  // stopped and drained (held answers go out with their stream's end)
+        const auto now = std::chrono::steady_clock::now();
+        if (!timers_.empty() && timers_.front().first <= now) {
+            std::weak_ptr<StreamHandle> w = std::move(timers_.front().second);
+            timers_.pop_front();
+            lk.unlock();
+            if (auto h = w.lock()) h->flush_stale(now);
+            lk.lock();
+            continue;
+        }
+        if (timers_.empty()) {
+            cv_.wait(lk);
+        } else {
+            cv_.wait_until(lk, timers_.front().first);
+        }
     }
 }
 
