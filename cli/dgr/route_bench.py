@@ -487,7 +487,7 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
     floor = _floor_summary(floor_runs, route_runs, lb_runs) if len(cfg.split) == 2 else \
         {"skipped": True, "reason": "the seam floor is measured for 2-shard splits"}
     if not floor.get("skipped"):
-        paired.update({k: v for k, v in floor["paired_median"].items()})
+        paired.update(floor["paired_median"])
     rpc = _rpc_summary(rpc_runs) if cfg.rpc else {"skipped": True, "reason": "--no-rpc"}
     if not rpc["skipped"]:
         pairs = [(r, x) for r, x in zip(route_runs[c1], rpc_runs) if not x.get("skipped")]
