@@ -126,3 +126,12 @@ def test_steal_is_a_share_of_cpu_time_and_reported_only_when_present(monkeypatch
             "yardstick_brackets": {"1": [{"before": {"host_steal_fraction": 0.02}, "after": {"host_steal_fraction": 0.0}}]}}
     assert route_bench.steal_lines(busy) == [
         "host steal (CPU time taken by the hypervisor), 1 session(s): route runs 31%, yardsticks before/after 2%/0%"]
+
+
+def test_repeat_lines_show_every_repeat_behind_a_target_ratio():
+    from dgr.route_bench import repeat_lines
+
+    doc = {"ratios": {"paired_per_repeat": {"route_decode_vs_llama_bench_tg": [0.78, 0.91, 0.8],
+                                            "route_prefill_vs_llama_bench_pp": []}}}
+    assert repeat_lines(doc) == ["  route_decode_vs_llama_bench_tg: median 0.80 of the repeats 0.78 / 0.91 / 0.80"]
+    assert repeat_lines({"ratios": {}}) == []

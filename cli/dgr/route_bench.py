@@ -46,6 +46,13 @@ from .errors import DgrError
 
 SCHEMA = "dgr.bench.route/1"
 
+# each ratio target and the paired ratio it is judged on
+TARGET_RATIOS = {
+    "decode_ge_90pct_llama_bench": "route_decode_vs_llama_bench_tg",
+    "prefill_ge_95pct_llama_bench": "route_prefill_vs_llama_bench_pp",
+    "aggregate_decode_B4_ge_90pct_batched_bench": "route_aggregate_decode_vs_batched_bench_B4",
+}
+
 
 @dataclass(frozen=True)
 class RouteBenchConfig:
@@ -463,11 +470,15 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
     }
     # paired per repeat (same minute of machine load), then the median: robust on a shared host
     c1 = min(cfg.concurrency)
-    paired = {
-        "route_decode_vs_llama_bench_tg": statistics.median(
-            r["decode_tok_s"] / l["tg_tok_s"] for r, l in zip(route_runs[c1], lb_runs)),
-        "route_prefill_vs_llama_bench_pp": statistics.median(
-            r["prefill_tok_s"] / l["pp_tok_s"] for r, l in zip(route_runs[c1], lb_runs)),
+    per_repeat = {
+        "route_decode_vs_llama_bench_tg": [r["decode_tok_s"] / l["tg_tok_s"] for r, l in zip(route_runs[c1], lb_runs)],
+        "route_prefill_vs_llama_bench_pp": [r["prefill_tok_s"] / l["pp_tok_s"] for r, l in zip(route_runs[c1], lb_runs)],
+    }
+    if 4 in cfg.concurrency:
+        per_repeat["route_aggregate_decode_vs_batched_bench_B4"] = [
+            r["decode_tok_s"] / b["tg_tok_s"] for r, b in zip(route_runs[4], brackets[4])]
+    paired = {k: statistics.median(v) for k, v in per_repeat.items()}
+    paired.update({
         "route_decode_vs_whole_worker": statistics.median(
             r["decode_tok_s"] / w["decode_tok_s"] for r, w in zip(route_runs[c1], whole_runs[c1])),
         "route_prefill_vs_whole_worker": statistics.median(
@@ -476,10 +487,8 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
             r["decode_tok_s"] / l["tg_tok_s"] for r, l in zip(step_runs[c1], lb_runs)),
         "route_stepwise_decode_vs_whole_worker": statistics.median(
             r["decode_tok_s"] / w["decode_tok_s"] for r, w in zip(step_runs[c1], whole_runs[c1])),
-    }
+    })
     if 4 in cfg.concurrency:
-        paired["route_aggregate_decode_vs_batched_bench_B4"] = statistics.median(
-            r["decode_tok_s"] / b["tg_tok_s"] for r, b in zip(route_runs[4], brackets[4]))
         paired["route_aggregate_decode_vs_whole_worker_4"] = statistics.median(
             r["decode_tok_s"] / w["decode_tok_s"] for r, w in zip(route_runs[4], whole_runs[4]))
         paired["route_stepwise_aggregate_decode_vs_batched_bench_B4"] = statistics.median(
@@ -496,6 +505,8 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
         paired["llama_rpc_tg_vs_llama_bench_tg"] = statistics.median(
             x["tg_tok_s"] / l["tg_tok_s"] for x, l in zip(rpc_runs, lb_runs) if not x.get("skipped"))
     ratios["paired_median"] = paired
+    # the per-repeat values behind the target ratios: how far one repeat moves on this host
+    ratios["paired_per_repeat"] = per_repeat
     for c in cfg.concurrency:
         b = bb["by_batch"].get(str(c))
         if b and c > 1:
@@ -506,12 +517,13 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
     seam_limit = 2 * n_embd * 4 + 256
     seam = route[one]["seam_bytes_per_decode_token"]
     targets = {
-        "decode_ge_90pct_llama_bench": paired["route_decode_vs_llama_bench_tg"] >= 0.90,
-        "prefill_ge_95pct_llama_bench": paired["route_prefill_vs_llama_bench_pp"] >= 0.95,
+        "decode_ge_90pct_llama_bench": paired[TARGET_RATIOS["decode_ge_90pct_llama_bench"]] >= 0.90,
+        "prefill_ge_95pct_llama_bench": paired[TARGET_RATIOS["prefill_ge_95pct_llama_bench"]] >= 0.95,
         "seam_bytes_per_decode_token_le_limit": 0 < seam <= seam_limit,
     }
     if "route_aggregate_decode_vs_batched_bench_B4" in paired:
-        targets["aggregate_decode_B4_ge_90pct_batched_bench"] = paired["route_aggregate_decode_vs_batched_bench_B4"] >= 0.90
+        targets["aggregate_decode_B4_ge_90pct_batched_bench"] = \
+            paired[TARGET_RATIOS["aggregate_decode_B4_ge_90pct_batched_bench"]] >= 0.90
     return {
         "schema": SCHEMA, "model": str(model), "n_layer": n_layer, "n_embd": n_embd,
         "split": [f"{a}:{b}" for a, b in cfg.split], "threads": threads, "n_prompt": cfg.n_prompt,
@@ -523,6 +535,13 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[s
         "llama_rpc": rpc, "seam_floor": floor, "driver_overhead": overhead, "rss_bytes": rss, "route_worker_env": route_env,
         "seam_bytes_limit": seam_limit, "ratios": ratios, "targets": targets,
     }
+
+
+def repeat_lines(doc: dict[str, Any]) -> list[str]:
+    """The per-repeat values behind each target ratio (the targets use their median), so a reader
+    sees how far single repeats move on this host."""
+    return [f"  {k}: median {statistics.median(v):.2f} of the repeats " + " / ".join(f"{x:.2f}" for x in v)
+            for k, v in doc["ratios"].get("paired_per_repeat", {}).items() if v]
 
 
 def summary(doc: dict[str, Any]) -> str:
@@ -551,7 +570,8 @@ def summary(doc: dict[str, Any]) -> str:
                      + (f"route stepwise {sw['decode_tok_s']:.1f}, " if sw else "")
                      + f"whole worker {doc['whole_worker'][str(c)]['decode_tok_s']:.1f}, "
                      f"llama-batched-bench B={c} {b.get('tg_tok_s', 0):.1f} tok/s")
-    lines.append("ratios of medians: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k != "paired_median"))
+    lines.append("ratios of medians: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()
+                                           if k not in ("paired_median", "paired_per_repeat")))
     lines.append("paired per-repeat ratios (median; the targets use these): "
                  + ", ".join(f"{k} {v:.2f}" for k, v in r["paired_median"].items()))
     lines.append(f"seam bytes per decode token per seam: {route['seam_bytes_per_decode_token']:.0f} "
@@ -575,4 +595,5 @@ def summary(doc: dict[str, Any]) -> str:
         lines.append(f"llama.cpp RPC split over 2 local rpc-servers (-ts {rpc.get('tensor_split')}): prefill "
                      f"{rpc['pp_tok_s']:.1f}, decode {rpc['tg_tok_s']:.1f} tok/s")
     lines.append("targets: " + ", ".join(f"{k} {'PASS' if v else 'MISS'}" for k, v in doc["targets"].items()))
+    lines.extend(repeat_lines(doc))
     return "\n".join(lines)
