@@ -288,7 +288,7 @@ def run(ctx: StoryContext) -> None:
                "a shared host)." if "floor_two_process_vs_whole_1" in pr else ""))
         for k, ok in bench["targets"].items():
             if not ok:
-                reps = bench["ratios"].get("paired_per_repeat", {}).get(TARGET_RATIOS.get(k, ""), [])
+                reps = bench["ratios"].get("paired_per_repeat", {}).get(TARGET_RATIOS.get(k, ("",))[0], [])
                 ctx.limitation(f"route benchmark target missed: {k}"
                                + (f" (repeats {' / '.join(f'{x:.2f}' for x in reps)})" if reps else "")
                                + " (paired per-repeat ratios, medians: "
