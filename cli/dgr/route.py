@@ -111,6 +111,34 @@ def kv_bytes_per_cell(model: Path, start: int, end: int, kv_dtype_bytes: int = 2
     return 2 * (end - start) * (n_embd // n_head) * n_head_kv * kv_dtype_bytes
 
 
+VULKAN_DEFAULT_DEVICE = "0"   # GGML_VK_VISIBLE_DEVICES when unset: the first Vulkan device
+
+
+def backend_env(backend: str, env: dict[str, str]) -> dict[str, str]:
+    """The environment of a worker on ``backend``: a Vulkan worker sees one device
+    (GGML_VK_VISIBLE_DEVICES, default the first; Mesa's llvmpipe on a machine without a GPU)."""
+    out = dict(env)
+    if backend == "vulkan" and "GGML_VK_VISIBLE_DEVICES" not in os.environ:
+        out.setdefault("GGML_VK_VISIBLE_DEVICES", VULKAN_DEFAULT_DEVICE)
+    return out
+
+
+def parse_backends(spec: str, n_shards: int) -> list[str]:
+    """``vulkan`` (every Shard) or ``cpu,vulkan`` (one per Shard, route order)."""
+    from .recipe import BACKENDS
+
+    items = [b.strip() for b in spec.split(",") if b.strip()]
+    bad = [b for b in items if b not in BACKENDS]
+    if not items or bad:
+        raise DgrError(f"--backend {spec!r}: unknown backend {bad[0] if bad else '(none)'}; "
+                       f"choose from {', '.join(BACKENDS)}")
+    if len(items) == 1:
+        return items * n_shards
+    if len(items) != n_shards:
+        raise DgrError(f"--backend {spec!r} names {len(items)} backends for {n_shards} shards: give one, or one per shard")
+    return items
+
+
 class LocalRoute:
     """One dgr-worker process per Shard of ``split`` on 127.0.0.1 (free ports).
 
@@ -120,7 +148,8 @@ class LocalRoute:
 
     def __init__(self, model: Path | None, split: Sequence[tuple[int, int]], *, fake: bool = False,
                  slices: bool = False, threads: int | None = None, max_sessions: int = 8,
-                 ctx_per_session: int = 2048, extra_args: Sequence[str] = (), backend: str = "cpu",
+                 ctx_per_session: int = 2048, extra_args: Sequence[str] = (),
+                 backend: str | Sequence[str] = "cpu",
                  slice_dir: Path | None = None, log: Callable[[str], None] | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.model = model
@@ -131,7 +160,11 @@ class LocalRoute:
         self.max_sessions = max_sessions
         self.ctx_per_session = ctx_per_session
         self.extra_args = list(extra_args)
-        self.backend = backend
+        # one backend for every Shard, or one per Shard in route order (a mixed route)
+        self.backends = [backend] * len(self.split) if isinstance(backend, str) else list(backend)
+        if len(self.backends) != len(self.split):
+            raise DgrError(f"{len(self.backends)} backends for {len(self.split)} shards: give one, or one per shard")
+        self.backend = self.backends[0]
         self.slice_dir = slice_dir
         self.log = log or (lambda _m: None)
         self.workers: list[Any] = []
@@ -163,7 +196,10 @@ class LocalRoute:
         from .recipe import recipe_for
 
         assert self.model is not None
-        recipe = recipe_for(self.model, backend=self.backend, progress=False)
+        from .recipe import backend_plan
+
+        self.plan = backend_plan(self.backends)
+        recipe = recipe_for(self.model, backend=self.backend, backends=self.plan, progress=False)
         self.fingerprint, self.artifact_id = recipe.fingerprint(), recipe.artifact_id
         if not self.slices:
             self.files = [self.model] * len(self.split)
@@ -184,17 +220,17 @@ class LocalRoute:
 
         from .build import worker_binary
 
-        binary = worker_binary(self.backend)
+        binaries = [worker_binary(b) for b in self.backends]
         if not self.fake:
             self._prepare_model()
         try:
             for i, (a, b) in enumerate(self.split):
                 try:
-                    self.workers.append(WorkerProcess.start(self._args(i), binary=binary, ready_timeout=120,
-                                                            env=self.env))
+                    self.workers.append(WorkerProcess.start(self._args(i), binary=binaries[i], ready_timeout=120,
+                                                            env=backend_env(self.backends[i], self.env)))
                 except WorkerStartError as exc:
                     raise DgrError(f"worker for layers {a}:{b} did not start: {exc}") from None
-                self.log(f"worker [{a}:{b}) pid {self.workers[-1].pid} on {self.workers[-1].target}")
+                self.log(f"worker [{a}:{b}) {self.backends[i]} pid {self.workers[-1].pid} on {self.workers[-1].target}")
         except BaseException:
             self.stop()
             raise
@@ -659,6 +695,8 @@ class RouteRun:
     # stock whole-model llama.cpp (llama-batched-bench at the pin), measured after the runs above
     llama: WholeLlama | None = None
     llama_error: str | None = None       # why it was asked for but not measured
+    backends: list[str] = field(default_factory=list)   # per Shard, route order
+    whole_backend: str = "cpu"
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "split": [f"{a}:{b}" for a, b in self.split],
@@ -667,7 +705,8 @@ class RouteRun:
                 "isolation": self.isolation.to_json() if self.isolation else None,
                 "route_sequential": self.route_sequential.to_json() if self.route_sequential else None,
                 "whole_sequential": self.whole_sequential.to_json() if self.whole_sequential else None,
-                "llama": self.llama.to_json() if self.llama else None, "llama_error": self.llama_error}
+                "llama": self.llama.to_json() if self.llama else None, "llama_error": self.llama_error,
+                "backends": self.backends, "whole_backend": self.whole_backend}
 
 
 def whole_llama_baseline(model: Path | None, *, threads: int, n_prompt: int, n_gen: int,
@@ -712,14 +751,17 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
               slices: bool = False, threads: int | None = None, chat: bool = True,
               stop_on_eog: bool = True, on_text: Callable[[int, str], None] | None = None,
               log: Callable[[str], None] | None = None, chain: bool | None = None,
-              llama_baseline: bool = False) -> RouteRun:
+              llama_baseline: bool = False, backends: Sequence[str] | None = None,
+              whole_backend: str | None = None) -> RouteRun:
     """Start local workers for ``split`` and run the prompts concurrently. With ``parity``
     (greedy): also run each prompt alone on the route and on one whole-model worker (exact
     parity), check the concurrent sessions' isolation against their sequential runs, and run
     the prompts concurrently on the whole-model worker for the same figures. With
     ``llama_baseline``: afterwards (every worker stopped) measure stock whole-model llama.cpp
     (llama-batched-bench) at the mean prompt length, ``max_tokens``, 1 and len(prompts)
-    sessions and the workers' thread count; a failure is recorded in ``llama_error``."""
+    sessions and the workers' thread count; a failure is recorded in ``llama_error``.
+    ``backends``: one per Shard (default all cpu); ``whole_backend``: the whole-model worker's
+    (default: the route's backend when it has one, else cpu)."""
     from meshnet_adapter.route_driver import Sampling
 
     log = log or (lambda _m: None)
@@ -732,16 +774,19 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
     kw = dict(max_tokens=max_tokens, sampling=sampling, chat=chat, stop_on_eog=stop_on_eog, chain=chain)
     label = f"route {','.join(f'{a}:{b}' for a, b in split)}"
     seq = wseq = whole = par = iso = None
+    backends = list(backends or ["cpu"] * len(split))
+    whole_backend = whole_backend or (backends[0] if len(set(backends)) == 1 else "cpu")
     with LocalRoute(model, split, fake=fake, slices=slices, threads=threads, max_sessions=max_sessions,
-                    log=log) as lr:
+                    log=log, backend=backends) as lr:
         rep = asyncio.run(run_sessions(lr.endpoints, prompts, label=label, stats=lr.stats(),
                                        pids=[w.pid for w in lr.workers], on_text=on_text, **kw))
         if parity:
             log("the same prompts one at a time through the route")
             seq = asyncio.run(_sequential(lr.endpoints, prompts, label + " (sequential)", **kw))
     if parity:
-        log(f"whole model [0:{n_layer}) on one worker")
-        with LocalRoute(model, [(0, n_layer)], fake=fake, threads=threads, max_sessions=max_sessions, log=log) as lw:
+        log(f"whole model [0:{n_layer}) on one {whole_backend} worker")
+        with LocalRoute(model, [(0, n_layer)], fake=fake, threads=threads, max_sessions=max_sessions, log=log,
+                        backend=whole_backend) as lw:
             whole = asyncio.run(run_sessions(lw.endpoints, prompts, label=f"whole model 0:{n_layer}",
                                              stats=lw.stats(), pids=[w.pid for w in lw.workers], **kw))
             wseq = asyncio.run(_sequential(lw.endpoints, prompts, f"whole model 0:{n_layer} (sequential)", **kw))
@@ -754,7 +799,7 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
         llama, llama_err = whole_llama_baseline(None if fake else model, threads=threads, n_prompt=n_prompt,
                                                 n_gen=max_tokens, sessions=(1, len(prompts)), log=log)
     return RouteRun(rep, whole, par, list(split), str(model) if model else "fake", iso, seq, wseq,
-                    llama=llama, llama_error=llama_err)
+                    llama=llama, llama_error=llama_err, backends=backends, whole_backend=whole_backend)
 
 
 def generate_remote(endpoints: Sequence[str], prompts: Sequence[str], *, max_tokens: int = 32,
@@ -828,6 +873,9 @@ def summary_table(run: RouteRun) -> str:
     w0 = max(len(r[0]) for r in rows)
     lines = ["  ".join([r[0].ljust(w0), *(c.rjust(13) for c in r[1:])]) for r in rows]
     lines += _llama_note(run)
+    if run.backends and set(run.backends) != {"cpu"}:
+        lines.append(f"backends: route {','.join(run.backends)}"
+                     + (f"; whole model {run.whole_backend}" if run.whole else ""))
     lines.append("")
     lines.append(f"seam bytes per decode token (per seam, protobuf frame): {run.route.seam_bytes_per_decode_token:.0f}"
                  f" ({run.route.mode} route)")

@@ -1,0 +1,1 @@
+"""The pinned upstream llama.cpp: pin, patch stack, build, toolchains per backend."""
