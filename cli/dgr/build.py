@@ -86,6 +86,10 @@ def _cuda_flags() -> list[str]:
         raise DgrError("backend cuda needs the CUDA toolkit (nvcc not found on PATH or in /usr/local/cuda/bin)",
                        hint="install the CUDA toolkit; `dgr doctor` lists what is missing")
     flags = [f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_architectures()}"]
+    if not cuda_sdk.driver_library(nvcc):
+        # no libcuda (driver) and no stub to link against: ggml-cuda without its virtual-memory
+        # pool links only the runtime, which loads the driver when it runs
+        flags.append("-DGGML_CUDA_NO_VMM=ON")
     if shutil.which("ccache"):
         flags.append("-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache")
     return flags + cuda_sdk.cmake_flags(cuda_sdk.ensure(nvcc))

@@ -80,6 +80,16 @@ def find_cublas(nvcc: str | None) -> Cublas | None:
         return None
 
 
+def driver_library(nvcc: str | None) -> Path | None:
+    """libcuda.so of the driver, or the toolkit's link stub (lib64/stubs/libcuda.so)."""
+    root = toolkit_root(nvcc)
+    cands = [Path(d) / "libcuda.so" for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib/aarch64-linux-gnu")]
+    cands += [Path(d) / "libcuda.so.1" for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib/aarch64-linux-gnu")]
+    if root is not None:
+        cands += [root / "lib64" / "stubs" / "libcuda.so", root / "lib" / "stubs" / "libcuda.so"]
+    return next((p for p in cands if p.exists()), None)
+
+
 def cuda_release(nvcc: str) -> tuple[int, int]:
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     m = re.search(r"release (\d+)\.(\d+)", out)

@@ -58,9 +58,15 @@ def header_version(include_dir: Path) -> int | None:
     return int(m.group(1))
 
 
+def spirv_config_dir(include_dir: Path) -> Path | None:
+    """SPIRV-Headers' CMake package next to ``include_dir`` (ggml-vulkan find_package()s it)."""
+    d = include_dir.parent / "share" / "cmake" / "SPIRV-Headers"
+    return d if (d / "SPIRV-HeadersConfig.cmake").is_file() else None
+
+
 def headers_ok(include_dir: Path) -> bool:
     v = header_version(include_dir)
-    return v is not None and v >= MIN_HEADER_VERSION
+    return v is not None and v >= MIN_HEADER_VERSION and spirv_config_dir(include_dir) is not None
 
 
 def loader_library() -> Path | None:
@@ -289,9 +295,9 @@ def fetch_headers(dest: Path | None = None) -> Sdk:
         pkgs.append({"name": name, "version": idx["version"], "sha256": got, "deb": deb.name, "suite": suite})
     inc = root / "usr" / "include"
     v = header_version(inc)
-    if v is None or v < MIN_HEADER_VERSION:
-        raise DgrError(f"the unpacked headers in {inc} have VK_HEADER_VERSION {v}, need >= {MIN_HEADER_VERSION} "
-                       "with VK_EXT_layer_settings")
+    if v is None or v < MIN_HEADER_VERSION or spirv_config_dir(inc) is None:
+        raise DgrError(f"the unpacked headers in {inc} have VK_HEADER_VERSION {v} (need >= {MIN_HEADER_VERSION} "
+                       "with VK_EXT_layer_settings) or lack SPIRV-Headers' CMake package")
     sdk = Sdk(inc, "build/vulkan-sdk", v, pkgs)
     (dest / "sdk.json").write_text(json.dumps(sdk.to_json(), indent=1) + "\n")
     return sdk
@@ -303,8 +309,7 @@ def find_sdk() -> Sdk | None:
     prefix = os.environ.get("DGR_VULKAN_PREFIX")
     if prefix:
         inc = Path(prefix) / "usr" / "include"
-        v = header_version(inc)
-        return Sdk(inc, "DGR_VULKAN_PREFIX", v) if v is not None and v >= MIN_HEADER_VERSION else None
+        return Sdk(inc, "DGR_VULKAN_PREFIX", header_version(inc) or 0) if headers_ok(inc) else None
     sys_inc = Path("/usr/include")
     if headers_ok(sys_inc):
         return Sdk(sys_inc, "system", header_version(sys_inc) or 0)
@@ -339,13 +344,17 @@ def ensure(*, install: bool = True) -> Sdk:
     if sdk is None:
         if os.environ.get("DGR_VULKAN_PREFIX"):
             raise DgrError(f"DGR_VULKAN_PREFIX={os.environ['DGR_VULKAN_PREFIX']} has no Vulkan headers "
-                           f">= 1.3.{MIN_HEADER_VERSION} with VK_EXT_layer_settings in usr/include")
+                           f">= 1.3.{MIN_HEADER_VERSION} with VK_EXT_layer_settings in usr/include, or no "
+                           "usr/share/cmake/SPIRV-Headers")
         sdk = fetch_headers()
     return sdk
 
 
 def cmake_flags(sdk: Sdk) -> list[str]:
     flags = [f"-DVulkan_INCLUDE_DIR={sdk.include_dir}"]
+    spirv = spirv_config_dir(sdk.include_dir)
+    if spirv is not None:
+        flags.append(f"-DSPIRV-Headers_DIR={spirv}")
     lib = loader_library()
     if lib is not None:
         flags.append(f"-DVulkan_LIBRARY={lib}")
