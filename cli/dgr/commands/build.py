@@ -39,7 +39,11 @@ def build(
         targets += build_mod.TEST_TARGETS
     if tools:
         targets += build_mod.TOOL_TARGETS
+    import time
+
+    t0 = time.monotonic()
     res = build_mod.build(backend, jobs=jobs, clean=clean, targets=targets)
-    typer.echo(f"built {', '.join(res.targets)} in {res.bin_dir}")
+    typer.echo(f"built {', '.join(res.targets)} in {res.bin_dir} ({time.monotonic() - t0:.0f} s; toolchain: "
+               f"{res.build_dir / build_mod.TOOLCHAIN_RECORD})")
     if rpc:
         typer.echo(f"built rpc-server, llama-bench (GGML_RPC) in {build_mod.build_rpc_tools(backend, jobs=jobs, clean=clean)}")
