@@ -106,6 +106,13 @@ def _common(rep: BackendReport) -> None:
     cxx = os.environ.get("CXX") or "c++"
     v = tool_version(cxx)
     rep.items.append(Item(f"C++ compiler ({cxx})", bool(v), v or "not on PATH"))
+    for name in ("protoc", "grpc_cpp_plugin"):
+        exe = shutil.which(name)
+        rep.items.append(Item(name, exe is not None, exe or "not on PATH"))
+    pc = shutil.which("pkg-config")
+    ok = pc is not None and subprocess.run([pc, "--exists", "grpc++", "protobuf"], capture_output=True).returncode == 0
+    rep.items.append(Item("gRPC C++ + Protobuf (pkg-config grpc++ protobuf)", ok,
+                          _first_line([pc, "--modversion", "grpc++"]) if ok else "not found"))
     if not all(i.present for i in rep.items):
         rep.install.append(_apt_cmd(BUILD_PACKAGES))
 
