@@ -31,7 +31,7 @@ PARITY_PROMPT = ("The history of the printing press begins in the fifteenth cent
                  "combined movable metal type, oil-based ink and a wooden screw press into a system that could "
                  "produce books far faster than any scribe. Historians still argue about the consequences, but "
                  "most agree that")
-DRIFT_PROMPTS = ("What is the capital of France?", "Give me three tips for learning to cook.")
+DRIFT_PROMPTS = ("Give me three tips for learning to cook.",)   # one session at a time, >= 64 tokens
 MIXED_PLANS = (("cpu", "vulkan"), ("vulkan", "cpu"))
 
 
@@ -135,10 +135,12 @@ def run(ctx: StoryContext) -> None:
                   + (f"; errors: {p['errors']}" if p["errors"] else ""))
 
     # -- 3. fingerprints by backend plan, as the workers serve them -----------------------------
-    want = {plan: recipe_for(model, backend=plan.split("+")[0], backends=plan, progress=False).fingerprint()
+    # (on the synthetic model: the same code path, a fast load)
+    want = {plan: recipe_for(syn, backend=plan.split("+")[0], backends=plan, progress=False).fingerprint()
             for plan in ("cpu", "vulkan", "cpu+vulkan", "vulkan+cpu")}
-    served = {"vulkan": _served_fingerprints(model, SPLIT, ("vulkan", "vulkan"), threads),
-              "cpu+vulkan": _served_fingerprints(model, SPLIT, ("cpu", "vulkan"), threads)}
+    served = {"vulkan": _served_fingerprints(syn, [(0, 2), (2, 4)], ("vulkan", "vulkan"), threads),
+              "cpu+vulkan": _served_fingerprints(syn, [(0, 2), (2, 4)], ("cpu", "vulkan"), threads),
+              "vulkan+cpu": _served_fingerprints(syn, [(0, 2), (2, 4)], ("vulkan", "cpu"), threads)}
     ctx.results["fingerprints"] = {"expected": want, "served": served}
     ctx.check("the recipe fingerprint distinguishes backend plans; both Shards of a mixed route serve the plan's",
               len(set(want.values())) == 4 and all(fp == want[plan] for plan, fps in served.items() for fp in fps),
