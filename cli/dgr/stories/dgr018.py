@@ -1,6 +1,6 @@
 """DGR-018: Vulkan Shards and mixed CPU/Vulkan routes (issue: real GPU-class backends).
 
-Run as ``dgr accept DGR-018 --backend vulkan`` after ``dgr build --backend vulkan`` and
+Run as ``dgr accept --backend vulkan DGR-018`` after ``dgr build --backend vulkan`` and
 ``dgr build --backend cpu``. On a machine without a GPU the Vulkan device is Mesa's llvmpipe
 (Vulkan on the CPU: slow, but the same ggml-vulkan kernels and shaders as on a GPU).
 
@@ -102,7 +102,7 @@ def run(ctx: StoryContext) -> None:
     assert ctx.model is not None
     model = ctx.model
     threads = os.cpu_count() or 1
-    if not ctx.check("run on the Vulkan build (dgr accept DGR-018 --backend vulkan)", ctx.backend == "vulkan",
+    if not ctx.check("run on the Vulkan build (dgr accept --backend vulkan DGR-018)", ctx.backend == "vulkan",
                      f"--backend {ctx.backend}"):
         return
     vk = build_mod.worker_binary("vulkan")
