@@ -74,6 +74,9 @@ def _register() -> None:
     from .commands import route as route_cmd, demo as demo_cmd
     app.add_typer(route_cmd.app, name="route", help="Run an Inference Route: local workers for a split, or running workers.")
     app.command("demo")(demo_cmd.demo)
+    from .commands import upstream as upstream_cmd
+    app.add_typer(upstream_cmd.app, name="upstream",
+                  help="The collaboration package for llama.cpp: render the proposal, check the examples.")
     # Further command groups register here.
 
 
