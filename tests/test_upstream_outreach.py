@@ -126,7 +126,7 @@ def test_read_patch_takes_the_description_apart():
     assert first.number == "0001" and first.subject == "llama : load a model by layer range"
     assert first.upstreamable.startswith("possibly") and first.forwarded == "no"
     assert "Upstreamable" not in first.reason and first.reason.startswith("Add llama_model_params.layer_start")
-    assert "    int32_t layer_start;" in first.api
+    assert "        int32_t layer_start;" in first.api and "+        int32_t layer_start;" in first.api_diff
     assert {f.path for f in first.files} >= {"include/llama.h", "src/llama-model.cpp"}
     # a subject folded over two lines by format-patch is read as one line
     assert patches[2].subject == "llama : take the input of a model without token embedding as embeddings"

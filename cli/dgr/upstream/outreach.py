@@ -45,7 +45,7 @@ _OPEN, _CLOSE = "\x02", "\x03"
 OUTPUTS = ("README.md", "proposal.md", "pull-requests", "examples")
 _NUMBER = re.compile(r"(?<![A-Za-z0-9_.\-/@+])\d+(?:[.,:]\d+)*")
 # a code span that is only a measurement (a decimal or a unit); API values such as `-1` are fine
-_BARE_NUMBER_CODE = re.compile(r"^[\s~<>=+\-]*\d[\d,]*(\.\d+\s*|\s*(%|[KMG]i?B|bytes?|ms|s|tok/s|x))\s*$")
+_BARE_NUMBER_CODE = re.compile(r"^[\s~<>=+\-]*\d[\d,]*(\.\d+)?\s*(%|[KMG]i?B|bytes?|ms|s|tok/s|x)?\s*$")
 
 
 def outreach_dir() -> Path:
@@ -84,6 +84,7 @@ class Patch:
     forwarded: str
     files: tuple[FileChange, ...]
     api: tuple[str, ...]   # lines the patch adds to include/llama.h, in order
+    api_diff: str          # its hunks of include/llama.h, as in the patch ("" when none)
 
     @property
     def source(self) -> str:
@@ -146,6 +147,20 @@ def _added_lines(diff: str, path: str) -> tuple[str, ...]:
     return tuple(lines)
 
 
+def _hunks(diff: str, path: str) -> str:
+    """The ``@@`` hunks a diff has for ``path``, verbatim."""
+    out: list[str] = []
+    current = None
+    for line in diff.splitlines():
+        if line.startswith("diff --git "):
+            current = None
+        elif line.startswith("+++ "):
+            current = line[4:].removeprefix("b/")
+        elif current == path and (line.startswith(("@@", "+", "-", " ")) or line == ""):
+            out.append(line)
+    return "\n".join(out)
+
+
 def read_patch(path: Path) -> Patch:
     text = path.read_text(encoding="utf-8")
     if text.startswith("From "):                    # the mbox separator line of git format-patch
@@ -167,7 +182,8 @@ def read_patch(path: Path) -> Patch:
         raise DgrError(f"{path.name}: patch file names start with a 4-digit number (dgr patches export)")
     return Patch(number=m.group(1), file=path.name, subject=subject, reason=reason,
                  upstreamable=fields["Upstreamable"], forwarded=fields["Forwarded"],
-                 files=_numstat(path), api=_added_lines("diff --git " + diff, "include/llama.h"))
+                 files=_numstat(path), api=_added_lines("diff --git " + diff, "include/llama.h"),
+                 api_diff=_hunks("diff --git " + diff, "include/llama.h"))
 
 
 def read_series(stack: patchstack.Stack | None = None) -> list[Patch]:
@@ -286,7 +302,12 @@ class Provenance:
     """The helpers a template prints numbers with; records every source one document used."""
 
     figures: dict[str, Figure]
-    used: dict[str, str] = field(default_factory=dict)   # source -> what it gave, in first-use order
+    used: dict[str, list[str]] = field(default_factory=dict)   # file -> what it gave, first-use order
+
+    def _use(self, file: str, what: str) -> None:
+        items = self.used.setdefault(file, [])
+        if what not in items:
+            items.append(what)
 
     def _mark(self, text: str) -> str:
         return f"{_OPEN}{text}{_CLOSE}"
@@ -296,7 +317,7 @@ class Provenance:
         if fid not in self.figures:
             raise DgrError(f"template uses figure {fid!r}, which figures.toml does not list")
         f = self.figures[fid]
-        self.used.setdefault(f.source, f.label)
+        self._use(f.file, f.label)
         return self._mark(f"{f.text} (`{f.source}`)")
 
     def figrow(self, fid: str) -> str:
@@ -304,14 +325,14 @@ class Provenance:
         if fid not in self.figures:
             raise DgrError(f"template uses figure {fid!r}, which figures.toml does not list")
         f = self.figures[fid]
-        self.used.setdefault(f.source, f.label)
+        self._use(f.file, f.label)
         return self._mark(f"| {f.label} | {f.text} | `{f.source}` |")
 
-    def stat(self, value: Any, source: str) -> str:
-        """A count taken from a repository file (``source`` says which, and how)."""
+    def stat(self, value: Any, source: str, what: str = "line counts (git apply --numstat)") -> str:
+        """A count taken from a repository file or folder (``source``), ``what`` says how."""
         if not source:
             raise DgrError("stat() needs a source")
-        self.used.setdefault(source, "counts")
+        self._use(source, what)
         return self._mark(str(value))
 
     def ref(self, text: str, url: str) -> str:
@@ -322,18 +343,19 @@ class Provenance:
 
     def quote(self, text: str, source: str) -> str:
         """Text quoted from a repository file (a patch description), as a Markdown blockquote."""
-        self.used.setdefault(source, "quoted")
+        self._use(source, "quoted text")
         lines = "\n".join(f"> {ln}" if ln else ">" for ln in text.splitlines())
         return self._mark(lines.replace("\n", f"{_CLOSE}\n{_OPEN}"))
 
     def sources(self) -> list[str]:
-        """One marked line per source used so far: ``source``: what it gave."""
-        return [self._mark(f"`{src}`: {what}") for src, what in self.used.items()]
+        """One marked line per source file used so far: ``file``: what it gave."""
+        return [self._mark(f"`{src}`: {'; '.join(what)}") for src, what in self.used.items()]
 
 
 def _strip_code(line: str, problems: list[str], where: str) -> str:
     def code(m: re.Match) -> str:
-        if _BARE_NUMBER_CODE.match(m.group(1)):
+        bare = _BARE_NUMBER_CODE.match(m.group(1))
+        if bare and (bare.group(1) or bare.group(2)):
             problems.append(f"{where}: a bare number in a code span: `{m.group(1)}`")
         return " "
     return re.sub(r"`([^`]*)`", code, line)
@@ -379,6 +401,8 @@ def _environment(tdir: Path) -> jinja2.Environment:
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
                              autoescape=False)
     env.filters["words"] = count_word
+    # "https://github.com/ggml-org/llama.cpp.git" -> "ggml-org/llama.cpp"
+    env.filters["repo_name"] = lambda url: re.sub(r"^https://github\.com/|\.git$", "", url)
     return env
 
 

@@ -72,7 +72,7 @@ int main(int argc, char ** argv) {
         if (!probe) return finish("test-range-mmap", "");
         const int32_t n_layer = llama_model_n_layer(probe.get());
         probe.reset();
-        llama_model_ptr tail = load_range(path, n_layer / 2, 0);
+        llama_model_ptr tail = load_range(path, n_layer / 2, 0, LLAMA_LOAD_MODE_MMAP);
         CHECK(tail != nullptr, "tail [%d, %d) did not load", n_layer / 2, n_layer);
         if (!tail) return finish("test-range-mmap", "");
         tail_weights  = llama_model_size(tail.get());
@@ -80,7 +80,9 @@ int main(int argc, char ** argv) {
     }
     uint64_t whole_resident = 0;
     {
-        llama_model_ptr whole = load_range(path, 0, 0);
+        llama_model_ptr whole = load_range(path, 0, 0, LLAMA_LOAD_MODE_MMAP);
+        CHECK(whole != nullptr, "whole model did not load with mmap");
+        if (!whole) return finish("test-range-mmap", "");
         whole_resident = touch_and_measure(path, whole.get());
     }
     std::printf("file %.2f MiB; tail holds %.2f MiB, %.2f MiB of the file resident; whole model %.2f MiB resident\n",

@@ -1,5 +1,6 @@
-// Small helpers shared by the partial-model tests, in the spirit of llama.cpp's tests/get-model.h:
-// the model path comes from argv[1] or LLAMACPP_TEST_MODELFILE (the test skips without one),
+// Small helpers shared by the partial-model tests. The model path comes from argv[1] or
+// LLAMACPP_TEST_MODELFILE (the test skips without one), as common_get_model_or_exit() does for
+// llama.cpp's model tests (test-model-load-cancel, test-autorelease) without linking common;
 // CHECK() records a failure and keeps going, and batches are built explicitly (one sequence,
 // explicit positions) so the head, the tail and the whole model see exactly the same inputs.
 #pragma once
@@ -50,10 +51,12 @@ static void quiet_log(ggml_log_level level, const char * text, void *) {
 }
 
 // Loads layers [start, end) of `path` (end <= 0: up to n_layer); nullptr when the load fails.
-static llama_model_ptr load_range(const char * path, int32_t start, int32_t end) {
+static llama_model_ptr load_range(const char * path, int32_t start, int32_t end,
+                                  llama_load_mode mode = LLAMA_LOAD_MODE_AUTO) {
     llama_model_params mp = llama_model_default_params();
     mp.layer_start = start;
     mp.layer_end   = end;
+    mp.load_mode   = mode;
     return llama_model_ptr(llama_model_load_from_file(path, mp));
 }
 
