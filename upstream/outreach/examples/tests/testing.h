@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -19,6 +20,19 @@
 // not on the public include path at the pinned commit); these are its exact declarations.
 LLAMA_API void    llama_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
 LLAMA_API float * llama_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
+// Memory per buffer type (src/llama-ext.h, staging): the bytes a model's weights occupy. Used
+// because llama_model_size() reports the tensors of the file, not those the model created.
+struct llama_memory_breakdown_data {
+    size_t model   = 0; // memory allocated for the model
+    size_t context = 0; // memory allocated for the context
+    size_t compute = 0; // memory allocated for temporary compute buffers
+
+    size_t total() const {
+        return model + context + compute;
+    }
+};
+using llama_memory_breakdown = std::map<ggml_backend_buffer_type_t, llama_memory_breakdown_data>;
+LLAMA_API llama_memory_breakdown llama_get_memory_breakdown(const struct llama_context * ctx);
 
 static int g_failures = 0;
 
@@ -96,6 +110,20 @@ static int32_t decode_rows(llama_context * ctx, const llama_token * tokens, cons
     const int32_t rc = llama_decode(ctx, b);
     llama_batch_free(b);
     return rc;
+}
+
+// Bytes of the weights a model holds (load it with LLAMA_LOAD_MODE_NONE: the buffers are then
+// exactly its tensors, not a mapped span of the file).
+static uint64_t weight_bytes(llama_model * model) {
+    llama_context_ptr ctx = make_context(model, 64);
+    if (!ctx) {
+        return 0;
+    }
+    uint64_t bytes = 0;
+    for (const auto & kv : llama_get_memory_breakdown(ctx.get())) {
+        bytes += kv.second.model;
+    }
+    return bytes;
 }
 
 static std::vector<llama_token> some_tokens(const llama_model * model, int32_t n) {

@@ -8,7 +8,7 @@
 // PASS when the tokens are identical and the difference is within --tolerance (0: bit-identical,
 // which is what the same backend and thread count give).
 //
-//   llama-split-simple -m MODEL.gguf [--split N] [-n N_PREDICT] [-p PROMPT] [--tolerance T]
+//   llama-split-simple -m MODEL.gguf [--split N] [-n N_PREDICT] [-p PROMPT] [-t THREADS] [--tolerance T]
 #include "llama-cpp.h"
 #include "llama.h"
 
@@ -26,7 +26,7 @@ LLAMA_API float * llama_get_embeddings_layer_inp(struct llama_context * ctx, uin
 
 static void print_usage(int, char ** argv) {
     std::printf("\nexample usage:\n");
-    std::printf("\n    %s -m model.gguf [--split N] [-n n_predict] [-p prompt] [--tolerance T]\n\n", argv[0]);
+    std::printf("\n    %s -m model.gguf [--split N] [-n n_predict] [-p prompt] [-t threads] [--tolerance T]\n\n", argv[0]);
 }
 
 // A model and its context; a head/middle range hands on the input of layer `layer_end`.
@@ -35,7 +35,8 @@ struct Stage {
     llama_context_ptr ctx;
 };
 
-static bool open_stage(Stage & s, const std::string & path, int32_t start, int32_t end, int32_t n_ctx) {
+static bool open_stage(Stage & s, const std::string & path, int32_t start, int32_t end, int32_t n_ctx,
+                       int32_t n_threads) {
     llama_model_params mp = llama_model_default_params();
     mp.layer_start = start;
     mp.layer_end   = end;
@@ -48,6 +49,10 @@ static bool open_stage(Stage & s, const std::string & path, int32_t start, int32
     cp.n_ctx    = n_ctx;
     cp.n_batch  = n_ctx;
     cp.n_ubatch = n_ctx;  // one ubatch for the prompt on every side: llama.cpp is not batch-invariant
+    if (n_threads > 0) {  // the same thread count on every side
+        cp.n_threads       = n_threads;
+        cp.n_threads_batch = n_threads;
+    }
     s.ctx.reset(llama_init_from_model(s.model.get(), cp));
     if (!s.ctx) {
         std::fprintf(stderr, "%s: error: failed to create the llama_context\n", __func__);
@@ -138,7 +143,7 @@ static std::string detokenize(const llama_vocab * vocab, const std::vector<llama
 int main(int argc, char ** argv) {
     std::string model_path;
     std::string prompt = "Hello my name is";
-    int32_t split = -1, n_predict = 16;
+    int32_t split = -1, n_predict = 16, n_threads = 0;
     double tolerance = 0.0;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
@@ -147,6 +152,7 @@ int main(int argc, char ** argv) {
         else if (a == "-p" && has_value) prompt = argv[++i];
         else if (a == "-n" && has_value) n_predict = std::atoi(argv[++i]);
         else if (a == "--split" && has_value) split = std::atoi(argv[++i]);
+        else if (a == "-t" && has_value) n_threads = std::atoi(argv[++i]);
         else if (a == "--tolerance" && has_value) tolerance = std::atof(argv[++i]);
         else {
             print_usage(argc, argv);
@@ -163,7 +169,7 @@ int main(int argc, char ** argv) {
     ggml_backend_load_all();
 
     std::vector<Stage> whole(1);
-    if (!open_stage(whole[0], model_path, 0, 0, 512)) return 1;
+    if (!open_stage(whole[0], model_path, 0, 0, 512, n_threads)) return 1;
     const int32_t n_layer = llama_model_n_layer(whole[0].model.get());
     if (split < 0) split = n_layer / 2;
     if (split < 1 || split >= n_layer) {
@@ -185,7 +191,8 @@ int main(int argc, char ** argv) {
     whole.clear();  // frees `vocab` too
 
     std::vector<Stage> stages(2);
-    if (!open_stage(stages[0], model_path, 0, split, 512) || !open_stage(stages[1], model_path, split, 0, 512)) return 1;
+    if (!open_stage(stages[0], model_path, 0, split, 512, n_threads) ||
+        !open_stage(stages[1], model_path, split, 0, 512, n_threads)) return 1;
     if (!generate(stages, prompt_tokens, n_predict, got_tokens, got_logits)) return 1;
 
     double max_diff = ref_logits.size() == got_logits.size() ? 0.0 : INFINITY;

@@ -72,10 +72,15 @@ int main(int argc, char ** argv) {
         if (!probe) return finish("test-range-mmap", "");
         const int32_t n_layer = llama_model_n_layer(probe.get());
         probe.reset();
+        {   // the weights the range holds: loaded without mmap, its buffers are exactly its tensors
+            llama_model_ptr owned = load_range(path, n_layer / 2, 0, LLAMA_LOAD_MODE_NONE);
+            CHECK(owned != nullptr, "tail [%d, %d) did not load without mmap", n_layer / 2, n_layer);
+            if (!owned) return finish("test-range-mmap", "");
+            tail_weights = weight_bytes(owned.get());
+        }
         llama_model_ptr tail = load_range(path, n_layer / 2, 0, LLAMA_LOAD_MODE_MMAP);
         CHECK(tail != nullptr, "tail [%d, %d) did not load", n_layer / 2, n_layer);
         if (!tail) return finish("test-range-mmap", "");
-        tail_weights  = llama_model_size(tail.get());
         tail_resident = touch_and_measure(path, tail.get());
     }
     uint64_t whole_resident = 0;
@@ -88,6 +93,8 @@ int main(int argc, char ** argv) {
     std::printf("file %.2f MiB; tail holds %.2f MiB, %.2f MiB of the file resident; whole model %.2f MiB resident\n",
                 file / 1048576.0, tail_weights / 1048576.0, tail_resident / 1048576.0, whole_resident / 1048576.0);
     // slack: the pages a range shares with its neighbours at either end of each contiguous run
+    CHECK(tail_weights > 0 && tail_weights < file - file / 4, "the tail holds %llu of %llu bytes (model too small?)",
+          (unsigned long long) tail_weights, (unsigned long long) file);
     CHECK(tail_resident <= tail_weights + tail_weights / 20 + (256u << 10),
           "the tail has %llu bytes of the file resident but holds %llu bytes of weights",
           (unsigned long long) tail_resident, (unsigned long long) tail_weights);
