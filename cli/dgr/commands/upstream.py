@@ -49,7 +49,7 @@ def check(
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel build jobs (default: CPU count)."),
     model: Optional[List[Path]] = typer.Option(None, "--model", help="Also run on this dense llama GGUF "
                                                                      "(repeatable)."),
-    timeout: float = typer.Option(300.0, "--timeout", min=1.0, help="Seconds each program may run."),
+    timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="Seconds each program may run."),
 ) -> None:
     """Build the example and tests against the patched pin and run them.
 

@@ -105,7 +105,7 @@ def _commands(bin_dir: Path, model: Path) -> list[tuple[str, list[str]]]:
     return cmds
 
 
-def run(bin_dir: Path, models: list[tuple[str, Path]], *, timeout_s: float = 300.0) -> Iterator[Result]:
+def run(bin_dir: Path, models: list[tuple[str, Path]], *, timeout_s: float = 600.0) -> Iterator[Result]:
     """Run the example and every test on every model, one at a time, each bounded by timeout_s."""
     for label, model in models:
         if not model.is_file():
