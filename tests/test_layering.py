@@ -10,6 +10,7 @@ that is a module, else of ``PKG``. The generated protobuf code (``dgr.shard``) i
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,7 @@ def _nearest_module(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}

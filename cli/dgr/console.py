@@ -1,4 +1,4 @@
-"""Progress for long work (hashing, downloading, building) on stderr."""
+"""Console output: progress for long work (hashing, downloading, building) on stderr."""
 
 from __future__ import annotations
 
