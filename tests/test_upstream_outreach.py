@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dgr import patchstack
+from dgr.upstream import patchstack
 from dgr.errors import DgrError
 from dgr.main import app
 from dgr.upstream import outreach

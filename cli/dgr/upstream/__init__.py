@@ -1,2 +1,3 @@
-"""Everything about the upstream llama.cpp: the pin, the patch stack, building it, and the
-collaboration package for its maintainers (``outreach``: ``dgr upstream render`` / ``check``)."""
+"""Fork maintenance: the llama.cpp pin, the patch stack, building the patched tree and the worker,
+and the collaboration package for llama.cpp's maintainers (``outreach``: ``dgr upstream render``
+/ ``check``)."""

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .. import build as build_mod
 from .. import paths
 from ..errors import DgrError
+from . import build as build_mod
 from .outreach import examples_dir
 
 TARGET = "outreach-examples"
@@ -76,7 +76,7 @@ def build(backend: str = "cpu", *, jobs: int | None = None) -> Path:
 
 def synthetic_models(backend: str = "cpu") -> list[tuple[str, Path]]:
     """The synthetic models the check runs on (what `dgr gguf synth` writes; seeded, so stable)."""
-    from ..gguf_synth import SynthSpec, synthesize
+    from ..gguf.synth import SynthSpec, synthesize
 
     out = []
     for label, layers, tied in SYNTH_MODELS:
@@ -91,7 +91,7 @@ def real_model() -> tuple[str, Path] | None:
     """SmolLM2-135M when the real-model lane is on and the package is installed, else None."""
     if os.environ.get(REAL_ENV) != "1":
         return None
-    from ..models import default_model_path
+    from ..gguf.models import default_model_path
 
     try:
         return ("SmolLM2-135M Q4_1", default_model_path())

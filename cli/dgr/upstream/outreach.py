@@ -33,9 +33,9 @@ from typing import Any
 import jinja2
 
 from .. import paths
-from .. import patchstack
-from .. import pin as pin_mod
 from ..errors import DgrError
+from . import patchstack
+from . import pin as pin_mod
 from .figures import Figure, load_figures
 
 # Marks around text a provenance helper produced (control characters never in templates).
