@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 APT_PACKAGES=(build-essential cmake ninja-build git ccache pkg-config python3 python3-venv python3-dev
-              libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc)
+              libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+              libssl-dev zlib1g-dev prometheus-cpp-dev)
 
 step() { printf '\n==> %s\n' "$*" >&2; }
 
