@@ -5,6 +5,8 @@
 #include "worker/fake_backend.h"
 #include "worker/scheduler.h"
 
+#include "google/rpc/status.pb.h"
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -422,9 +424,27 @@ void test_admission_over_budget() {
           reason_of(r).c_str());
 }
 
+// The status of a failure carries the ShardError in google.rpc.Status details (what gRPC sends
+// as the grpc-status-details-bin trailer).
+void test_status_details() {
+    pb::ShardError e = make_error(pb::ERROR_REASON_STALE_EPOCH, "a newer epoch exists", true);
+    e.set_current_epoch(7);
+    const grpc::Status st = status_for(e);
+    CHECK(st.error_code() == grpc::StatusCode::ABORTED, "code %d", (int) st.error_code());
+    CHECK(st.error_message() == "ERROR_REASON_STALE_EPOCH: a newer epoch exists", "message %s",
+          st.error_message().c_str());
+    google::rpc::Status rs;
+    CHECK(rs.ParseFromString(st.error_details()), "details parse");
+    pb::ShardError back;
+    CHECK(rs.code() == 10 && rs.details_size() == 1 && rs.details(0).UnpackTo(&back), "details carry a ShardError");
+    CHECK(back.reason() == pb::ERROR_REASON_STALE_EPOCH && back.current_epoch() == 7 && back.session_terminated(),
+          "ShardError round trip");
+}
+
 }  // namespace
 
 int main() {
+    test_status_details();
     test_prefill_and_decode_give_the_model_tokens();
     test_two_sessions_are_isolated();
     test_release_frees_kv_cells();

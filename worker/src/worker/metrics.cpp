@@ -99,7 +99,7 @@ std::vector<pm::MetricFamily> Metrics::families(const Gauges & g) const {
     auto d = [](const std::atomic<uint64_t> & a) { return (double) a.load(); };
     std::vector<pm::MetricFamily> f;
     f.push_back(gauge("dgr_active_sessions", "Open Sessions (Hot KV State) on this worker.", g.active_sessions));
-    f.push_back(gauge("dgr_max_sessions", "Most concurrent Sessions (--max-sessions).", g.max_sessions));
+    f.push_back(gauge("dgr_max_sessions", "Most concurrent Sessions allowed.", g.max_sessions));
     f.push_back(gauge("dgr_queue_depth", "Frames received and not yet answered.", g.queued_steps));
     f.push_back(gauge("dgr_kv_cells_used", "KV cells held by open Sessions.", (double) g.kv_cells_used));
     f.push_back(gauge("dgr_kv_cells_total", "KV cells of the budget.", (double) g.kv_cells_total));
