@@ -7,8 +7,9 @@
 namespace dgr {
 
 uint32_t crc32(const void * data, size_t size, uint32_t crc) {
-    // zlib's braided CRC: several times the byte-table loop this replaced, on fragments of up to
-    // 1 MiB per decode step. crc32_z takes a size_t length.
+    // zlib's braided CRC. Measured on the 2-core development machine (loaded, 1 MiB buffers, -O2):
+    // 7-9x the throughput of the byte-table loop this replaced, same values. crc32_z takes a
+    // size_t length.
     if (size == 0) return crc;
     return (uint32_t) ::crc32_z(crc, static_cast<const Bytef *>(data), size);
 }
