@@ -74,6 +74,8 @@ def _register() -> None:
     from .commands import route as route_cmd, demo as demo_cmd
     app.add_typer(route_cmd.app, name="route", help="Run an Inference Route: local workers for a split, or running workers.")
     app.command("demo")(demo_cmd.demo)
+    from .commands import lab as lab_cmd
+    app.add_typer(lab_cmd.app, name="lab", help="Simulated hosts on one machine: namespaces, own CPUs and memory, shaped links, mTLS.")
     # Further command groups register here.
 
 
