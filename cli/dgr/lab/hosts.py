@@ -363,6 +363,15 @@ class Lab:
         except subprocess.TimeoutExpired:
             raise DgrError(f"`{shlex.join(argv)}` in {host} did not finish within {timeout}s") from None
 
+    def run(self, host: str | Host, argv: Sequence[str], *, timeout: float = 1800.0,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Runs ``argv`` inside the host, output captured (text); bounded by ``timeout``."""
+        try:
+            return subprocess.run([*self.prefix(host), *argv], capture_output=True, text=True, timeout=timeout,
+                                  stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+        except subprocess.TimeoutExpired:
+            raise DgrError(f"`{shlex.join(argv)}` did not finish within {timeout:.0f}s") from None
+
     def expose(self, host: Host | str, port: int) -> str:
         """The endpoint other hosts (and the driver) use to reach ``host``'s service on ``port``:
         the service itself, or (delay/jitter/loss by the proxy) a link proxy in the host's

@@ -55,12 +55,13 @@ class LabRoute:
     i; default h1, h2, … round robin). ``slices``: each worker maps its own slice file.
     ``memory_budget``: each worker gets its host's budget (``--memory-budget-mb``)."""
 
-    def __init__(self, lab: Lab, model: Path, split: Sequence[tuple[int, int]], *,
+    def __init__(self, lab: Lab, model: Path | None, split: Sequence[tuple[int, int]], *,
                  placement: Sequence[str] | None = None, slices: bool = True, max_sessions: int = 8,
                  ctx_per_session: int = 2048, relay: bool = False, memory_budget: bool = True,
                  extra_args: Sequence[str] = (), backend: str = "cpu", slice_dir: Path | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, fake: bool = False) -> None:
         hosts = lab.hosts
+        self.fake = fake
         self.lab, self.model, self.split = lab, model, list(split)
         self.placement = [lab.host(p) for p in placement] if placement else \
             [hosts[i % len(hosts)] for i in range(len(self.split))]
@@ -82,6 +83,8 @@ class LabRoute:
     def _prepare(self) -> None:
         from ..recipe import recipe_for
 
+        if self.fake:
+            return
         recipe = recipe_for(self.model, backend=self.backend, progress=False)
         self.fingerprint, self.artifact_id = recipe.fingerprint(), recipe.artifact_id
         if not self.slices:
@@ -101,9 +104,10 @@ class LabRoute:
     def worker_args(self, i: int) -> list[str]:
         h, (a, b) = self.placement[i], self.split[i]
         t = host_tls(self.lab, h)
-        args = ["--model", str(self.files[i]), "--layers", f"{a}:{b}", "--fingerprint", self.fingerprint,
-                "--artifact-id", self.artifact_id, "--threads", str(h.threads),
-                "--max-sessions", str(self.max_sessions), "--ctx-per-session", str(self.ctx),
+        model = ["--fake-model", "--n-layer", str(self.split[-1][1])] if self.fake else \
+            ["--model", str(self.files[i]), "--fingerprint", self.fingerprint, "--artifact-id", self.artifact_id,
+             "--threads", str(h.threads)]
+        args = [*model, "--layers", f"{a}:{b}", "--max-sessions", str(self.max_sessions), "--ctx-per-session", str(self.ctx),
                 "--tls-cert", str(t.cert), "--tls-key", str(t.key), "--tls-client-ca", str(t.ca),
                 "--chain-tls-ca", str(t.ca), "--chain-peers", ",".join(x.ip for x in self.lab.hosts)]
         if self.memory_budget and h.worker_budget_mb:
@@ -196,7 +200,7 @@ class LabRoute:
         for p in self.placed:
             a, b = p.range
             st = WorkerStats(f"{a}:{b}", p.endpoint, p.worker.pid)
-            st.kv_bytes_per_cell = kv_bytes_per_cell(self.model, a, b)
+            st.kv_bytes_per_cell = 0 if self.fake or self.model is None else kv_bytes_per_cell(self.model, a, b)
             out.append(st)
         return out
 
