@@ -461,14 +461,14 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
                        pids: Sequence[int] = (), on_text: Callable[[int, str], None] | None = None,
                        stream_period: float = 0.2, timeout: float = 60.0,
                        token_prompts: Sequence[Sequence[int]] | None = None,
-                       chain: bool | None = None) -> RunReport:
+                       chain: bool | None = None, tls: Any = None) -> RunReport:
     """Runs one Route Session per prompt, all concurrently; streams text through ``on_text``
     (session index, new text) and returns per-session and per-worker figures. ``chain``: the
     driver's mode (None: chained when the workers support it, False: stepwise, True: chained
-    or fail)."""
+    or fail). ``tls``: a :class:`dgr.protocol_tls.TlsFiles` for mutual TLS to every shard."""
     from meshnet_adapter.route_driver import RouteDriver, Sampling
 
-    driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain).connect()
+    driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain, tls=tls).connect()
     try:
         toks = [list(t) for t in token_prompts] if token_prompts is not None else \
             await prompt_tokens(driver, prompts, chat=chat)
@@ -760,13 +760,13 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
 def generate_remote(endpoints: Sequence[str], prompts: Sequence[str], *, max_tokens: int = 32,
                     sampling: Any = None, chat: bool = True, stop_on_eog: bool = True,
                     on_text: Callable[[int, str], None] | None = None,
-                    chain: bool | None = None) -> RunReport:
+                    chain: bool | None = None, tls: Any = None) -> RunReport:
     """Sessions against already running workers (``dgr route generate --shard …``)."""
     from meshnet_adapter.route_driver import RouteError
 
     try:
         return asyncio.run(run_sessions(endpoints, prompts, max_tokens=max_tokens, sampling=sampling, chat=chat,
-                                        stop_on_eog=stop_on_eog, on_text=on_text, chain=chain))
+                                        stop_on_eog=stop_on_eog, on_text=on_text, chain=chain, tls=tls))
     except RouteError:
         raise
 

@@ -139,3 +139,66 @@ def ca(
     pki = make_pki(out, hosts, days=days)
     typer.echo(f"CA {pki.ca}; hosts: " + ", ".join(f"{n} ({h.cert.name}, SAN {','.join(h.ips)})" for n, h in pki.hosts.items())
                + f"; driver {pki.client_cert.name}. Keep {pki.ca_key.name} private.")
+
+
+@app.command("route")
+def route(
+    name: str = typer.Option("lab", "--name", help=NAME_HELP),
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
+    split: str = typer.Option("0:15,15:30", "--split", help="Shard ranges; shard i runs on host h(i+1) (round robin)."),
+    hosts: Optional[str] = typer.Option(None, "--hosts", help="Host of each shard, comma-separated (e.g. h1,h2,h1)."),
+    prompt: str = typer.Option("Write a haiku about the sea.", "--prompt", help="The prompt."),
+    sessions: int = typer.Option(1, "--sessions", help="Concurrent sessions with this prompt."),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate per session."),
+    relay: bool = typer.Option(False, "--relay", help="Reach every shard through a relay bridge in its host (relay framing, TLS)."),
+    parity: bool = typer.Option(False, "--parity", help="Also run the whole model on a local worker (outside the lab) and compare greedy tokens."),
+    budget: bool = typer.Option(True, "--budget/--no-budget", help="Give each worker its host's memory budget."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Run a route whose workers live on the lab's hosts (mTLS on every hop) and report it."""
+    import asyncio
+
+    from .. import route as rt
+    from ..lab.hosts import Lab
+    from ..lab.route import LabRoute
+    from ..models import resolve_model
+
+    lab = Lab.load(name)
+    src = resolve_model(model)
+    rng = rt.parse_split(split)
+    if rng[-1][1] != rt.model_n_layer(src):
+        raise DgrError(f"split {split} does not end at the model's last layer ({rt.model_n_layer(src)})")
+    placement = [h.strip() for h in hosts.split(",")] if hosts else None
+    items = [prompt] * max(1, sessions)
+    with LabRoute(lab, src, rng, placement=placement, relay=relay, memory_budget=budget,
+                  max_sessions=max(4, sessions), log=_log) as lr:
+        eps = lr.relay_endpoints if relay else lr.endpoints
+        rep = asyncio.run(rt.run_sessions(eps, items, max_tokens=max_tokens, tls=lr.tls, stats=lr.stats(),
+                                          pids=[w.pid for w in lr.workers], label=f"lab route {split}"))
+        placed = lr.describe()
+    doc = {"lab": lab.name, "placement": placed, "route": rep.to_json()}
+    ok = rep.ok
+    if parity:
+        from meshnet_adapter.route_driver import Sampling
+
+        _log(f"whole model on a local worker (outside the lab) for parity")
+        with rt.LocalRoute(src, [(0, rng[-1][1])], threads=lab.hosts[0].threads, max_sessions=max(4, sessions)) as lw:
+            whole = asyncio.run(rt.run_sessions(lw.endpoints, [prompt], max_tokens=max_tokens,
+                                                sampling=Sampling(), label="whole"))
+        same = [s.tokens == whole.sessions[0].tokens for s in rep.sessions]
+        doc["parity"] = {"whole_tokens": whole.sessions[0].tokens, "sessions_identical": same}
+        ok = ok and all(same)
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        for s in rep.sessions:
+            typer.echo(f"[{s.index}] " + (f"error: {s.error}" if s.error else
+                       f"{len(s.tokens)} tokens, TTFT {s.ttft_s * 1e3:.0f} ms, decode {s.decode_tok_s:.1f} tok/s: "
+                       + s.text.replace("\n", " ")[:120]))
+        typer.echo(f"route {rep.mode} over " + ", ".join(f"[{p['range']}) {p['host']} {p['endpoint']}" for p in placed)
+                   + f"; seam {rep.seam_bytes_per_decode_token:.0f} B/token")
+        if parity:
+            typer.echo(f"greedy parity vs whole model: {sum(doc['parity']['sessions_identical'])}/{len(rep.sessions)} "
+                       "sessions identical")
+    if not ok:
+        raise typer.Exit(1)
