@@ -219,7 +219,9 @@ class Lab:
                          "rtt_ms": cfg.rtt_ms, "jitter_ms": cfg.jitter_ms, "loss": cfg.loss,
                          "delay_mechanism": mech, "netem_available": netem,
                          "proxy_loss_model": "a lost chunk is delivered one RTO (200 ms) late, in order"
-                         if mech == "proxy" and cfg.loss else None}
+                         if mech == "proxy" and cfg.loss else None,
+                         "proxy_placement": "one proxy per exposed service, in the destination host's namespace, "
+                                            "not confined to its CPU set" if mech == "proxy" else None}
         st["cgroup_mode"] = mode
         st["allowed_cpus"] = allowed
         self._save()
@@ -347,9 +349,13 @@ class Lab:
         out = stdout
         if out is None:
             out = open(d / f"{log_name or Path(argv[0]).name}.log", "ab")
-        p = subprocess.Popen([*self.prefix(h), *argv], stdin=subprocess.DEVNULL, stdout=out,
-                             stderr=subprocess.STDOUT if stdout is None else subprocess.PIPE,
-                             env={**os.environ, **(env or {})})
+        try:
+            p = subprocess.Popen([*self.prefix(h), *argv], stdin=subprocess.DEVNULL, stdout=out,
+                                 stderr=subprocess.STDOUT if stdout is None else subprocess.PIPE,
+                                 env={**os.environ, **(env or {})})
+        finally:
+            if stdout is None:
+                out.close()     # the child holds its own copy
         self.state["processes"].append({"host": h.name, "pid": p.pid, "argv": list(argv)})
         self._save()
         return p
