@@ -25,9 +25,8 @@ from .routing import NoRoute, form_routes
 
 def register(nodes: list[tuple[str, str]], model: Path, *, backend: str = "cpu", tls=None,
              timeout: float = 10.0) -> tuple[list[ShardRegistration], list[dict]]:
-    from dgr.recipe import load_registry, recipe_for
-
-    from .client import WorkerClient, WorkerError
+    from dgr.gguf.recipe import load_registry, recipe_for
+    from dgr.protocol.client import WorkerClient, WorkerError
 
     recipe = recipe_for(model, backend=backend, progress=False)
     registry = load_registry()
@@ -64,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-key", type=Path)
     a = p.parse_args(argv)
     try:
-        from dgr.protocol_tls import TlsFiles
+        from dgr.protocol.tls import TlsFiles
 
         nodes = []
         for n in a.node:

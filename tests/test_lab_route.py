@@ -28,7 +28,7 @@ def lab(tmp_path, monkeypatch, native_bin):
 
 
 def _tokens(endpoints, tls, chain=None):
-    from meshnet_adapter.route_driver import RouteDriver, Sampling
+    from dgr.route.driver import RouteDriver, Sampling
 
     async def go():
         d = await RouteDriver(endpoints, tls=tls, chain=chain, timeout=30).connect()
@@ -41,10 +41,10 @@ def _tokens(endpoints, tls, chain=None):
 
 
 def test_chained_mtls_and_relay_across_hosts(lab, native_bin, monkeypatch):
-    from meshnet_adapter.client import WorkerClient, WorkerError
-    from meshnet_adapter.worker_process import WorkerProcess
+    from dgr.protocol.client import WorkerClient, WorkerError
+    from dgr.route.supervisor import WorkerProcess
 
-    monkeypatch.setattr("dgr.route.ensure_worker", lambda *a, **k: native_bin / "dgr-worker")
+    monkeypatch.setattr("dgr.route.local.ensure_worker", lambda *a, **k: native_bin / "dgr-worker")
     with LabRoute(lab, None, [(0, 4), (4, 8)], fake=True, relay=True) as lr:
         h1, h2 = lab.hosts
         assert [p.host.name for p in lr.placed] == ["h1", "h2"]

@@ -158,32 +158,33 @@ def route(
     """Run a route whose workers live on the lab's hosts (mTLS on every hop) and report it."""
     import asyncio
 
-    from .. import route as rt
     from ..lab.hosts import Lab
     from ..lab.route import LabRoute
-    from ..models import resolve_model
+    from ..gguf.models import resolve_model
+    from ..route.local import LocalRoute, model_n_layer, parse_split
+    from ..route.sessions import run_sessions
 
     lab = Lab.load(name)
     src = resolve_model(model)
-    rng = rt.parse_split(split)
-    if rng[-1][1] != rt.model_n_layer(src):
-        raise DgrError(f"split {split} does not end at the model's last layer ({rt.model_n_layer(src)})")
+    rng = parse_split(split)
+    if rng[-1][1] != model_n_layer(src):
+        raise DgrError(f"split {split} does not end at the model's last layer ({model_n_layer(src)})")
     placement = [h.strip() for h in hosts.split(",")] if hosts else None
     items = [prompt] * max(1, sessions)
     with LabRoute(lab, src, rng, placement=placement, relay=relay, memory_budget=budget,
                   max_sessions=max(4, sessions), log=_log) as lr:
         eps = lr.relay_endpoints if relay else lr.endpoints
-        rep = asyncio.run(rt.run_sessions(eps, items, max_tokens=max_tokens, tls=lr.tls, stats=lr.stats(),
+        rep = asyncio.run(run_sessions(eps, items, max_tokens=max_tokens, tls=lr.tls, stats=lr.stats(),
                                           pids=[w.pid for w in lr.workers], label=f"lab route {split}"))
         placed = lr.describe()
     doc = {"lab": lab.name, "placement": placed, "route": rep.to_json()}
     ok = rep.ok
     if parity:
-        from meshnet_adapter.route_driver import Sampling
+        from ..route.driver import Sampling
 
         _log(f"whole model on a local worker (outside the lab) for parity")
-        with rt.LocalRoute(src, [(0, rng[-1][1])], threads=lab.hosts[0].threads, max_sessions=max(4, sessions)) as lw:
-            whole = asyncio.run(rt.run_sessions(lw.endpoints, [prompt], max_tokens=max_tokens,
+        with LocalRoute(src, [(0, rng[-1][1])], threads=lab.hosts[0].threads, max_sessions=max(4, sessions)) as lw:
+            whole = asyncio.run(run_sessions(lw.endpoints, [prompt], max_tokens=max_tokens,
                                                 sampling=Sampling(), label="whole"))
         same = [s.tokens == whole.sessions[0].tokens for s in rep.sessions]
         doc["parity"] = {"whole_tokens": whole.sessions[0].tokens, "sessions_identical": same}

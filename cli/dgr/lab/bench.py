@@ -69,7 +69,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _counters(targets: list[str], creds: Any) -> list[dict[str, float]]:
-    from meshnet_adapter.client import WorkerClient
+    from ..protocol.client import WorkerClient
 
     out = []
     for ep in targets:
@@ -105,8 +105,8 @@ def _where(before: list[dict[str, float]], after: list[dict[str, float]], wall: 
 def measure(endpoints: list[str], direct: list[str], tls: Any, *, n_prompt: int, n_gen: int, sessions: int,
             seed: int) -> dict[str, Any]:
     """One run: ``sessions`` concurrent sessions through ``endpoints`` (the route or one worker)."""
-    from meshnet_adapter.route_driver import Sampling
-    from ..route import run_sessions
+    from ..route.driver import Sampling
+    from ..route.sessions import run_sessions
 
     creds = tls.grpc_credentials()
     prompts = [_prompt(n_prompt, seed + i) for i in range(sessions)]
@@ -131,7 +131,7 @@ def measure(endpoints: list[str], direct: list[str], tls: Any, *, n_prompt: int,
 # ---- stock llama.cpp on one host -----------------------------------------------------------
 
 def _tool(name: str, backend: str, rpc: bool = False) -> Path:
-    from ..build import rpc_tool_binary, tool_binary
+    from ..upstream.build import rpc_tool_binary, tool_binary
 
     return rpc_tool_binary(name, backend, build_missing=False) if rpc else tool_binary(name, backend)
 
@@ -211,7 +211,7 @@ def _med(xs: list[float]) -> float:
 
 
 def run_hosts_bench(model: Path, cfg: HostsBenchConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from ..gguf_inspect import open_gguf
+    from ..gguf.inspect import open_gguf
     from .hosts import Lab, LabConfig
     from .route import LabRoute
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 
 async def _serve(a: argparse.Namespace) -> int:
-    from meshnet_adapter.relay_bridge import RelayBridge
-    from ..protocol_tls import TlsFiles
+    from ..protocol.relay import RelayBridge
+    from ..protocol.tls import TlsFiles
 
     host, _, port = a.listen.rpartition(":")
     tls = TlsFiles(a.ca, a.cert, a.key) if a.ca else None

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import DgrError
-from ..protocol_tls import TlsFiles
+from ..protocol.tls import TlsFiles
 from .hosts import Host, Lab, _readline
 
 
@@ -81,7 +81,7 @@ class LabRoute:
     # ---- start / stop -----------------------------------------------------------------------
 
     def _prepare(self) -> None:
-        from ..recipe import recipe_for
+        from ..gguf.recipe import recipe_for
 
         if self.fake:
             return
@@ -90,7 +90,7 @@ class LabRoute:
         if not self.slices:
             self.files = [self.model] * len(self.split)
             return
-        from ..gguf_slice import LayerRange, slice_gguf
+        from ..gguf.slice import LayerRange, slice_gguf
 
         out = self.slice_dir or Path(tempfile.gettempdir()) / "dgr-slices" / self.artifact_id[:16]
         out.mkdir(parents=True, exist_ok=True)
@@ -115,8 +115,8 @@ class LabRoute:
         return args + self.extra_args
 
     def start(self) -> list[str]:
-        from ..route import ensure_worker
-        from meshnet_adapter.worker_process import WorkerProcess, WorkerStartError
+        from ..route.local import ensure_worker
+        from ..route.supervisor import WorkerProcess, WorkerStartError
 
         binary = ensure_worker(self.backend, log=self.log)
         self._prepare()
@@ -193,8 +193,8 @@ class LabRoute:
         self.stop()
 
     def stats(self) -> list[Any]:
-        from ..route import kv_bytes_per_cell
-        from ..route import WorkerStats
+        from ..route.local import kv_bytes_per_cell
+        from ..route.sessions import WorkerStats
 
         out = []
         for p in self.placed:
