@@ -249,3 +249,17 @@ def test_cli_up_status_exec_down(lab_build):
     finally:
         r = dgr("lab", "down", "--name", "pt5")
     assert r.returncode == 0 and leftovers("pt5") == []
+
+
+def test_cli_ca_for_physical_machines(tmp_path):
+    from typer.testing import CliRunner
+
+    from dgr.main import app
+
+    r = CliRunner().invoke(app, ["lab", "ca", "--host", "a=10.0.0.11", "--host", "b=10.0.0.12,10.0.1.12",
+                                 "--out", str(tmp_path / "pki")])
+    assert r.exit_code == 0, r.output
+    assert describe(tmp_path / "pki" / "b.pem")["san_ips"] == ["10.0.0.12", "10.0.1.12"]
+    assert (tmp_path / "pki" / "client.pem").is_file() and (tmp_path / "pki" / "ca.pem").is_file()
+    r = CliRunner().invoke(app, ["lab", "ca", "--host", "a", "--out", str(tmp_path / "x")])
+    assert r.exit_code != 0 and "NAME=IP" in str(r.exception)
