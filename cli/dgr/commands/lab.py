@@ -56,7 +56,8 @@ def down(
     strays: bool = typer.Option(False, "--strays", help="Also remove dgr-lab-prefixed objects no state file accounts for."),
 ) -> None:
     """Remove everything a lab created: processes, namespaces, links, cgroups, certificates, state."""
-    from ..lab.hosts import Lab, remove_strays, stray_objects
+    from ..lab.hosts import Lab
+    from ..lab.strays import remove_strays, stray_objects
 
     names = [name] if name else Lab.names()
     left: list[str] = []
@@ -79,7 +80,8 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="JSON output."),
 ) -> None:
     """Show each lab's hosts (address, CPUs, memory, processes), shaping, proxies and what exists."""
-    from ..lab.hosts import Lab, stray_objects
+    from ..lab.hosts import Lab
+    from ..lab.strays import stray_objects
 
     docs = [Lab.load(n).status() for n in ([name] if name else Lab.names())]
     strays = stray_objects()

@@ -121,7 +121,6 @@ class Lab:
     def __init__(self, state: dict[str, Any], path: Path) -> None:
         self.state = state
         self.path = path
-        self._prev_handlers: dict[int, Any] = {}
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -394,7 +393,7 @@ class Lab:
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.state["proxies"].append({"host": h.name, "pid": p.pid, "target": f"{h.ip}:{port}", "stats": str(stats)})
         self._save()
-        line = _readline(p, 15.0)
+        line = sx.readline(p, 15.0)
         m = re.search(r"ready (\S+)", line or "")
         if not m:
             sx.stop_pids([p.pid])
@@ -485,25 +484,8 @@ class Lab:
 
     # ---- context manager: always torn down ------------------------------------------------
 
-    class _Trap:
-        def __init__(self) -> None:
-            self.prev: dict[int, Any] = {}
-
-        def __enter__(self) -> None:
-            def raise_exit(signum: int, _frame: Any) -> None:
-                raise KeyboardInterrupt(f"signal {signum}")
-            for s in (signal.SIGINT, signal.SIGTERM):
-                try:
-                    self.prev[s] = signal.signal(s, raise_exit)
-                except ValueError:  # not the main thread: the caller's own handling applies
-                    pass
-
-        def __exit__(self, *exc: object) -> None:
-            for s, h in self.prev.items():
-                signal.signal(s, h)
-
-    def _trap(self) -> "Lab._Trap":
-        return Lab._Trap()
+    def _trap(self) -> sx.SignalTrap:
+        return sx.SignalTrap()
 
     def __enter__(self) -> "Lab":
         self._ctx_trap = self._trap()
@@ -529,66 +511,3 @@ class Lab:
                 "cgroup_mode": self.state.get("cgroup_mode"), "shaping": self.state.get("shaping"),
                 "hosts": hosts, "proxies": self.proxy_stats(), "pki": self.state.get("pki", {}).get("dir"),
                 "state_file": str(self.path)}
-
-
-def _readline(p: subprocess.Popen, timeout: float) -> str | None:
-    """The first stdout line of ``p`` within ``timeout`` seconds (None: none came)."""
-    import selectors
-
-    assert p.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(p.stdout, selectors.EVENT_READ)
-    end = time.monotonic() + timeout
-    buf = b""
-    try:
-        while time.monotonic() < end:
-            if not sel.select(max(0.0, end - time.monotonic())):
-                break
-            ch = os.read(p.stdout.fileno(), 4096)
-            if not ch:
-                break
-            buf += ch
-            if b"\n" in buf:
-                return buf.split(b"\n", 1)[0].decode(errors="replace")
-    finally:
-        sel.close()
-    return buf.decode(errors="replace") or None
-
-
-def stray_objects() -> dict[str, list[str]]:
-    """Objects with the lab's name prefixes that no state file accounts for (after a state file
-    was lost): namespaces, links, cgroups."""
-    known_ns, known_links, known_cg = set(), set(), set()
-    for n in Lab.names():
-        try:
-            lab = Lab.load(n)
-        except (DgrError, ValueError):
-            continue
-        for kind, val in lab.state.get("created", []):
-            {"netns": known_ns, "link": known_links, "cgroup": known_cg}.get(kind, set()).add(val)
-    ns = [n for n in sx.netns_list() if n.startswith(sx.NETNS_PREFIX) and n not in known_ns]
-    links = [n for n in sx.links_with_prefix() if n not in known_links and not n.endswith("p")]
-    cgs = []
-    for root in (sx.CGROUP_ROOT / "cpuset", sx.CGROUP_ROOT / "memory", sx.CGROUP_ROOT):
-        if root.is_dir():
-            cgs += [str(p) for p in root.glob(f"{sx.CGROUP_PREFIX}*") if p.is_dir() and str(p) not in known_cg]
-    return {"netns": ns, "links": links, "cgroups": cgs}
-
-
-def remove_strays(strays: dict[str, list[str]]) -> list[str]:
-    """Removes prefixed objects no lab accounts for (``dgr lab down --strays``); returns what is left."""
-    left = []
-    for ns in strays["netns"]:
-        sx.stop_pids(sx.netns_pids(ns))
-        sx.run(["ip", "netns", "del", ns], check=False)
-        if ns in sx.netns_list():
-            left.append(ns)
-    for ln in strays["links"]:
-        sx.run(["ip", "link", "del", ln], check=False)
-        if sx.link_exists(ln):
-            left.append(ln)
-    for cg in strays["cgroups"]:
-        sx.stop_pids(sx.cgroup_pids(cg))
-        if not sx.remove_cgroup(cg):
-            left.append(cg)
-    return left

@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 from ..errors import DgrError
 from ..protocol.tls import TlsFiles
-from .hosts import Host, Lab, _readline
+from . import system as sx
+from .hosts import Host, Lab
 
 
 @dataclass
@@ -153,7 +154,7 @@ class LabRoute:
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self._relays.append(p)
         self.lab.state["processes"].append({"host": h.name, "pid": p.pid, "argv": argv[5:]})
-        line = _readline(p, 30.0) or ""
+        line = sx.readline(p, 30.0) or ""
         m = re.search(r"ready (\S+):(\d+)", line)
         if not m:
             p.kill()
@@ -174,8 +175,6 @@ class LabRoute:
         return [p.worker for p in self.placed]
 
     def stop(self) -> None:
-        from ..lab import system as sx
-
         for p in self._relays:
             sx.stop_pids([p.pid])
             p.wait(5)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from ..errors import DgrError
 
@@ -208,3 +209,48 @@ def stop_pids(pids: list[int], grace_s: float = 5.0) -> list[int]:
     while time.monotonic() < end and any(alive(p) for p in killed):
         time.sleep(0.05)
     return killed
+
+
+def readline(p: subprocess.Popen, timeout: float) -> str | None:
+    """The first stdout line of ``p`` within ``timeout`` seconds (None: none came)."""
+    import selectors
+
+    assert p.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    end = time.monotonic() + timeout
+    buf = b""
+    try:
+        while time.monotonic() < end:
+            if not sel.select(max(0.0, end - time.monotonic())):
+                break
+            ch = os.read(p.stdout.fileno(), 4096)
+            if not ch:
+                break
+            buf += ch
+            if b"\n" in buf:
+                return buf.split(b"\n", 1)[0].decode(errors="replace")
+    finally:
+        sel.close()
+    return buf.decode(errors="replace") or None
+
+
+class SignalTrap:
+    """While entered, SIGINT and SIGTERM raise KeyboardInterrupt (so `finally` blocks and context
+    managers run); the previous handlers come back on exit."""
+
+    def __init__(self) -> None:
+        self.prev: dict[int, Any] = {}
+
+    def __enter__(self) -> None:
+        def raise_exit(signum: int, _frame: Any) -> None:
+            raise KeyboardInterrupt(f"signal {signum}")
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.prev[s] = signal.signal(s, raise_exit)
+            except ValueError:  # not the main thread: the caller's own handling applies
+                pass
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self.prev.items():
+            signal.signal(s, h)
