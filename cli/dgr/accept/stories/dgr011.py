@@ -23,7 +23,8 @@ from ..evidence import StoryContext, story
 SPLIT2 = [(0, 15), (15, 30)]
 SPLIT3 = [(0, 10), (10, 20), (20, 30)]
 N_PREDICT = 32
-HOST_MEMORY_MB = 144          # cgroup limit per host; the worker budget is 48 MiB less (96 MiB)
+HOST_MEMORY_MB = 232          # cgroup limit per host; the worker budget is 48 MiB less (184 MiB): a
+                              # shard (weights ~60 MiB + 97 MiB compute scratch) fits, the whole model (92 + 103) does not
 CTX = 512
 PARITY_PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
                  "combined movable metal type, oil-based ink and a wooden screw press into a system that could "
@@ -55,8 +56,10 @@ async def _tokenize(endpoint, texts, chat, tls=None):
         await d.close()
 
 
-async def _cancel(endpoints, toks, tls, *, after=4, bound_s=60.0):
-    """Two sessions; the first is cancelled after ``after`` tokens; the second runs to its end."""
+async def _cancel(endpoints, toks, tls, *, tag, after=4, bound_s=60.0):
+    """Two sessions; the first is cancelled after ``after`` tokens; the second runs to its end.
+    Session ids are new per call: a worker keeps refusing the id of a session it cancelled."""
+    from ...errors import DgrError
     from ...route.driver import RouteDriver, Sampling
 
     d = await RouteDriver(endpoints, timeout=bound_s, tls=tls).connect()
@@ -69,12 +72,17 @@ async def _cancel(endpoints, toks, tls, *, after=4, bound_s=60.0):
             if n["c"] >= after:
                 seen.set()
         t0 = asyncio.create_task(d.generate(toks[0], max_tokens=400, sampling=Sampling(ignore_eog=True),
-                                            stop_on_eog=False, session_id="cancel-me", on_token=tick))
+                                            stop_on_eog=False, session_id=f"cancel-me-{tag}", on_token=tick))
         t1 = asyncio.create_task(d.generate(toks[1], max_tokens=24, sampling=Sampling(ignore_eog=True),
-                                            stop_on_eog=False, session_id="keep-me"))
-        await asyncio.wait_for(seen.wait(), bound_s)
+                                            stop_on_eog=False, session_id=f"keep-me-{tag}"))
+        waiter = asyncio.create_task(seen.wait())
+        await asyncio.wait({waiter, t0}, timeout=bound_s, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if not seen.is_set():
+            raise DgrError(f"the session to cancel produced {n['c']} tokens within {bound_s:.0f}s"
+                           + (f": {t0.result().error}" if t0.done() else ""))
         t = time.monotonic()
-        held = await d.cancel("cancel-me")
+        held = await d.cancel(f"cancel-me-{tag}")
         a, b = await asyncio.wait_for(asyncio.gather(t0, t1), bound_s)
         return a, b, held, time.monotonic() - t
     finally:
@@ -297,7 +305,7 @@ def run(ctx: StoryContext) -> None:
                 # -- cancellation over both paths -----------------------------------------------------
                 canc = {}
                 for label, path in (("mtls", formed), ("relay", reps)):
-                    a, b, held, dt = asyncio.run(_cancel(path, chat[:2], tls))
+                    a, b, held, dt = asyncio.run(_cancel(path, chat[:2], tls, tag=label))
                     canc[label] = {"cancelled_status": a.telemetry.status, "cancelled_tokens": len(a.tokens),
                                    "other_status": b.telemetry.status, "other_tokens": len(b.tokens),
                                    "held_per_shard": held, "ended_in_s": dt, "left": _left(direct, creds)}
