@@ -290,14 +290,25 @@ class RelaySessionCall:
         c = await self._ensure()
         rec = _record(MSG, req.SerializeToString(), self.stub.max_frame)
         self.bytes_sent += len(rec)
-        c.writer.write(rec)
-        await c.writer.drain()
+        try:
+            c.writer.write(rec)
+            await c.writer.drain()
+        except ConnectionError as exc:   # the relay connection went away: a status, as on grpc.aio
+            raise self._lost(exc) from None
+
+    def _lost(self, exc: BaseException) -> "RelayRpcError":
+        if self._status is None:
+            self._status = (grpc.StatusCode.UNAVAILABLE.value[0], f"relay connection lost: {exc}")
+        return RelayRpcError(*self._status)
 
     async def read(self) -> Any:
         if self._status is not None:
             return self._eof()
         c = await self._ensure()
-        rec = await c.rr.next()
+        try:
+            rec = await c.rr.next()
+        except ConnectionError as exc:
+            raise self._lost(exc) from None
         if rec is None:
             self._status = (grpc.StatusCode.UNAVAILABLE.value[0], "relay connection closed")
             return self._eof()
@@ -319,8 +330,11 @@ class RelaySessionCall:
 
     async def done_writing(self) -> None:
         if self._conn is not None and self._status is None:
-            self._conn.writer.write(_record(HALF_CLOSE))
-            await self._conn.writer.drain()
+            try:
+                self._conn.writer.write(_record(HALF_CLOSE))
+                await self._conn.writer.drain()
+            except ConnectionError as exc:
+                raise self._lost(exc) from None
 
     def cancel(self) -> bool:
         if self._conn is not None:
@@ -360,6 +374,8 @@ class _Unary:
             return await asyncio.wait_for(run(), timeout)
         except asyncio.TimeoutError:
             raise RelayRpcError(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "relay call timed out") from None
+        except ConnectionError as exc:
+            raise RelayRpcError(grpc.StatusCode.UNAVAILABLE.value[0], f"relay connection lost: {exc}") from None
 
 
 class RelayStub:
