@@ -140,8 +140,10 @@ def tasks_file(cg: str) -> str:
 
 
 def cgroup_pids(cg: str) -> list[int]:
+    """The processes (not threads) in a cgroup."""
+    p = Path(cg) / "cgroup.procs"
     try:
-        return [int(x) for x in Path(tasks_file(cg)).read_text().split()]
+        return [int(x) for x in (p if p.exists() else Path(tasks_file(cg))).read_text().split()]
     except OSError:
         return []
 
