@@ -77,6 +77,8 @@ def _register() -> None:
     from .commands import upstream as upstream_cmd
     app.add_typer(upstream_cmd.app, name="upstream",
                   help="The collaboration package for llama.cpp: render the proposal, check the examples.")
+    from .commands import lab as lab_cmd
+    app.add_typer(lab_cmd.app, name="lab", help="Simulated hosts on one machine: namespaces, own CPUs and memory, shaped links, mTLS.")
     # Further command groups register here.
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from .. import __version__, paths
 from ..errors import DgrError
 
-LANES = ("synthetic", "local-real", "multi-machine-real")
+LANES = ("synthetic", "local-real", "multi-host-simulated", "multi-machine-real")
 
 
 @dataclass

@@ -110,14 +110,21 @@ def generate(
     seed: int = typer.Option(0, "--seed"),
     raw: bool = typer.Option(False, "--raw", help="No chat template."),
     as_json: bool = typer.Option(False, "--json"),
+    tls_ca: Optional[Path] = typer.Option(None, "--tls-ca", help="PEM CA of the workers' certificates (TLS to every shard)."),
+    tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM client certificate (mutual TLS; with --tls-key)."),
+    tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM client key."),
 ) -> None:
     """Generate through already running workers (`dgr worker serve …`)."""
+    from ..protocol.tls import TlsFiles
     from ..route import run as route_run
 
+    if (tls_cert or tls_key) and not tls_ca:
+        raise DgrError("--tls-cert/--tls-key need --tls-ca")
+    tls = TlsFiles(tls_ca, tls_cert, tls_key) if tls_ca else None
     items = [prompt] * max(1, sessions)
     rep = route_run.generate_remote(shard, items, max_tokens=max_tokens,
                                     sampling=_sampling(temperature, top_k, top_p, seed), chat=not raw,
-                                    on_text=_printer(len(items), as_json))
+                                    on_text=_printer(len(items), as_json), tls=tls)
     if as_json:
         typer.echo(json.dumps(rep.to_json(), indent=2))
     else:

@@ -40,6 +40,7 @@ from ..errors import DgrError
 from ..shard.v1 import shard_runtime_pb2 as pb
 from ..shard.v1 import shard_runtime_pb2_grpc as pbg
 
+from ..protocol.tls import TlsFiles  # noqa: F401  (RouteDriver(tls=…))
 from ..protocol.client import Sampling  # re-exported: one Sampling class for the client and the route driver
 from .telemetry import GenerationTelemetry, NodeTiming
 
@@ -263,7 +264,8 @@ class RouteDriver:
     which on a host shared with the shards is compute time. 1: one answer per token."""
 
     def __init__(self, endpoints: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S,
-                 chain: bool | None = None, tokens_per_answer: int = DEFAULT_TOKENS_PER_ANSWER) -> None:
+                 chain: bool | None = None, tokens_per_answer: int = DEFAULT_TOKENS_PER_ANSWER,
+                 tls: "TlsFiles | None" = None) -> None:
         if not endpoints:
             raise RouteError("a route needs at least one shard endpoint")
         if tokens_per_answer < 1:
@@ -272,6 +274,7 @@ class RouteDriver:
         self.timeout = timeout
         self.chain = chain
         self.tokens_per_answer = tokens_per_answer
+        self.tls = tls    # mutual TLS to every shard (and over relayed hops) when set
         self.shards: list[ShardHandle] = []
         self._ids = itertools.count(1)
         self._active: dict[str, int] = {}   # session id -> epoch of sessions in flight
@@ -284,9 +287,10 @@ class RouteDriver:
 
         for ep in self.endpoints:
             if is_relay_endpoint(ep):  # a hop through a byte relay (same frames, opaque bytes)
-                ch, stub = RelayChannel(), RelayStub(ep)
+                ch, stub = RelayChannel(), RelayStub(ep, ssl=self.tls.client_context() if self.tls else None)
             else:
-                ch = grpc.aio.insecure_channel(ep, options=CHANNEL_OPTIONS)
+                ch = (grpc.aio.secure_channel(ep, self.tls.grpc_credentials(), options=CHANNEL_OPTIONS) if self.tls
+                      else grpc.aio.insecure_channel(ep, options=CHANNEL_OPTIONS))
                 stub = pbg.ShardRuntimeServiceStub(ch)
             try:
                 cap = await stub.GetCapability(pb.GetCapabilityRequest(), timeout=self.timeout)

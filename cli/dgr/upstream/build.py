@@ -212,7 +212,7 @@ def tool_binary(name: str, backend: str = "cpu", *, build_missing: bool = True) 
 # GGML_RPC stays off in build/<backend>/ (the worker tree); the RPC tools are configured straight
 # from the patched llama.cpp tree into their own build/<backend>-rpc/ so that tree is never touched.
 RPC_SERVER = "ggml-rpc-server"   # the pinned CMake target/binary name (older upstreams: rpc-server)
-RPC_TARGETS = (RPC_SERVER, "llama-bench")
+RPC_TARGETS = (RPC_SERVER, "llama-bench", "llama-batched-bench")
 _RPC_ALIASES = {"rpc-server": RPC_SERVER}
 _RPC_CMAKE = (
     "-DGGML_RPC=ON", "-DBUILD_SHARED_LIBS=OFF",
