@@ -74,6 +74,8 @@ def _register() -> None:
     from .commands import route as route_cmd, demo as demo_cmd
     app.add_typer(route_cmd.app, name="route", help="Run an Inference Route: local workers for a split, or running workers.")
     app.command("demo")(demo_cmd.demo)
+    from .commands import serve as serve_cmd
+    app.command("serve")(serve_cmd.serve)
     # Further command groups register here.
 
 
