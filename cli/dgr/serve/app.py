@@ -43,6 +43,7 @@ class _Req(BaseModel):
     n: Optional[int] = Field(None, ge=1, le=1)
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
+    ignore_eos: bool = False       # llama-server's extension: generate through end-of-generation tokens
 
     def params(self) -> Params:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -50,7 +51,8 @@ class _Req(BaseModel):
             raise GatewayError(400, f"at most {MAX_STOP} stop sequences, got {len(stop)}", param="stop")
         return Params(max_tokens=self.max_completion_tokens or self.max_tokens,
                       temperature=1.0 if self.temperature is None else self.temperature,
-                      top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=stop)
+                      top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=stop,
+                      ignore_eos=self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:

@@ -54,12 +54,14 @@ class Params:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
 
     def sampling(self) -> Sampling:
         if self.temperature <= 0:
-            return Sampling()
+            return Sampling(ignore_eog=self.ignore_eos)
         seed = self.seed if self.seed is not None else random.randrange(1, 2**31)
-        return Sampling(temperature=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, seed=seed)
+        return Sampling(temperature=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, seed=seed,
+                        ignore_eog=self.ignore_eos)
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Benchmarks against baselines (JSON out)."""
