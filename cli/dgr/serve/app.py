@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Literal, Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import Engine, GatewayError, Generation, Params
@@ -83,6 +84,19 @@ class ChatRequest(_Req):
 class CompletionRequest(_Req):
     prompt: Union[str, list[str], list[int]]
     echo: bool = False
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is always closed when the response ends, also when
+    the client disconnected (closing it cancels the request's route session)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError):
+            pass
+        finally:
+            await self.body_iterator.aclose()   # type: ignore[attr-defined]
 
 
 def _error(exc: GatewayError) -> JSONResponse:
@@ -191,7 +205,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             except GatewayError as exc:
                 metrics.finished(gen, exc.status)
                 raise
-            return StreamingResponse(_stream(it, first, gen, rid, created, obj + ".chunk" if chat else obj, chat,
+            return _EventStream(_stream(it, first, gen, rid, created, obj + ".chunk" if chat else obj, chat,
                                              req.include_usage, echo),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
