@@ -73,9 +73,10 @@ class LevelResult:
 
 
 async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_tokens: int, api_key: str = "none",
-                    lane: str = "", timeout: float = 600.0) -> LevelResult:
-    """All ``prompts`` at once, one streaming greedy chat request each (``ignore_eos`` and no
-    prompt cache, so every server generates ``max_tokens`` from a fresh prefill)."""
+                    lane: str = "", timeout: float = 600.0, stop_at_eos: bool = False) -> LevelResult:
+    """All ``prompts`` at once, one streaming greedy chat request each, no prompt cache (every
+    server prefills afresh); unless ``stop_at_eos``, ``ignore_eos`` makes every answer
+    ``max_tokens`` long."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout)
@@ -90,7 +91,7 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
             stream = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0,
                 stream=True, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True, "cache_prompt": False})
+                extra_body={"ignore_eos": not stop_at_eos, "cache_prompt": False})
             async for ch in stream:
                 if ch.usage is not None:
                     usage = ch.usage
@@ -189,6 +190,44 @@ class LlamaServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def measure_llama_server(model: Path, prompts: Sequence[str], *, threads: int, max_tokens: int,
+                         sessions: Sequence[int] = (1, 4), backend: str = "cpu",
+                         kv_bytes_per_cell: int = 0) -> tuple[list[str], list[dict[str, Any]], int, float]:
+    """Stock llama-server (whole model, ``-np`` = the largest session count) answering the same
+    chat prompts, greedy, stopping at end-of-generation like a route session. Per session
+    count B: B=1 runs each prompt alone in turn (means), larger B sends B prompts at once.
+    Returns (command, rows, peak RSS bytes, wall seconds); each row has the demo table's
+    figures: sessions, ttft_s (mean), prefill_tok_s and decode_tok_s (aggregate),
+    per_session_decode_tok_s, kv_bytes (positions held at the end x bytes per cell)."""
+
+    async def level(url: str, ps: Sequence[str]) -> LevelResult:
+        return await run_level(url, "llama", ps, max_tokens=max_tokens, lane="llama_server", stop_at_eos=True)
+
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    with LlamaServer(model, threads=threads, parallel=max(sessions), backend=backend) as srv:
+        asyncio.run(level(srv.url + "/v1", list(prompts[:1])))     # warm-up
+        for b in sessions:
+            if b == 1:
+                runs = [asyncio.run(level(srv.url + "/v1", [p])) for p in prompts]
+            else:
+                runs = [asyncio.run(level(srv.url + "/v1", [prompts[i % len(prompts)] for i in range(b)]))]
+            reqs = [r for lv in runs for r in lv.requests]
+            bad = [r.error for r in reqs if r.error]
+            if bad:
+                raise DgrError(f"llama-server request failed: {bad[0]}")
+            ttft = statistics.mean(r.ttft_s for r in reqs)
+            dec = statistics.mean(lv.aggregate_decode_tok_s for lv in runs)
+            prefill = statistics.mean(sum(r.prompt_tokens for r in lv.requests) / max(r.ttft_s for r in lv.requests)
+                                      for lv in runs)
+            held = max(sum(r.prompt_tokens + r.completion_tokens for r in lv.requests) for lv in runs)
+            rows.append({"sessions": b, "ttft_s": ttft, "prefill_tok_s": prefill, "decode_tok_s": dec,
+                         "per_session_decode_tok_s": dec / b, "kv_bytes": held * kv_bytes_per_cell})
+        rss = srv.peak_rss_bytes()
+        cmd = srv.cmd
+    return cmd, rows, rss, time.perf_counter() - t0
 
 
 def level_json(levels: Sequence[LevelResult]) -> list[dict[str, Any]]:
