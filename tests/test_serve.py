@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import ssl
 import subprocess
 import time
 
@@ -247,3 +248,36 @@ def test_health_metrics_and_route_view(gw, shards):
     assert [s["range"] for s in v["shards"]] == [[0, 4], [4, 8]]
     assert [s["endpoint"] for s in v["shards"]] == [w.target for w in shards]
     assert all(s["ok"] and s["kv_cells_total"] > 0 for s in v["shards"])
+
+
+def test_tls_and_the_key_when_exposed(shards, tmp_path):
+    if not shutil.which("openssl"):
+        pytest.skip("openssl CLI missing")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "key.pem", "-out",
+                    "cert.pem", "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=IP:127.0.0.1,DNS:localhost"], cwd=tmp_path, check=True, capture_output=True,
+                   timeout=60)
+    with Gateway([w.target for w in shards], model_id=MODEL, tls_cert=tmp_path / "cert.pem",
+                 tls_key=tmp_path / "key.pem") as g:
+        assert g.url.startswith("https://")
+        c = openai.OpenAI(base_url=g.url + "/v1", api_key="none", max_retries=0,
+                          http_client=httpx.Client(verify=ssl.create_default_context(cafile=tmp_path / "cert.pem")))
+        assert c.completions.create(model=MODEL, prompt="tls", max_tokens=3, temperature=0).usage.completion_tokens
+        with pytest.raises(httpx.HTTPError):     # plain HTTP on the TLS port is refused
+            httpx.get(g.url.replace("https://", "http://") + "/health", timeout=5).raise_for_status()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host", "0.0.0.0"], "without an API key"),
+    (["--host", "0.0.0.0", "--api-key", "k"], "without TLS"),
+    (["--tls-cert", "/nonexistent.pem"], "--tls-cert and --tls-key go together"),
+    (["--shard", "127.0.0.1:1", "--split", "0:4,4:8"], "not both"),
+    (["--shard", "127.0.0.1:1"], "unreachable"),
+])
+def test_cli_refuses_bad_options_in_one_line(args, message):
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", "from dgr.main import main; main()", "serve", "--port", "0", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1
+    assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
