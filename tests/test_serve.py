@@ -74,7 +74,7 @@ def _wait_idle(shards, deadline_s: float = 10.0) -> None:
 
 def _direct(shards, prompt_ids, max_tokens):
     """The same greedy session through the route driver itself (no gateway)."""
-    from meshnet_adapter.route_driver import RouteDriver
+    from dgr.route.driver import RouteDriver
 
     async def main():
         d = await RouteDriver([w.target for w in shards]).connect()

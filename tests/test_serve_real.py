@@ -11,7 +11,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from dgr.route import LocalRoute  # noqa: E402
+from dgr.route.local import LocalRoute  # noqa: E402
 from dgr.serve.server import Gateway  # noqa: E402
 from dgr.shard.v1 import shard_runtime_pb2 as pb  # noqa: E402
 from dgr.shard.v1 import shard_runtime_pb2_grpc as pbg  # noqa: E402

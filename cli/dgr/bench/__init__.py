@@ -1,1 +1,1 @@
-"""Benchmarks against baselines (JSON out)."""
+"""Benchmarks: the worker, the route, llama.cpp lanes (bench, batched-bench, RPC), the Transformers baseline."""

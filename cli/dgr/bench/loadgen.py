@@ -129,7 +129,7 @@ class LlamaServer:
 
     def __init__(self, model: Path, *, threads: int, parallel: int, ctx_per_slot: int = 1024,
                  backend: str = "cpu", port: int | None = None) -> None:
-        from dgr.build import tool_binary
+        from dgr.upstream.build import tool_binary
         from dgr.serve.server import free_port
 
         self.exe = tool_binary("llama-server", backend)

@@ -99,7 +99,7 @@ class _ServeProcess:
 
 async def _driver_level(endpoints: Sequence[str], prompts: Sequence[str], max_tokens: int) -> LevelResult:
     """The same requests through the route driver itself (no HTTP)."""
-    from meshnet_adapter.route_driver import RouteDriver, Sampling
+    from dgr.route.driver import RouteDriver, Sampling
 
     from dgr.shard.v1 import shard_runtime_pb2 as pb
 
@@ -130,8 +130,9 @@ def _ratio(a: float, b: float) -> float:
 
 
 def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from dgr import route as rt
-    from dgr.route import DEFAULT_PROMPTS, LocalRoute
+    from dgr.route import local as rt
+    from dgr.route.local import LocalRoute
+    from dgr.route.sessions import DEFAULT_PROMPTS
 
     say = progress or (lambda _m: None)
     threads = cfg.threads or os.cpu_count() or 1
@@ -241,7 +242,7 @@ def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], 
     return {
         "bench": "serve", "model": str(model), "split": [f"{a}:{b}" for a, b in split], "threads": threads,
         "levels": list(cfg.levels), "max_tokens": cfg.max_tokens, "repeats": cfg.repeats,
-        "prompts": list(cfg.prompts or []) or "dgr.route.DEFAULT_PROMPTS (cycled to the level)",
+        "prompts": list(cfg.prompts or []) or "dgr.route.sessions.DEFAULT_PROMPTS (cycled to the level)",
         "llama_server_command": llama.cmd, "llama_server_peak_rss_bytes": llama_rss,
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "loadavg_before": list(load0),
                  "loadavg_after": list(load1),

@@ -41,8 +41,8 @@ def serve(
     """Serve a route over HTTP: OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), a web
     console at /, /health and /metrics. Starts local workers for --model/--split, or serves running
     workers given with --shard. Ctrl-C stops it (and the local workers)."""
-    from .. import route as rt
-    from ..models import resolve_model
+    from ..gguf.models import resolve_model
+    from ..route import local as rt
     from ..serve.server import ServeOptions, serve_route
 
     log = lambda m: typer.echo(f"dgr serve: {m}", err=True)  # noqa: E731

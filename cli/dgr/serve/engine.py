@@ -28,7 +28,7 @@ import grpc
 from dgr.errors import DgrError
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 
-from meshnet_adapter.route_driver import RouteDriver, RouteSessionError, Sampling
+from dgr.route.driver import RouteDriver, RouteSessionError, Sampling
 
 CANCEL_WAIT_S = 5.0          # a cancelled session's generate() returns well within this
 RETRY_AFTER_S = 1            # Retry-After of an over-capacity answer
