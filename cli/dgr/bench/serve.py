@@ -143,7 +143,7 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[s
     base = list(cfg.prompts or DEFAULT_PROMPTS)
     top = max(cfg.levels)
     rt.ensure_worker(log=say)
-    say(f"building/locating llama-server (stock llama.cpp at the pin)")
+    say("building/locating llama-server (stock llama.cpp at the pin)")
     model_id = model.stem
     procs: dict[str, int] = {}
     runs: dict[tuple[str, int], list[LevelResult]] = {}

@@ -15,7 +15,6 @@ No HTTP here: :mod:`dgr.serve.app` maps :class:`GatewayError` to OpenAI-shaped r
 from __future__ import annotations
 
 import asyncio
-import codecs
 import collections
 import random
 import time
@@ -26,9 +25,9 @@ from typing import Any, AsyncIterator, Sequence
 import grpc
 
 from dgr.errors import DgrError
-from dgr.shard.v1 import shard_runtime_pb2 as pb
 
 from dgr.route.driver import RouteDriver, RouteSessionError, Sampling
+from dgr.route.text import PieceCache, TextDecoder, chat_prompt_text
 
 CANCEL_WAIT_S = 5.0          # a cancelled session's generate() returns well within this
 RETRY_AFTER_S = 1            # Retry-After of an over-capacity answer
@@ -119,7 +118,7 @@ class _TextStream:
 
     def __init__(self, stop: Sequence[str]) -> None:
         self.stop = [s for s in stop if s]
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.decoder = TextDecoder()
         self.pending = ""        # decoded, not yet sent (may start a stop string)
         self.text = ""           # sent so far
         self.stopped = False
@@ -128,7 +127,7 @@ class _TextStream:
         """Adds bytes; returns the text that can be sent now."""
         if self.stopped:
             return ""
-        self.pending += self.decoder.decode(data, final)
+        self.pending += self.decoder.push(data, final)
         if self.stop:
             hit = min(((i, s) for s in self.stop if (i := self.pending.find(s)) >= 0), default=None)
             if hit is not None:
@@ -265,7 +264,7 @@ class Engine:
         self.admission = Admission(slots or self.worker_slots, queue)
         self.created = int(time.time())
         self.active: dict[str, Generation] = {}
-        self._pieces: dict[int, bytes] = {}
+        self._pieces = PieceCache(driver.head.stub, timeout=driver.timeout)
 
     @classmethod
     async def connect(cls, endpoints: Sequence[str], *, model_id: str | None = None, slots: int | None = None,
@@ -283,21 +282,14 @@ class Engine:
 
     async def pieces(self, toks: Sequence[int]) -> list[bytes]:
         """Each token's text bytes (a token id's piece never changes: looked up once)."""
-        unknown = sorted({t for t in toks if t not in self._pieces})
-        if unknown:
-            r = await self.head.Detokenize(pb.DetokenizeRequest(token_ids=unknown, include_pieces=True),
-                                           timeout=self.driver.timeout)
-            self._pieces.update(zip(unknown, r.pieces))
-        return [self._pieces[t] for t in toks]
+        return await self._pieces.pieces(toks)
 
     async def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         try:
-            r = await self.head.ApplyChatTemplate(pb.ApplyChatTemplateRequest(
-                messages=[pb.ChatMessage(role=a, content=b) for a, b in messages], add_assistant=True),
-                timeout=self.driver.timeout)
+            text = await chat_prompt_text(self.head, messages, timeout=self.driver.timeout)
         except grpc.aio.AioRpcError as exc:
             raise GatewayError(400, f"cannot format the messages: {exc.details()}", param="messages") from None
-        return await self.tokenize(r.text, special=True)
+        return await self.tokenize(text, special=True)
 
     async def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         try:

@@ -12,6 +12,8 @@ import asyncio
 import time
 from typing import Any
 
+import grpc
+
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 
 COUNTERS = ("dgr_decode_tokens_total", "dgr_prefill_tokens_total", "dgr_batches_total", "dgr_batch_rows_total")
@@ -41,7 +43,8 @@ class RouteView:
         try:
             r = await sh.stub.GetMetrics(pb.GetMetricsRequest(), timeout=self.timeout)
         except Exception as exc:   # noqa: BLE001 - shown in the view, never raised
-            row["error"] = str(getattr(exc, "details", lambda: exc)() or exc)
+            details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else None
+            row["error"] = details or str(exc) or type(exc).__name__
             return row
         now, cur = time.monotonic(), _counters(r)
         prev = self._last.get(sh.endpoint)
