@@ -21,6 +21,7 @@ medians, measured side by side):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import platform
 import statistics
@@ -52,6 +53,7 @@ class ServeBenchConfig:
     max_tokens: int = 64
     repeats: int = 2
     prompts: tuple[str, ...] = ()
+    llama_server: bool = True      # False: no llama_server lane (its comparisons are reported as not measured)
 
 
 class _ServeProcess:
@@ -152,7 +154,8 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[s
     with LocalRoute(model, split, threads=threads, max_sessions=top, ctx_per_session=1024, log=say) as lsplit, \
             LocalRoute(model, [(0, n_layer)], threads=threads, max_sessions=top, ctx_per_session=1024,
                        log=say) as lwhole, \
-            LlamaServer(model, threads=threads, parallel=top, ctx_per_slot=1024) as llama:
+            (LlamaServer(model, threads=threads, parallel=top, ctx_per_slot=1024) if cfg.llama_server
+             else contextlib.nullcontext()) as llama:
         gsplit = _ServeProcess(lsplit.endpoints, model_id)
         gwhole = _ServeProcess(lwhole.endpoints, model_id)
         try:
@@ -161,17 +164,19 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[s
             for w, name in zip(lsplit.workers, ("split_worker_0", "split_worker_1")):
                 procs[name] = w.pid
             procs["whole_worker"] = lwhole.workers[0].pid
-            procs.update(gateway_split=gsplit.proc.pid, gateway_whole=gwhole.proc.pid, llama_server=llama.pid,
-                         bench_client=os.getpid())
+            procs.update(gateway_split=gsplit.proc.pid, gateway_whole=gwhole.proc.pid, bench_client=os.getpid())
+            if llama is not None:
+                procs["llama_server"] = llama.pid
             lanes: dict[str, Callable[[list[str]], Any]] = {
                 "driver_split": lambda ps: _driver_level(lsplit.endpoints, ps, cfg.max_tokens),
                 "gateway_split": lambda ps: run_level(gsplit.url + "/v1", model_id, ps, max_tokens=cfg.max_tokens,
                                                       lane="gateway_split"),
                 "gateway_whole": lambda ps: run_level(gwhole.url + "/v1", model_id, ps, max_tokens=cfg.max_tokens,
                                                       lane="gateway_whole"),
-                "llama_server": lambda ps: run_level(llama.url + "/v1", model_id, ps, max_tokens=cfg.max_tokens,
-                                                     lane="llama_server"),
             }
+            if llama is not None:
+                lanes["llama_server"] = lambda ps: run_level(llama.url + "/v1", model_id, ps,
+                                                             max_tokens=cfg.max_tokens, lane="llama_server")
             say("warm-up: one request per lane")
             for fn in lanes.values():
                 asyncio.run(fn(base[:1]))
@@ -191,7 +196,7 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[s
                         say(f"  {level:>2} concurrent, {lane:<14} repeat {rep + 1}: "
                             f"{res.aggregate_decode_tok_s:7.1f} tok/s aggregate decode, "
                             f"TTFT p50 {res.ttft_p50_s * 1e3:6.1f} ms" + ("" if res.ok else "  FAILED"))
-            llama_rss = llama.peak_rss_bytes()
+            llama_rss = llama.peak_rss_bytes() if llama is not None else 0
         finally:
             gsplit.stop()
             gwhole.stop()
@@ -201,7 +206,7 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[s
 
 def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], threads: int,
               runs: dict[tuple[str, int], list[LevelResult]], load0: tuple[float, ...], load1: tuple[float, ...],
-              wall: float, llama: LlamaServer, llama_rss: int) -> dict[str, Any]:
+              wall: float, llama: LlamaServer | None, llama_rss: int) -> dict[str, Any]:
     def med(lane: str, level: int, attr: str) -> float:
         vals = [getattr(r, attr) for r in runs.get((lane, level), []) if r.ok]
         return statistics.median(vals) if vals else 0.0
@@ -231,6 +236,10 @@ def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], 
                 cmp_["split_vs_llama_server_decode"] >= TARGETS["split_vs_llama_server_decode"],
         }
         for k, ok in met.items():
+            if "llama_server" in k and not dec["llama_server"]:
+                checks.append({"concurrency": level, "check": k, "value": None, "met": False,
+                               "note": "llama_server lane not measured"})
+                continue
             checks.append({"concurrency": level, "check": k, "value": cmp_[k], "met": ok})
         cpu = {ln: _median_cpu(runs.get((ln, level), [])) for ln in dec}
         levels_doc.append({
@@ -243,7 +252,8 @@ def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], 
         "bench": "serve", "model": str(model), "split": [f"{a}:{b}" for a, b in split], "threads": threads,
         "levels": list(cfg.levels), "max_tokens": cfg.max_tokens, "repeats": cfg.repeats,
         "prompts": list(cfg.prompts or []) or "dgr.route.sessions.DEFAULT_PROMPTS (cycled to the level)",
-        "llama_server_command": llama.cmd, "llama_server_peak_rss_bytes": llama_rss,
+        "llama_server_command": llama.cmd if llama is not None else None,
+        "llama_server_peak_rss_bytes": llama_rss,
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "loadavg_before": list(load0),
                  "loadavg_after": list(load1),
                  "note": "a shared host: other work may run during the measurement; compare ratios of lanes "
@@ -283,5 +293,7 @@ def summary(doc: dict[str, Any]) -> str:
             lines.append(f"{lv['concurrency']:>4}  {lane:<14} {v:12.1f} {lv['ttft_p50_s'][lane] * 1e3:12.1f}")
     lines.append("")
     for c in doc["checks"]:
-        lines.append(f"{c['concurrency']:>4}  {c['check']:<36} {c['value']:9.3f}  {'met' if c['met'] else 'MISSED'}")
+        value = "      n/a" if c["value"] is None else f"{c['value']:9.3f}"
+        lines.append(f"{c['concurrency']:>4}  {c['check']:<36} {value}  {'met' if c['met'] else 'MISSED'}"
+                     + (f" ({c['note']})" if c.get("note") else ""))
     return "\n".join(lines)

@@ -132,6 +132,8 @@ def serve(
                                           "(default: CPU count)."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per answer (generated through EOS)."),
     repeats: int = typer.Option(2, "--repeats", help="Rotations of all lanes per level (median reported)."),
+    llama_server: bool = typer.Option(True, "--llama-server/--no-llama-server",
+                                      help="Run the llama-server lane (built on first use)."),
     out: Path = typer.Option(Path("serve-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """dgr serve vs the route driver called directly and vs llama-server (-np = top level), one run:
@@ -148,7 +150,7 @@ def serve(
     if not lv or min(lv) < 1 or repeats < 1 or max_tokens < 2:
         raise DgrError("--levels must be positive, --repeats >= 1, --max-tokens >= 2")
     cfg = sb.ServeBenchConfig(split=tuple(parse_split(split)) if split else (), levels=lv, threads=threads or 0,
-                              max_tokens=max_tokens, repeats=repeats)
+                              max_tokens=max_tokens, repeats=repeats, llama_server=llama_server)
     doc = sb.run_serve_bench(resolve_model(model), cfg, progress=lambda s: typer.echo(s, err=True))
     out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     typer.echo(sb.summary(doc))
