@@ -145,7 +145,8 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[s
     base = list(cfg.prompts or DEFAULT_PROMPTS)
     top = max(cfg.levels)
     rt.ensure_worker(log=say)
-    say("building/locating llama-server (stock llama.cpp at the pin)")
+    if cfg.llama_server:
+        say("llama-server: stock llama.cpp at the pin (built on first use)")
     model_id = model.stem
     procs: dict[str, int] = {}
     runs: dict[tuple[str, int], list[LevelResult]] = {}
