@@ -271,7 +271,9 @@ class Engine:
                       queue: int = 64, timeout: float = 60.0) -> "Engine":
         driver = await RouteDriver(list(endpoints), timeout=timeout).connect()
         ident = driver.shards[0].capability.identity
-        return cls(driver, model_id=model_id or ident.artifact_id or "dgr", slots=slots, queue=queue)
+        eng = cls(driver, model_id=model_id or ident.artifact_id or "dgr", slots=slots, queue=queue)
+        await eng._pieces.prefetch(ident.n_vocab)
+        return eng
 
     async def close(self) -> None:
         await self.driver.close()
