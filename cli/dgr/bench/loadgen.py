@@ -42,6 +42,7 @@ class LevelResult:
     requests: list[RequestResult]
     wall_s: float
     cpu_s: dict[str, float] = field(default_factory=dict)   # process name -> CPU seconds in this level
+    gateway_ttft_mean_s: float | None = None   # dgr serve lanes: TTFT as the gateway measured it
 
     @property
     def ok(self) -> bool:
@@ -69,7 +70,8 @@ class LevelResult:
                 "ttft_s": [r.ttft_s for r in self.requests],
                 "prompt_tokens": [r.prompt_tokens for r in self.requests],
                 "completion_tokens": [r.completion_tokens for r in self.requests],
-                "errors": [r.error for r in self.requests if r.error], "cpu_s": self.cpu_s}
+                "errors": [r.error for r in self.requests if r.error], "cpu_s": self.cpu_s,
+                "gateway_ttft_mean_s": self.gateway_ttft_mean_s}
 
 
 async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_tokens: int, api_key: str = "none",

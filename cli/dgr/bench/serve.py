@@ -127,6 +127,22 @@ async def _driver_level(endpoints: Sequence[str], prompts: Sequence[str], max_to
         await d.close()
 
 
+def _gateway_ttft(url: str) -> tuple[float, float]:
+    """(sum, count) of the gateway's own TTFT histogram (request arrival -> first token)."""
+    import httpx
+
+    s = c = 0.0
+    try:
+        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("dgr_gateway_time_to_first_token_seconds_sum"):
+                s = float(line.split()[-1])
+            elif line.startswith("dgr_gateway_time_to_first_token_seconds_count"):
+                c = float(line.split()[-1])
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        pass
+    return s, c
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
@@ -186,6 +202,8 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[s
                 for rep in range(cfg.repeats):
                     order = list(lanes) if rep % 2 == 0 else list(reversed(lanes))
                     for lane in order:
+                        gw_url = {"gateway_split": gsplit.url, "gateway_whole": gwhole.url}.get(lane)
+                        t0 = _gateway_ttft(gw_url) if gw_url else (0.0, 0.0)
                         c0 = {k: proc_cpu_s(p) for k, p in procs.items()}
                         c0["bench_client"] = time.process_time()
                         res = asyncio.run(lanes[lane](prompts))
@@ -193,6 +211,10 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[s
                         c1["bench_client"] = time.process_time()
                         res.lane = lane
                         res.cpu_s = {k: round(c1[k] - c0[k], 3) for k in procs if c1[k] - c0[k] > 0.005}
+                        if gw_url:
+                            t1 = _gateway_ttft(gw_url)
+                            if t1[1] > t0[1]:
+                                res.gateway_ttft_mean_s = (t1[0] - t0[0]) / (t1[1] - t0[1])
                         runs.setdefault((lane, level), []).append(res)
                         say(f"  {level:>2} concurrent, {lane:<14} repeat {rep + 1}: "
                             f"{res.aggregate_decode_tok_s:7.1f} tok/s aggregate decode, "
@@ -246,7 +268,7 @@ def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], 
         levels_doc.append({
             "concurrency": level, "aggregate_decode_tok_s": dec, "ttft_p50_s": ttft, "comparisons": cmp_,
             "met": met, "cpu_s_median": cpu,
-            "where_time_goes": _where(cpu, dec, level),
+            "where_time_goes": _where(cpu, {ln: runs.get((ln, level), []) for ln in dec}),
             "runs": {ln: [r.to_json() for r in runs.get((ln, level), [])] for ln in dec},
         })
     return {
@@ -269,7 +291,7 @@ def _median_cpu(runs: Sequence[LevelResult]) -> dict[str, float]:
     return {k: statistics.median([r.cpu_s.get(k, 0.0) for r in runs]) for k in sorted(keys)}
 
 
-def _where(cpu: dict[str, dict[str, float]], dec: dict[str, float], level: int) -> dict[str, Any]:
+def _where(cpu: dict[str, dict[str, float]], runs_by_lane: dict[str, list[LevelResult]]) -> dict[str, Any]:
     """CPU seconds per process for the gateway lanes next to the driver lane: what the gateway
     and the HTTP client add on top of the workers' compute."""
     out: dict[str, Any] = {}
@@ -277,6 +299,14 @@ def _where(cpu: dict[str, dict[str, float]], dec: dict[str, float], level: int) 
         c = cpu.get(lane, {})
         out[lane] = {"gateway_process_cpu_s": c.get(extra, 0.0), "http_client_cpu_s": c.get("bench_client", 0.0),
                      "worker_cpu_s": sum(v for k, v in c.items() if "worker" in k)}
+        inner = [r.gateway_ttft_mean_s for r in runs_by_lane.get(lane, []) if r.gateway_ttft_mean_s is not None]
+        client = [statistics.mean(x.ttft_s for x in r.requests if x.error is None)
+                  for r in runs_by_lane.get(lane, []) if r.ok]
+        if inner and client:
+            # TTFT inside the gateway (request arrival -> first token) vs what the client saw: the
+            # difference is HTTP, the event stream and the client's own scheduling
+            out[lane]["ttft_mean_inside_gateway_s"] = statistics.median(inner)
+            out[lane]["ttft_mean_at_client_s"] = statistics.median(client)
     d = cpu.get("driver_split", {})
     out["driver_split"] = {"driver_cpu_s": d.get("bench_client", 0.0),
                            "worker_cpu_s": sum(v for k, v in d.items() if "worker" in k)}
