@@ -218,6 +218,9 @@ def test_openai_shaped_errors(gw):
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=gw.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=[256, 99999], max_tokens=2)     # token ids outside the vocabulary
+    assert e.value.body["param"] == "prompt"
     r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": []},
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

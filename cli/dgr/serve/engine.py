@@ -247,6 +247,8 @@ def _session_error(exc: RouteSessionError) -> GatewayError:
     if reason in ("OVER_BUDGET", "RESOURCE_EXHAUSTED"):
         return GatewayError(429, f"over capacity on shard {exc.shard_endpoint}: {exc.detail}",
                             kind="rate_limit_exceeded", code="over_capacity", retry_after=RETRY_AFTER_S)
+    if reason in ("TOKEN_OUT_OF_VOCAB", "BAD_REQUEST", "CHUNK_TOO_LARGE", "INVALID_ARGUMENT"):
+        return GatewayError(400, f"the route refused the prompt: {exc.detail}", param="prompt", code="invalid_value")
     if reason == "CANCELLED":
         return GatewayError(499, "the request was cancelled", kind="cancelled", code="cancelled")
     return GatewayError(502, f"route failure: {exc}", kind="server_error", code="route_error")
