@@ -79,6 +79,8 @@ def _register() -> None:
                   help="The collaboration package for llama.cpp: render the proposal, check the examples.")
     from .commands import lab as lab_cmd
     app.add_typer(lab_cmd.app, name="lab", help="Simulated hosts on one machine: namespaces, own CPUs and memory, shaped links, mTLS.")
+    from .commands import serve as serve_cmd
+    app.command("serve")(serve_cmd.serve)
     # Further command groups register here.
 
 

@@ -148,3 +148,37 @@ def worker(
     out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     typer.echo(wb.summary(doc))
     typer.echo(f"results written to {out}")
+
+
+@app.command("serve")
+def serve(
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
+    split: Optional[str] = typer.Option(None, "--split", help="The 2-shard route (default: the model's layers halved)."),
+    levels: str = typer.Option("1,4,8", "--levels", help="Concurrent streaming requests per level."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every worker and llama-server "
+                                          "(default: CPU count)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per answer (generated through EOS)."),
+    repeats: int = typer.Option(2, "--repeats", help="Rotations of all lanes per level (median reported)."),
+    llama_server: bool = typer.Option(True, "--llama-server/--no-llama-server",
+                                      help="Run the llama-server lane (built on first use)."),
+    out: Path = typer.Option(Path("serve-bench.json"), "--out", help="Where to write the results JSON."),
+) -> None:
+    """dgr serve vs the route driver called directly and vs llama-server (-np = top level), one run:
+    1/4/8 concurrent streaming chat requests from the openai async client; JSON with every number."""
+    from ..errors import DgrError
+    from ..bench import serve as sb
+    from ..gguf.models import resolve_model
+    from ..route.local import parse_split
+
+    try:
+        lv = tuple(int(x) for x in levels.split(",") if x.strip())
+    except ValueError:
+        raise DgrError(f"bad --levels {levels!r}", hint="e.g. 1,4,8") from None
+    if not lv or min(lv) < 1 or repeats < 1 or max_tokens < 2:
+        raise DgrError("--levels must be positive, --repeats >= 1, --max-tokens >= 2")
+    cfg = sb.ServeBenchConfig(split=tuple(parse_split(split)) if split else (), levels=lv, threads=threads or 0,
+                              max_tokens=max_tokens, repeats=repeats, llama_server=llama_server)
+    doc = sb.run_serve_bench(resolve_model(model), cfg, progress=lambda s: typer.echo(s, err=True))
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    typer.echo(sb.summary(doc))
+    typer.echo(f"results written to {out}")

@@ -19,7 +19,7 @@ def demo(
 ) -> None:
     """Split the default model over two local workers, run 4 chat prompts concurrently with live
     output, check greedy parity against the whole model and print TTFT/throughput/memory, next
-    to the whole model on one dgr-worker and stock llama.cpp (llama-batched-bench)."""
+    to the whole model on one dgr-worker and stock llama.cpp (llama-server serving the same prompts)."""
     from ..errors import DgrError
     from ..gguf.models import resolve_model
     from ..route import local, report, sessions

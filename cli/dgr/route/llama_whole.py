@@ -1,6 +1,11 @@
-"""Whole-model llama.cpp figures for `dgr demo`: stock ``llama-batched-bench`` at the pin, on the
-same model, threads, prompt length and answer length as the route, at one session and at the
-demo's concurrency (DESIGN.md §8: side by side, same run).
+"""Whole-model llama.cpp figures for `dgr demo`, on the same model, threads and answer length as
+the route, at one session and at the demo's concurrency (side by side, same run):
+
+- :func:`measure_whole_llama_server` (what the demo uses): stock ``llama-server`` at the pin
+  answering the demo's own chat prompts through its OpenAI API, greedy, streamed, stopping at
+  end-of-generation like the route's sessions (one at a time, then all at once);
+- :func:`measure_whole_llama`: stock ``llama-batched-bench`` (synthetic equal-length prompts,
+  lockstep decode), kept for callers that want its shape.
 
 Per batch size B it reports what the demo table shows for the route: time to first token
 (llama-batched-bench's prompt phase: B prompts of ``n_prompt`` tokens, then one token each),
@@ -39,9 +44,10 @@ class WholeLlama:
     rows: list[WholeRow]
     peak_rss_bytes: int
     wall_s: float
+    tool: str = "llama-batched-bench"
 
     def to_json(self) -> dict[str, Any]:
-        return {"tool": "llama-batched-bench", "command": self.command, "peak_rss_bytes": self.peak_rss_bytes,
+        return {"tool": self.tool, "command": self.command, "peak_rss_bytes": self.peak_rss_bytes,
                 "wall_s": self.wall_s, "rows": [asdict(r) for r in self.rows]}
 
 
@@ -99,3 +105,19 @@ def measure_whole_llama(model: Path, *, threads: int, n_prompt: int, n_gen: int,
         raise DgrError(f"llama-batched-bench failed (exit {proc.returncode}): {err.strip()[-300:]}")
     rows = parse_rows(out, kv_bytes_per_cell(model, 0, model_n_layer(model)))
     return WholeLlama(cmd, rows, peak, time.perf_counter() - t0)
+
+
+def measure_whole_llama_server(model: Path, *, threads: int, prompts: list[str], max_tokens: int,
+                               sessions: tuple[int, ...] = (1, 4), backend: str = "cpu") -> WholeLlama:
+    """Stock llama-server (whole model, ``-np`` = the most sessions) serving ``prompts`` as chat
+    requests: B=1 each prompt alone in turn (means), B>1 B prompts at once (aggregate figures).
+    TTFT is request -> first streamed token; the peak RSS is the server's VmHWM; KV bytes are
+    the positions its sequences held at the end x bytes per cell of the model's f16 K/V."""
+    from dgr.bench.loadgen import measure_llama_server
+
+    from .local import kv_bytes_per_cell, model_n_layer
+
+    cmd, rows, rss, wall = measure_llama_server(
+        model, prompts, threads=threads, max_tokens=max(1, max_tokens), sessions=tuple(sorted(set(sessions))),
+        backend=backend, kv_bytes_per_cell=kv_bytes_per_cell(model, 0, model_n_layer(model)))
+    return WholeLlama(cmd, [WholeRow(**r) for r in rows], rss, wall, tool="llama-server")

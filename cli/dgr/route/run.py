@@ -17,28 +17,29 @@ from .report import RouteRun
 from .sessions import RunReport, run_sessions
 
 
-def whole_llama_baseline(model: Path | None, *, threads: int, n_prompt: int, n_gen: int,
+def whole_llama_baseline(model: Path | None, *, threads: int, prompts: Sequence[str], max_tokens: int,
                          sessions: tuple[int, ...], log: Callable[[str], None] | None = None,
                          backend: str = "cpu") -> tuple[WholeLlama | None, str | None]:
-    """Stock whole-model llama.cpp figures (:func:`dgr.route.llama_whole.measure_whole_llama`), or
-    ``(None, reason)`` when they cannot be had (no GGUF, tool missing and not buildable, the
-    tool failed): a yardstick, never a reason for the caller to fail."""
+    """Stock whole-model llama.cpp figures: llama-server at the pin serving the same prompts
+    (:func:`dgr.route.llama_whole.measure_whole_llama_server`), or ``(None, reason)`` when they
+    cannot be had (no GGUF, tool missing and not buildable, the server failed): a yardstick,
+    never a reason for the caller to fail."""
     from . import llama_whole
 
     log = log or (lambda _m: None)
     if model is None:
         return None, "no GGUF model (fake-model workers)"
-    log(f"whole-model llama.cpp: llama-batched-bench -npp {n_prompt} -ntg {n_gen} "
-        f"-npl {','.join(str(b) for b in sorted(set(sessions)))} -t {threads} (stock llama.cpp at the pin, ~10-20 s)")
+    log(f"whole-model llama.cpp: llama-server -np {max(sessions)} -t {threads}, the same {len(prompts)} chat "
+        f"prompts, {max_tokens} tokens at most, 1 then {max(sessions)} at once (stock llama.cpp at the pin)")
     try:
-        res = llama_whole.measure_whole_llama(model, threads=threads, n_prompt=n_prompt, n_gen=n_gen,
-                                              sessions=sessions, backend=backend)
+        res = llama_whole.measure_whole_llama_server(model, threads=threads, prompts=list(prompts),
+                                                     max_tokens=max_tokens, sessions=sessions, backend=backend)
     except Exception as exc:  # noqa: BLE001 - a failed yardstick is reported, not raised
         reason = (exc.one_line() if isinstance(exc, DgrError) else str(exc)) or type(exc).__name__
         log(f"llama.cpp baseline not measured: {reason}")
         return None, reason
     if not res.rows:
-        reason = "llama-batched-bench printed no result rows"
+        reason = "llama-server answered no request"
         log(f"llama.cpp baseline not measured: {reason}")
         return None, reason
     return res, None
@@ -65,8 +66,8 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
     parity), check the concurrent sessions' isolation against their sequential runs, and run
     the prompts concurrently on the whole-model worker for the same figures. With
     ``llama_baseline``: afterwards (every worker stopped) measure stock whole-model llama.cpp
-    (llama-batched-bench) at the mean prompt length, ``max_tokens``, 1 and len(prompts)
-    sessions and the workers' thread count; a failure is recorded in ``llama_error``."""
+    (llama-server serving the same prompts, ``max_tokens``, 1 and len(prompts) sessions, the
+    workers' thread count); a failure is recorded in ``llama_error``."""
     from .driver import Sampling
 
     log = log or (lambda _m: None)
@@ -97,9 +98,8 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
             iso = isolation(rep, seq)
     llama = llama_err = None
     if llama_baseline:  # after the route and whole-worker runs: never competes with them for cores
-        n_prompt = round(sum(s.prompt_tokens for s in rep.sessions) / max(1, len(rep.sessions)))
-        llama, llama_err = whole_llama_baseline(None if fake else model, threads=threads, n_prompt=n_prompt,
-                                                n_gen=max_tokens, sessions=(1, len(prompts)), log=log)
+        llama, llama_err = whole_llama_baseline(None if fake else model, threads=threads, prompts=prompts,
+                                                max_tokens=max_tokens, sessions=(1, len(prompts)), log=log)
     return RouteRun(rep, whole, par, list(split), str(model) if model else "fake", iso, seq, wseq,
                     llama=llama, llama_error=llama_err)
 

@@ -29,7 +29,7 @@ DEFAULT_TARGETS = ("dgr-worker",)
 TEST_TARGETS = ("dgr-tests",)
 # Whole-model llama.cpp tools used as yardsticks and helpers (benchmarks, quantize, references).
 TOOL_TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-simple",
-                "llama-completion")
+                "llama-completion", "llama-server")
 BACKEND_CMAKE = {
     "cpu": [],
     "vulkan": ["-DGGML_VULKAN=ON"],

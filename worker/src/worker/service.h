@@ -41,6 +41,9 @@ public:
                                         pb::TokenizeResponse * resp) override;
     grpc::ServerUnaryReactor * Detokenize(grpc::CallbackServerContext * ctx, const pb::DetokenizeRequest * req,
                                           pb::DetokenizeResponse * resp) override;
+    grpc::ServerUnaryReactor * ApplyChatTemplate(grpc::CallbackServerContext * ctx,  // chat_template.cpp
+                                                 const pb::ApplyChatTemplateRequest * req,
+                                                 pb::ApplyChatTemplateResponse * resp) override;
 
     // Draining: unary RPCs that would add work answer UNAVAILABLE (sessions: see Scheduler).
     void set_draining() { draining_ = true; }
