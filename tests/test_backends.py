@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dgr import route as rt
-from dgr import route_drift as rd
+from dgr.route import drift as rd
+from dgr.route import local as rt
 from dgr.errors import DgrError
 from dgr.upstream import cuda_sdk, doctor, vulkan_sdk as vk
 

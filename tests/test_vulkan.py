@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.native, pytest.mark.vulkan]
 
 @pytest.fixture(scope="module")
 def synth_model(tmp_path_factory) -> Path:
-    from dgr.gguf_synth import SynthSpec, synthesize
+    from dgr.gguf.synth import SynthSpec, synthesize
 
     return synthesize(SynthSpec(n_layer=4, dtype="f32", seed=18), tmp_path_factory.mktemp("vk") / "synth.gguf")
 
@@ -41,10 +41,9 @@ def test_vulkan_route_equals_vulkan_whole_model(vulkan_bin: Path, native_bin: Pa
 
 def test_vulkan_workers_serve_the_vulkan_plan_fingerprint(vulkan_bin: Path, native_bin: Path,
                                                           synth_model: Path) -> None:
-    from meshnet_adapter.client import WorkerClient
-
-    from dgr.recipe import recipe_for
-    from dgr.route import LocalRoute
+    from dgr.gguf.recipe import recipe_for
+    from dgr.protocol.client import WorkerClient
+    from dgr.route.local import LocalRoute
 
     want = recipe_for(synth_model, backend="vulkan", progress=False)
     cpu = recipe_for(synth_model, progress=False)
@@ -62,8 +61,8 @@ def test_vulkan_workers_serve_the_vulkan_plan_fingerprint(vulkan_bin: Path, nati
 @pytest.mark.real
 def test_mixed_route_on_smollm2_is_within_the_registry_tolerance(vulkan_bin: Path, native_bin: Path,
                                                                   smollm2_path: Path) -> None:
-    from dgr import route_drift
-    from dgr.recipe import load_registry, recipe_for
+    from dgr.gguf.recipe import load_registry, recipe_for
+    from dgr.route import drift as route_drift
 
     rep = route_drift.measure(smollm2_path, [(0, 15), (15, 30)], ["cpu", "vulkan"],
                               ["What is the capital of France?"], n_tokens=16, threads=2)

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .. import build as build_mod
+from ..upstream import build as build_mod
 
 app = typer.Typer()
 
@@ -21,7 +21,7 @@ def build(
     tools: bool = typer.Option(False, "--tools", help="Also build whole-model llama.cpp tools (llama-bench, …)."),
     cuda_arch: Optional[str] = typer.Option(None, "--cuda-arch", help="CUDA architectures for --backend cuda, "
                                             "e.g. '80;89;90' (default: CUDAARCHS, else native with a GPU, else 80;89;90)."),
-    rpc: bool = typer.Option(False, "--rpc", help="Also build llama.cpp's rpc-server and an RPC llama-bench in "
+    rpc: bool = typer.Option(False, "--rpc", help="Also build llama.cpp's rpc-server and RPC llama-bench, llama-batched-bench in "
                                                   "build/<backend>-rpc/ (the RPC lane of `dgr bench route`)."),
 ) -> None:
     """Build build/<backend>/bin/dgr-worker (static llama.cpp, distribution gRPC).

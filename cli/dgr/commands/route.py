@@ -15,7 +15,7 @@ app = typer.Typer(no_args_is_help=True)
 
 
 def _prompts(prompt: Optional[str], prompts_file: Optional[Path], sessions: int) -> list[str]:
-    from ..route import DEFAULT_PROMPTS
+    from ..route.sessions import DEFAULT_PROMPTS
 
     if prompt and prompts_file:
         raise DgrError("give --prompt or --prompts, not both")
@@ -35,7 +35,7 @@ def _prompts(prompt: Optional[str], prompts_file: Optional[Path], sessions: int)
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, seed: int):
-    from meshnet_adapter.route_driver import Sampling
+    from ..route.driver import Sampling
 
     if temperature < 0:
         raise DgrError("--temperature must be >= 0 (0 = greedy)")
@@ -74,24 +74,25 @@ def run(
     fake: bool = typer.Option(False, "--fake", hidden=True, help="Fake-model workers (tests)."),
 ) -> None:
     """Start one local worker per shard of the split, run the sessions concurrently, print metrics."""
-    from .. import route as rt
-    from ..models import resolve_model
+    from ..gguf.models import resolve_model
+    from ..route import local, report
+    from ..route import run as route_run
 
     items = _prompts(prompt, prompts, sessions)
-    rng = rt.parse_split(split)
-    backends = rt.parse_backends(backend, len(rng))
+    rng = local.parse_split(split)
+    backends = local.parse_backends(backend, len(rng))
     if whole_backend is not None:
-        rt.parse_backends(whole_backend, 1)
+        local.parse_backends(whole_backend, 1)
     src = None if fake else resolve_model(model)
     if src is not None:
-        n_layer = rt.model_n_layer(src)
+        n_layer = local.model_n_layer(src)
         if rng[-1][1] != n_layer:
             raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     log = (lambda m: typer.echo(m, err=True))
-    res = rt.run_local(src, rng, items, max_tokens=max_tokens, sampling=_sampling(temperature, top_k, top_p, seed),
-                       parity=parity, fake=fake, slices=slices, threads=threads, chat=not raw,
-                       on_text=_printer(len(items), as_json), log=log, backends=backends,
-                       whole_backend=whole_backend)
+    res = route_run.run_local(src, rng, items, max_tokens=max_tokens,
+                              sampling=_sampling(temperature, top_k, top_p, seed), parity=parity, fake=fake,
+                              slices=slices, threads=threads, chat=not raw, on_text=_printer(len(items), as_json),
+                              log=log, backends=backends, whole_backend=whole_backend)
     if as_json:
         typer.echo(json.dumps(res.to_json(), indent=2))
     else:
@@ -99,7 +100,7 @@ def run(
         for s in res.route.sessions:
             if s.error:
                 typer.echo(f"[{s.index}] error: {s.error}")
-        typer.echo(rt.summary_table(res))
+        typer.echo(report.summary_table(res))
     if not res.route.ok or (res.parity is not None and not res.parity.ok) or (res.isolation is not None and not res.isolation.ok):
         raise typer.Exit(1)
 
@@ -116,13 +117,21 @@ def generate(
     seed: int = typer.Option(0, "--seed"),
     raw: bool = typer.Option(False, "--raw", help="No chat template."),
     as_json: bool = typer.Option(False, "--json"),
+    tls_ca: Optional[Path] = typer.Option(None, "--tls-ca", help="PEM CA of the workers' certificates (TLS to every shard)."),
+    tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM client certificate (mutual TLS; with --tls-key)."),
+    tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM client key."),
 ) -> None:
     """Generate through already running workers (`dgr worker serve …`)."""
-    from .. import route as rt
+    from ..protocol.tls import TlsFiles
+    from ..route import run as route_run
 
+    if (tls_cert or tls_key) and not tls_ca:
+        raise DgrError("--tls-cert/--tls-key need --tls-ca")
+    tls = TlsFiles(tls_ca, tls_cert, tls_key) if tls_ca else None
     items = [prompt] * max(1, sessions)
-    rep = rt.generate_remote(shard, items, max_tokens=max_tokens, sampling=_sampling(temperature, top_k, top_p, seed),
-                             chat=not raw, on_text=_printer(len(items), as_json))
+    rep = route_run.generate_remote(shard, items, max_tokens=max_tokens,
+                                    sampling=_sampling(temperature, top_k, top_p, seed), chat=not raw,
+                                    on_text=_printer(len(items), as_json), tls=tls)
     if as_json:
         typer.echo(json.dumps(rep.to_json(), indent=2))
     else:
@@ -149,16 +158,16 @@ def drift(
 ) -> None:
     """Measure a (mixed-backend) route's numeric drift against a whole model: top-1 agreement
     (teacher-forced), greedy agreement, max |d logprob|; and the registry status of its plan."""
-    from .. import route as rt
-    from .. import route_drift
-    from ..models import resolve_model
-    from ..recipe import backend_plan, load_registry, recipe_for
+    from ..gguf.models import resolve_model
+    from ..gguf.recipe import backend_plan, load_registry, recipe_for
+    from ..route import drift as route_drift
+    from ..route import local
 
-    rng = rt.parse_split(split)
-    backends = rt.parse_backends(backend, len(rng))
-    rt.parse_backends(reference, 1)
+    rng = local.parse_split(split)
+    backends = local.parse_backends(backend, len(rng))
+    local.parse_backends(reference, 1)
     src = resolve_model(model)
-    n_layer = rt.model_n_layer(src)
+    n_layer = local.model_n_layer(src)
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     items = _prompts(prompt, prompts_file, 0)

@@ -1,1 +1,3 @@
-"""The pinned upstream llama.cpp: pin, patch stack, build, toolchains per backend."""
+"""Fork maintenance: the llama.cpp pin, the patch stack, building the patched tree and the worker,
+the toolchains per backend (``vulkan_sdk``, ``cuda_sdk``, ``doctor``: ``dgr doctor``), and the
+collaboration package for llama.cpp's maintainers (``outreach``: ``dgr upstream render`` / ``check``)."""
