@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 
+from pathlib import Path
+
 import pytest
 
 from dgr.upstream import build as build_mod
@@ -28,15 +30,24 @@ def test_missing_toolchains_are_named(monkeypatch):
 
 
 def test_old_vulkan_headers_are_explained(tmp_path, monkeypatch):
+    from dgr.upstream import vulkan_sdk
+
     inc = tmp_path / "usr/include/vulkan"
     inc.mkdir(parents=True)
     (inc / "vulkan_core.h").write_text("#define VK_HEADER_VERSION 239\n")
     monkeypatch.setenv("DGR_VULKAN_PREFIX", str(tmp_path))
-    monkeypatch.setattr(build_mod.shutil, "which", lambda name: None if name == "glslc" else "/usr/bin/" + name)
+    monkeypatch.setattr(vulkan_sdk, "missing_system_packages", lambda: [])
+    monkeypatch.setattr(vulkan_sdk, "loader_library", lambda: Path("/usr/lib/libvulkan.so.1"))
+    monkeypatch.setattr(vulkan_sdk.shutil, "which", lambda name: "/usr/bin/" + name)
     with pytest.raises(DgrError) as exc:
         build_mod.check_toolchain("vulkan")
     msg = str(exc.value)
-    assert "VK_HEADER_VERSION 239" in msg and "VK_EXT_layer_settings" in msg and "glslc" in msg
+    assert "VK_HEADER_VERSION 239" in msg and "VK_EXT_layer_settings" in msg
+    # no glslc: one line with the exact install command
+    monkeypatch.setattr(vulkan_sdk.shutil, "which", lambda name: None if name == "glslc" else "/usr/bin/" + name)
+    with pytest.raises(DgrError) as exc:
+        build_mod.check_toolchain("vulkan")
+    assert "glslc" in exc.value.one_line() and "apt-get install -y --no-install-recommends glslc" in exc.value.one_line()
 
 
 def test_metal_only_on_macos(monkeypatch):
