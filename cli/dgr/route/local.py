@@ -10,6 +10,7 @@ Used by ``dgr route run``, ``dgr demo``, ``dgr bench route`` and ``dgr accept DG
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any, Callable, Sequence
 
 from ..errors import DgrError
 from .sessions import WorkerStats
+
+_log = logging.getLogger(__name__)
 
 COLOCATED_SPINCOUNT = "10000"
 
@@ -83,7 +86,7 @@ class LocalRoute:
         self.extra_args = list(extra_args)
         self.backend = backend
         self.slice_dir = slice_dir
-        self.log = log or (lambda _m: None)
+        self.log = log or _log.info  # a caller's own sink, else this module's logger
         self.workers: list[Any] = []
         self.files: list[Path] = []
         self.fingerprint = ""
@@ -184,6 +187,6 @@ def ensure_worker(backend: str = "cpu", log: Callable[[str], None] | None = None
     try:
         return build_mod.worker_binary(backend)
     except DgrError:
-        (log or (lambda _m: None))(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
+        (log or _log.info)(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
         build_mod.build(backend)
         return build_mod.worker_binary(backend)
