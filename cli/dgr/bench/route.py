@@ -1,5 +1,5 @@
 """`dgr bench route`: a 2-shard route against whole-model llama.cpp, in one run, same model and
-threads (DESIGN §8: ratios measured side by side, never absolute times).
+threads (ratios measured side by side, never absolute times).
 
 Measured, interleaved per repeat so machine noise hits both sides alike; the chained route at
 each concurrency is bracketed by its yardstick (llama-bench at 1 session, llama-batched-bench at
