@@ -31,7 +31,7 @@ Interface (every method is thread-safe; failures the node can hit are :class:`Ba
 Supervision: a monitor thread checks the process and grpc.health.v1 every
 ``health_period_s``; a dead or unhealthy worker is restarted under :class:`RestartPolicy`
 (at most ``max_restarts`` within ``window_s``, exponential backoff). Sessions held by a worker
-that died are marked ``failed`` in telemetry — Hot KV State is never recovered (DESIGN §4.5);
+that died are marked ``failed`` in telemetry — Hot KV State is never recovered;
 the route restarts from token zero. Worker stdout/stderr go to ``log_path``.
 """
 

@@ -1,5 +1,5 @@
 """`dgr bench worker`: aggregate decode throughput of one dgr-worker (whole model) at several
-session counts, next to llama-batched-bench measured in the same run (DESIGN.md §8: ratios
+session counts, next to llama-batched-bench measured in the same run (ratios
 measured side by side, never absolute times).
 
 Per level B: B sessions prefill a prompt of `prompt_tokens` tokens, wait for each other, then
