@@ -180,7 +180,7 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
     """Per level and repeat: the worker stepwise, the worker generating server-side, then
     llama-batched-bench at the same B, back to back (so that the load of a shared machine hits
     all alike); each keeps its best over the repeats."""
-    from ..route.supervisor import WorkerProcess
+    from ..route.supervisor import WorkerArgs, WorkerProcess
 
     levels = sorted(set(cfg.levels))
     per = cfg.prompt_tokens + cfg.gen_tokens + 16
@@ -190,8 +190,8 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
     ref_runs: dict[int, list[float]] = {b: [] for b in levels}
     progress(f"{levels} sessions, pp {cfg.prompt_tokens}, tg {cfg.gen_tokens}, {cfg.threads} threads, "
              f"{cfg.repeats} repeats, modes {', '.join(MODES)}")
-    with WorkerProcess.start(["--model", str(model), "--max-sessions", str(max(levels)),
-                              "--ctx-per-session", str(per), "--threads", str(cfg.threads)],
+    with WorkerProcess.start(WorkerArgs(model=model, max_sessions=max(levels), ctx_per_session=per,
+                                        threads=cfg.threads),
                              binary=worker_bin, ready_timeout=300) as w:
         client = w.client(timeout=600)
         warm = WorkerBenchConfig(prompt_tokens=8, gen_tokens=8)

@@ -99,18 +99,16 @@ class LocalRoute:
         if len(self.split) > 1 and "GOMP_SPINCOUNT" not in os.environ:
             self.env.setdefault("GOMP_SPINCOUNT", COLOCATED_SPINCOUNT)
 
-    def _args(self, i: int) -> list[str]:
+    def _args(self, i: int) -> "WorkerArgs":
+        from .supervisor import WorkerArgs
+
         a, b = self.split[i]
-        args = ["--layers", f"{a}:{b}", "--max-sessions", str(self.max_sessions),
-                "--ctx-per-session", str(self.ctx_per_session)]
+        common = dict(layers=(a, b), max_sessions=self.max_sessions, ctx_per_session=self.ctx_per_session,
+                      extra=tuple(self.extra_args))
         if self.fake:
-            n_layer = self.split[-1][1]
-            return ["--fake-model", "--n-layer", str(n_layer), *args, *self.extra_args]
-        args = ["--model", str(self.files[i]), *args, "--fingerprint", self.fingerprint,
-                "--artifact-id", self.artifact_id]
-        if self.threads:
-            args += ["--threads", str(self.threads)]
-        return args + self.extra_args
+            return WorkerArgs(fake_model=True, n_layer=self.split[-1][1], **common)
+        return WorkerArgs(model=self.files[i], fingerprint=self.fingerprint, artifact_id=self.artifact_id,
+                          threads=self.threads or None, **common)
 
     def _prepare_model(self) -> None:
         from ..gguf.recipe import recipe_for
