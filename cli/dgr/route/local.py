@@ -14,10 +14,13 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import DgrError
 from .sessions import WorkerStats
+
+if TYPE_CHECKING:
+    from .supervisor import WorkerArgs
 
 _log = logging.getLogger(__name__)
 
