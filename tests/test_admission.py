@@ -120,7 +120,7 @@ def test_every_reason_is_reported_at_once() -> None:
 
 
 def test_packaged_registry_keeps_uncertified_llama_dark() -> None:
-    # Nothing is certified until a real distributed forward leaves evidence (DESIGN.md §2).
+    # Nothing is certified until a real distributed forward leaves evidence.
     reg = load_registry()
     d = admit(ShardCapability(recipe(), 0, 15, N_LAYER), RouteRequest(recipe(), 0, 15, N_LAYER), reg)
     e = reg.lookup(recipe())

@@ -172,11 +172,12 @@ def fake_local(monkeypatch):
     return events, calls, fake_measure
 
 
-def test_run_local_measures_llama_after_every_worker_stopped(fake_local):
+def test_run_local_measures_llama_after_every_worker_stopped(fake_local, caplog):
     events, calls, _ = fake_local
-    logs: list[str] = []
+    caplog.set_level("INFO", logger="dgr.route.run")
     res = route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], list(sessions.DEFAULT_PROMPTS), max_tokens=12, parity=True,
-                       llama_baseline=True, log=logs.append)
+                       llama_baseline=True)
+    logs = caplog.messages
     assert res.llama is SERVER and res.llama_error is None and res.parity.ok
     # the same prompts, answer length and threads as the route
     assert calls == [dict(model=Path("/m.gguf"), threads=os.cpu_count(), prompts=list(sessions.DEFAULT_PROMPTS),
@@ -203,12 +204,13 @@ def test_run_local_without_baseline_does_not_measure(fake_local):
     assert "llama.cpp" not in report.summary_table(res)
 
 
-def test_a_failing_baseline_is_recorded_and_printed_not_raised(fake_local):
+def test_a_failing_baseline_is_recorded_and_printed_not_raised(fake_local, caplog):
     _, calls, measure = fake_local
     measure.result = DgrError("llama-server exited (1): error: unknown argument --no-webui")
-    logs: list[str] = []
+    caplog.set_level("INFO", logger="dgr.route.run")
     res = route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a", "b"], max_tokens=4, parity=True,
-                       llama_baseline=True, log=logs.append)
+                       llama_baseline=True)
+    logs = caplog.messages
     assert res.llama is None and res.llama_error == "llama-server exited (1): error: unknown argument --no-webui"
     assert f"{NOT_MEASURED}llama-server exited (1): error: unknown argument --no-webui)" in report.summary_table(res)
     assert any("not measured" in m for m in logs)

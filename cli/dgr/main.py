@@ -51,8 +51,14 @@ def root(
         False, "--version", callback=_version_callback, is_eager=True,
         help="Print the dgr version, the pinned llama.cpp commit and the patch-series digest.",
     ),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show debug log lines (on stderr)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q",
+                               help="Show only warnings and errors on stderr; results on stdout are unchanged."),
 ) -> None:
     """dgr - distributed GGUF runtime toolkit."""
+    from .console import setup_logging, verbosity_level
+
+    setup_logging(verbosity_level(verbose, quiet))
 
 
 def _register() -> None:

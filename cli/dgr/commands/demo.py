@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Optional
@@ -25,20 +26,20 @@ def demo(
     from ..route import local, report, sessions
     from ..route import run as route_run
 
-    log = lambda m: typer.echo(f"dgr demo: {m}", err=True)  # noqa: E731
+    log = logging.getLogger("dgr.demo")
     src = resolve_model(model)
     rng = local.parse_split(split)
     n_layer = local.model_n_layer(src)
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; {src.name} has {n_layer} layers")
-    local.ensure_worker(log=log)
-    log(f"model {src.name}: {n_layer} layers, route {split} on {len(rng)} local worker processes")
+    local.ensure_worker()
+    log.info(f"model {src.name}: {n_layer} layers, route {split} on {len(rng)} local worker processes")
     prompts = list(sessions.DEFAULT_PROMPTS)
     for i, p in enumerate(prompts):
         typer.echo(f"[{i}] user: {p}")
     typer.echo("")
     res = route_run.run_local(src, rng, prompts, max_tokens=max_tokens, parity=True, threads=threads,
-                              on_text=lambda i, t: typer.echo(f"[{i}] {t}".replace("\n", " ")), log=log,
+                              on_text=lambda i, t: typer.echo(f"[{i}] {t}".replace("\n", " ")),
                               llama_baseline=True)
     typer.echo("")
     for s in res.route.sessions:

@@ -1,6 +1,6 @@
 """Locating model artifacts: the embedded default model and the configured model directory.
 
-Model artifacts never live under /home (DESIGN.md §4.10): the model directory comes from
+Model artifacts never live under /home (home directories are not model storage): the model directory comes from
 DGR_MODEL_DIR (default build/models) and a path under /home is refused.
 """
 

@@ -1,4 +1,4 @@
-"""Slicing a GGUF by layer range, and verifying a slice (DESIGN.md §6, docs/identity.md).
+"""Slicing a GGUF by layer range, and verifying a slice (docs/identity.md).
 
 A slice is a GGUF holding only the tensors its range owns (``blk.N.*`` for N in [start, end);
 ``token_embd`` for a head; ``output_norm`` and ``output`` — or, for a tied model, ``token_embd``
@@ -8,7 +8,7 @@ digests, the range and the full canonical source manifest. It never uses ``split
 (llama.cpp reads those as pieces of one file).
 
 Which tensors a range owns is the architecture adapter's knowledge; an architecture without
-an adapter fails closed (DESIGN.md §4.7): no guessing by tensor names.
+an adapter fails closed: no guessing by tensor names.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Admission: may this Shard serve this hop of a route? (DESIGN.md §6, docs/identity.md)
+"""Admission: may this Shard serve this hop of a route? (docs/identity.md)
 
 :func:`admit` compares a Shard's advertised capability with a route's request and returns every
 reason to reject, not just the first, so an operator sees the whole mismatch at once. The data
