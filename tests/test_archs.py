@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from dgr.errors import DgrError
-from dgr.gguf_inspect import open_gguf
-from dgr.gguf_slice import ADAPTERS, LayerRange, SliceError, range_bytes_by_role, slice_gguf
-from dgr.gguf_synth import SynthSpec, synthesize
+from dgr.gguf.inspect import open_gguf
+from dgr.gguf.slice import ADAPTERS, LayerRange, SliceError, range_bytes_by_role, slice_gguf
+from dgr.gguf.synth import SynthSpec, synthesize
 from test_parity import parity_bin  # noqa: F401  (fixture)
 
 N_LAYER = 6
@@ -155,7 +155,7 @@ def _assert_exact(report: dict, n_splits: int, n_predict: int = 32) -> None:
 @pytest.mark.parametrize("arch,dtype", [("gemma3", "f32"), ("gemma3", "q8_0"), ("qwen3", "f32"),
                                         ("qwen3", "q8_0"), ("qwen3moe", "f32"), ("qwen3moe", "q8_0")])
 def test_synthetic_splits_match_whole_model(parity_bin: Path, tmp_path: Path, arch: str, dtype: str) -> None:  # noqa: F811
-    from dgr.memory_probe import parity
+    from dgr.bench.memory_probe import parity
 
     model = _model(tmp_path, arch, dtype)
     report = parity(parity_bin, model, SPLITS, n_random=24, n_predict=32)
@@ -166,7 +166,7 @@ def test_synthetic_splits_match_whole_model(parity_bin: Path, tmp_path: Path, ar
 
 @pytest.mark.native
 def test_qwen3moe_slices_match_whole_model(parity_bin: Path, tmp_path: Path) -> None:  # noqa: F811
-    from dgr.memory_probe import parity
+    from dgr.bench.memory_probe import parity
 
     model = _model(tmp_path, "qwen3moe", "q8_0")
     slices = [slice_gguf(model, LayerRange(a, b), tmp_path / f"s{a}_{b}.gguf", progress=False).path
@@ -180,7 +180,7 @@ def test_qwen3moe_slices_match_whole_model(parity_bin: Path, tmp_path: Path) -> 
 def test_shard_allocates_exactly_its_tensors_experts_included(parity_bin: Path, tmp_path: Path, arch: str) -> None:  # noqa: F811
     """Without mmap the weight buffer is the sum of the created tensors: it must equal the bytes
     the adapter says the range owns (experts and router included); KV holds only owned layers."""
-    from dgr.memory_probe import ShardSpec, probe
+    from dgr.bench.memory_probe import ShardSpec, probe
 
     model = _model(tmp_path, arch)
     for a, b in [(0, N_LAYER), (0, 3), (3, 6), (2, 5)]:
@@ -216,7 +216,7 @@ GEMMA3_SPLITS = ["9,18", "6,12,18", "4,10,18"]  # 2 shards; 3 shards; a head wit
 @pytest.mark.real
 @pytest.mark.native
 def test_gemma3_270m_splits_match_whole_model(parity_bin: Path, gemma3_path: Path) -> None:  # noqa: F811
-    from dgr.memory_probe import parity
+    from dgr.bench.memory_probe import parity
 
     report = parity(parity_bin, gemma3_path, GEMMA3_SPLITS, prompt=GEMMA3_PROMPT, n_predict=32)
     assert report["n_layer"] == 18 and report["n_prompt"] >= 64

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dgr import bundle as B
-from dgr import protogen
-from dgr import protovectors as V
+from dgr.protocol import bundle as B
+from dgr.protocol import protogen
+from dgr.protocol import vectors as V
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 from dgr.shard.v1 import shard_runtime_pb2_grpc as pb_grpc
 
@@ -64,7 +64,7 @@ def test_cli_proto_check_and_vectors_pass():
 def test_service_and_style():
     svc = pb.DESCRIPTOR.services_by_name["ShardRuntimeService"]
     assert {m.name for m in svc.methods} == {"GetCapability", "Session", "ReleaseSession", "CancelSession",
-                                             "GetMetrics", "Tokenize", "Detokenize"}
+                                             "GetMetrics", "Tokenize", "Detokenize", "ApplyChatTemplate"}
     for m in svc.methods:
         assert m.input_type.name == f"{m.name}Request" and m.output_type.name == f"{m.name}Response"
     assert pb.DESCRIPTOR.package == "dgr.shard.v1"

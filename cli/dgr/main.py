@@ -23,8 +23,8 @@ app = typer.Typer(
 
 
 def _version_text() -> str:
-    from . import pin as pin_mod
-    from . import patchstack
+    from .upstream import pin as pin_mod
+    from .upstream import patchstack
 
     lines = [f"dgr {__version__}"]
     try:
@@ -74,6 +74,13 @@ def _register() -> None:
     from .commands import route as route_cmd, demo as demo_cmd
     app.add_typer(route_cmd.app, name="route", help="Run an Inference Route: local workers for a split, or running workers.")
     app.command("demo")(demo_cmd.demo)
+    from .commands import upstream as upstream_cmd
+    app.add_typer(upstream_cmd.app, name="upstream",
+                  help="The collaboration package for llama.cpp: render the proposal, check the examples.")
+    from .commands import lab as lab_cmd
+    app.add_typer(lab_cmd.app, name="lab", help="Simulated hosts on one machine: namespaces, own CPUs and memory, shaped links, mTLS.")
+    from .commands import serve as serve_cmd
+    app.command("serve")(serve_cmd.serve)
     # Further command groups register here.
 
 

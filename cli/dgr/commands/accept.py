@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .. import evidence
+from ..accept import evidence
 from ..errors import DgrError
 
 app = typer.Typer()
@@ -29,7 +29,7 @@ def accept(
         return
     if not story_id:
         raise DgrError("name a story (e.g. `dgr accept DGR-004`) or use --list")
-    from ..models import resolve_model
+    from ..gguf.models import resolve_model
 
     ok, out_dir = evidence.run_story(story_id, out, backend=backend,
                                      model=resolve_model(model) if model else None)

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .. import build as build_mod
+from ..upstream import build as build_mod
 
 app = typer.Typer()
 
@@ -19,7 +19,7 @@ def build(
     target: Optional[List[str]] = typer.Option(None, "--target", help="Ninja target(s) (default dgr-worker)."),
     tests: bool = typer.Option(False, "--tests", help="Also build the CTest programs (dgr-tests)."),
     tools: bool = typer.Option(False, "--tools", help="Also build whole-model llama.cpp tools (llama-bench, …)."),
-    rpc: bool = typer.Option(False, "--rpc", help="Also build llama.cpp's rpc-server and an RPC llama-bench in "
+    rpc: bool = typer.Option(False, "--rpc", help="Also build llama.cpp's rpc-server and RPC llama-bench, llama-batched-bench in "
                                                   "build/<backend>-rpc/ (the RPC lane of `dgr bench route`)."),
 ) -> None:
     """Build build/<backend>/bin/dgr-worker (static llama.cpp, distribution gRPC)."""

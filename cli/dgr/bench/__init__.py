@@ -1,0 +1,1 @@
+"""Benchmarks: the worker, the route, llama.cpp lanes (bench, batched-bench, RPC), the Transformers baseline."""
