@@ -126,7 +126,7 @@ def _real(ctx: StoryContext, exe) -> None:
         ctx.check(f"the {arch} recipe class is registered", entry is not None,
                   f"{entry.name}: {entry.status}" if entry else "not in the registry")
         ctx.limitation(f"{entry.name if entry else arch} stays dark: after review, set status = \"certified\" and "
-                       f"evidence = the folder of this run in cli/dgr/recipes.toml")
+                       f"evidence = the folder of this run in cli/dgr/gguf/recipes.toml")
 
 
 def _synthetic(ctx: StoryContext, exe) -> None:
