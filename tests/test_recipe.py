@@ -167,3 +167,15 @@ def test_cli_recipe_json(tmp_path: Path) -> None:
     assert out["arch_adapter"] == "llama" and len(out["fingerprint"]) == 64
     # Routable exactly when the packaged registry certifies this recipe class on cpu.
     assert out["routable"] is R.load_registry().routable(R.recipe_for(src, runtime=RUNTIME, progress=False))
+
+
+def test_every_certified_recipe_names_passing_evidence_in_the_repo() -> None:
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    for e in R.load_registry().entries:
+        if e.status != "certified":
+            continue
+        results = root / e.evidence / "results.json"
+        assert results.is_file(), f"{e.name}: {results} missing"
+        assert json.loads(results.read_text())["verdict"] == "pass", e.name

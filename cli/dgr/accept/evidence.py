@@ -103,18 +103,20 @@ class Story:
     lane: str
     fn: Callable[[StoryContext], None]
     needs_model: bool
+    default_model: str | None = None  # a name of dgr.models.MODEL_NAMES (None: the embedded SmolLM2)
 
 
 _REGISTRY: dict[str, Story] = {}
 
 
-def story(story_id: str, title: str, *, lane: str = "local-real", needs_model: bool = False):
-    """Register an acceptance scenario."""
+def story(story_id: str, title: str, *, lane: str = "local-real", needs_model: bool = False,
+          default_model: str | None = None):
+    """Register an acceptance scenario (``default_model``: the packaged model it runs without --model)."""
     if lane not in LANES:
         raise ValueError(f"lane must be one of {LANES}")
 
     def deco(fn: Callable[[StoryContext], None]):
-        _REGISTRY[story_id.upper()] = Story(story_id.upper(), title, lane, fn, needs_model)
+        _REGISTRY[story_id.upper()] = Story(story_id.upper(), title, lane, fn, needs_model, default_model)
         return fn
 
     return deco
@@ -208,9 +210,9 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str = "cp
     out_root = out_root or (paths.repo_root() / "evidence")
     out_dir = out_root / key
     if st.needs_model and model is None:
-        from ..gguf.models import default_model_path
+        from ..gguf.models import default_model_path, resolve_model
 
-        model = default_model_path()
+        model = resolve_model(st.default_model) if st.default_model else default_model_path()
     with tempfile.TemporaryDirectory(prefix=f"dgr-{key}-") as tmp:
         ctx = StoryContext(key, out_dir, Path(tmp), st.lane, backend=backend, model=model)
         t0 = time.monotonic()

@@ -12,8 +12,11 @@ import typer
 
 
 def demo(
-    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
-    split: str = typer.Option("0:15,15:30", "--split", help="Shard ranges (two local workers by default)."),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="GGUF file, or a packaged model: smollm2-135m (default, embedded SmolLM2-135M Q4_1), "
+        "gemma3-270m (Gemma 3 270M Q4_K_M, the gemma3 extra)."),
+    split: Optional[str] = typer.Option(None, "--split", help="Shard ranges, e.g. 0:9,9:18 (default: the model's "
+                                        "layers in two halves on two local workers)."),
     max_tokens: int = typer.Option(48, "--max-tokens", help="Tokens per chat answer."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads per worker (default: CPU count)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the full report (JSON) here."),
@@ -28,8 +31,10 @@ def demo(
 
     log = logging.getLogger("dgr.demo")
     src = resolve_model(model)
-    rng = local.parse_split(split)
     n_layer = local.model_n_layer(src)
+    if split is None:
+        split = f"0:{n_layer // 2},{n_layer // 2}:{n_layer}"
+    rng = local.parse_split(split)
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; {src.name} has {n_layer} layers")
     local.ensure_worker()

@@ -159,7 +159,9 @@ def admit(cap: ShardCapability, req: RouteRequest, registry: Registry | None = N
                              f"{want.activation_dtype}, KV {want.kv_dtype}/{want.kv_layout}, boundary "
                              f"v{want.boundary_schema_version}) is not in the registry"))
     elif entry.status != "certified":
-        out.append(Rejection(Reason.RECIPE_DARK, f"recipe {entry.name} is registered but dark (not certified)"))
+        why = f": {entry.note}" if entry.note else ""
+        out.append(Rejection(Reason.RECIPE_DARK, f"recipe {entry.name} is registered but dark (not certified, "
+                                                 f"not routable){why}"))
     elif have.backend not in entry.backends:
         out.append(Rejection(Reason.BACKEND_NOT_CERTIFIED,
                              f"recipe {entry.name} is certified on {', '.join(entry.backends)}, not {have.backend}"))

@@ -62,9 +62,10 @@ def kv_bytes_per_cell(model: Path, start: int, end: int, kv_dtype_bytes: int = 2
             n_embd = int(gf.hparam("embedding_length"))
             n_head = int(gf.hparam("attention.head_count"))
             n_head_kv = int(gf.hparam("attention.head_count_kv", n_head))
+            head_dim = int(gf.hparam("attention.key_length", n_embd // n_head))
     except Exception:
         return 0
-    return 2 * (end - start) * (n_embd // n_head) * n_head_kv * kv_dtype_bytes
+    return 2 * (end - start) * head_dim * n_head_kv * kv_dtype_bytes
 
 
 class LocalRoute:
