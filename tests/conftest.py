@@ -7,6 +7,9 @@
   when it is absent.
 - ``@pytest.mark.native`` tests need the built tree under build/cpu (``dgr build --tests``);
   they skip when it is absent, except in CI (CI=true), where a missing build is a failure.
+- ``@pytest.mark.vulkan`` tests need build/vulkan (``dgr build --backend vulkan``) and a Vulkan
+  device (Mesa's llvmpipe on a machine without a GPU); they skip with the reason otherwise,
+  except when DGR_REQUIRE_VULKAN=1 (CI on a machine that can build it), where that is a failure.
 """
 
 from __future__ import annotations
@@ -68,4 +71,22 @@ def native_bin() -> Path:
         if os.environ.get("CI") == "true":
             pytest.fail("build/cpu/bin/dgr-worker missing in CI: the test command must build it first")
         pytest.skip("native build missing: run `dgr build --tests`")
+    return bin_dir
+
+
+@pytest.fixture(scope="session")
+def vulkan_bin() -> Path:
+    """build/vulkan/bin with a dgr-worker that sees a Vulkan device."""
+    from dgr.upstream.doctor import worker_devices
+
+    bin_dir = REPO / "build" / "vulkan" / "bin"
+    why = None
+    if not (bin_dir / "dgr-worker").is_file():
+        why = "Vulkan build missing: run `dgr build --backend vulkan` (`dgr doctor` lists what it needs)"
+    elif not worker_devices(bin_dir / "dgr-worker", "vulkan"):
+        why = "the Vulkan worker sees no device (install mesa-vulkan-drivers for llvmpipe)"
+    if why:
+        if os.environ.get("DGR_REQUIRE_VULKAN") == "1":
+            pytest.fail(f"DGR_REQUIRE_VULKAN=1: {why}")
+        pytest.skip(why)
     return bin_dir

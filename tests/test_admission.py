@@ -117,11 +117,25 @@ def test_unregistered_recipe_is_rejected() -> None:
     assert d.reasons == {Reason.RECIPE_UNREGISTERED}
 
 
-def test_backend_must_be_certified_but_may_differ_along_a_route() -> None:
+def test_backend_plan_must_be_certified_and_fails_closed() -> None:
+    mixed_head, mixed_tail = recipe(backends="cpu+vulkan"), recipe(backend="vulkan", backends="cpu+vulkan")
+    # certified on cpu and on vulkan alone: a mixed CPU-head/Vulkan-tail route is still refused
     reg = Registry((entry(backends=("cpu", "vulkan")),))
-    assert decide(cap_recipe=recipe(backend="vulkan"), registry=reg).admitted  # mixed CPU+Vulkan route
-    d = decide(cap_recipe=recipe(backend="cuda"), registry=reg)
+    d = decide(cap_recipe=mixed_tail, req_recipe=mixed_head, req_range=(15, 30), cap_range=(15, 30), registry=reg)
     assert d.reasons == {Reason.BACKEND_NOT_CERTIFIED}
+    assert decide(cap_recipe=recipe(backend="vulkan"), req_recipe=recipe(backend="vulkan"), registry=reg).admitted
+    # a certified mixed plan admits both of its Shards
+    reg = Registry((entry(backends=("cpu",)), entry(name="mixed", backends=("cpu+vulkan",),
+                                                     tolerance=(("max_abs_dlogprob", 0.5),))))
+    for cap in (mixed_head, mixed_tail):
+        assert decide(cap_recipe=cap, req_recipe=mixed_head, registry=reg).admitted
+    # a Shard on another backend than the plan's, or a Vulkan Shard in a CPU route: refused
+    d = decide(cap_recipe=recipe(backend="cuda", backends="cpu+vulkan"), req_recipe=mixed_head, registry=reg)
+    assert Reason.BACKEND_NOT_CERTIFIED in d.reasons
+    d = decide(cap_recipe=recipe(backend="vulkan"), registry=reg)
+    assert d.reasons == {Reason.FINGERPRINT_MISMATCH, Reason.BACKEND_NOT_CERTIFIED}
+    assert decide(cap_recipe=recipe(backends="vulkan+cpu"), req_recipe=recipe(backends="vulkan+cpu"),
+                  registry=reg).reasons == {Reason.BACKEND_NOT_CERTIFIED}
 
 
 def test_forged_fingerprint_is_rejected() -> None:

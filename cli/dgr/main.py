@@ -87,6 +87,8 @@ def _register() -> None:
     app.add_typer(lab_cmd.app, name="lab", help="Simulated hosts on one machine: namespaces, own CPUs and memory, shaped links, mTLS.")
     from .commands import serve as serve_cmd
     app.command("serve")(serve_cmd.serve)
+    from .commands import doctor as doctor_cmd
+    app.command("doctor", help="Each compute backend: what is present, what is missing, the install command.")(doctor_cmd.doctor)
     # Further command groups register here.
 
 

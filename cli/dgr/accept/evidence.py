@@ -188,6 +188,14 @@ def environment_manifest(backend: str = "cpu", model: Path | None = None) -> dic
     worker = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
     if worker.is_file():
         env["worker_version"] = _cmd_out([str(worker), "--version"]).splitlines()
+    # the toolchain the backend's build recorded, and the device a non-CPU worker computes on
+    from ..upstream.build import toolchain_record
+    from ..upstream.doctor import worker_devices
+
+    env["toolchain"] = toolchain_record(backend)
+    if backend != "cpu":
+        devices = worker_devices(worker, backend)
+        env["device"] = devices[0] if devices else "none found"
     if model is not None:
         env["model_file"] = model.name
         try:
@@ -255,7 +263,7 @@ def _readme(st: Story, ctx: StoryContext, ok: bool, env: dict, elapsed: float, e
         f"- **Verdict: {'PASS' if ok else 'FAIL'}**",
         f"- Lane: {st.lane}",
         f"- Ran: {env['timestamp_utc']} on {env['host']} ({env['cpu']}, {env['cpu_count']} CPUs), "
-        f"backend {env['backend']}, {elapsed:.0f}s",
+        f"backend {env['backend']}" + (f" (device {env['device']})" if env.get("device") else "") + f", {elapsed:.0f}s",
         f"- llama.cpp pin {env['pin_commit']}, patch series {env['patch_series_digest']}, dgr {env['dgr_version']}",
     ]
     if env.get("model_artifact_id"):

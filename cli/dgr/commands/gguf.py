@@ -139,6 +139,8 @@ def synth_cmd(
 def recipe_cmd(
     file: Optional[Path] = FileArg,
     backend: str = typer.Option("cpu", "--backend", help="Backend this Shard would run on."),
+    plan: Optional[str] = typer.Option(None, "--plan", help="The route's backend plan, e.g. cpu+vulkan "
+                                       "(default: --backend alone); part of the fingerprint."),
     activation_dtype: str = typer.Option("f32", "--activation-dtype", help="Activation dtype on the wire."),
     kv_dtype: str = typer.Option("f16", "--kv-dtype", help="KV cache dtype."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -147,7 +149,7 @@ def recipe_cmd(
     from ..gguf import recipe as recipe_mod
 
     r = recipe_mod.recipe_for(resolve_model(file), backend=backend, activation_dtype=activation_dtype,
-                              kv_dtype=kv_dtype)
+                              kv_dtype=kv_dtype, backends=plan or "")
     reg = recipe_mod.load_registry()
     entry = reg.lookup(r)
     status = "unregistered" if entry is None else f"{entry.status} ({entry.name})"

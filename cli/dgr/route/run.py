@@ -62,14 +62,17 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
               slices: bool = False, threads: int | None = None, chat: bool = True,
               stop_on_eog: bool = True, on_text: Callable[[int, str], None] | None = None,
               chain: bool | None = None,
-              llama_baseline: bool = False) -> RouteRun:
+              llama_baseline: bool = False, backends: Sequence[str] | None = None,
+              whole_backend: str | None = None) -> RouteRun:
     """Start local workers for ``split`` and run the prompts concurrently. With ``parity``
     (greedy): also run each prompt alone on the route and on one whole-model worker (exact
     parity), check the concurrent sessions' isolation against their sequential runs, and run
     the prompts concurrently on the whole-model worker for the same figures. With
     ``llama_baseline``: afterwards (every worker stopped) measure stock whole-model llama.cpp
     (llama-server serving the same prompts, ``max_tokens``, 1 and len(prompts) sessions, the
-    workers' thread count); a failure is recorded in ``llama_error``."""
+    workers' thread count); a failure is recorded in ``llama_error``. ``backends``: one per
+    Shard (default all cpu); ``whole_backend``: the whole-model worker's (default: the route's
+    backend when it has one, else cpu)."""
     from .driver import Sampling
 
     threads = threads or os.cpu_count() or 1
@@ -81,15 +84,19 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
     kw = dict(max_tokens=max_tokens, sampling=sampling, chat=chat, stop_on_eog=stop_on_eog, chain=chain)
     label = f"route {','.join(f'{a}:{b}' for a, b in split)}"
     seq = wseq = whole = par = iso = None
-    with LocalRoute(model, split, fake=fake, slices=slices, threads=threads, max_sessions=max_sessions) as lr:
+    backends = list(backends or ["cpu"] * len(split))
+    whole_backend = whole_backend or (backends[0] if len(set(backends)) == 1 else "cpu")
+    with LocalRoute(model, split, fake=fake, slices=slices, threads=threads, max_sessions=max_sessions,
+                    backend=backends) as lr:
         rep = asyncio.run(run_sessions(lr.endpoints, prompts, label=label, stats=lr.stats(),
                                        pids=[w.pid for w in lr.workers], on_text=on_text, **kw))
         if parity:
             log.info("the same prompts one at a time through the route")
             seq = asyncio.run(_sequential(lr.endpoints, prompts, label + " (sequential)", **kw))
     if parity:
-        log.info(f"whole model [0:{n_layer}) on one worker")
-        with LocalRoute(model, [(0, n_layer)], fake=fake, threads=threads, max_sessions=max_sessions) as lw:
+        log.info(f"whole model [0:{n_layer}) on one {whole_backend} worker")
+        with LocalRoute(model, [(0, n_layer)], fake=fake, threads=threads, max_sessions=max_sessions,
+                        backend=whole_backend) as lw:
             whole = asyncio.run(run_sessions(lw.endpoints, prompts, label=f"whole model 0:{n_layer}",
                                              stats=lw.stats(), pids=[w.pid for w in lw.workers], **kw))
             wseq = asyncio.run(_sequential(lw.endpoints, prompts, f"whole model 0:{n_layer} (sequential)", **kw))
@@ -101,7 +108,7 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
         llama, llama_err = whole_llama_baseline(None if fake else model, threads=threads, prompts=prompts,
                                                 max_tokens=max_tokens, sessions=(1, len(prompts)))
     return RouteRun(rep, whole, par, list(split), str(model) if model else "fake", iso, seq, wseq,
-                    llama=llama, llama_error=llama_err)
+                    llama=llama, llama_error=llama_err, backends=backends, whole_backend=whole_backend)
 
 
 def generate_remote(endpoints: Sequence[str], prompts: Sequence[str], *, max_tokens: int = 32,

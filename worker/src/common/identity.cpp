@@ -458,6 +458,7 @@ bool local_recipe_for(const std::string & path, LocalRecipe * out, std::string *
     const BuildInfo & bi = build_info();
     f.activation_dtype = "f32";
     f.artifact_id = id.artifact_id;
+    f.backends = bi.backend;           // a route of this build's backend alone
     f.boundary_schema_version = 1;
     f.kv_dtype = "f16";
     f.kv_layout = "llama-unified-layer-filtered";
@@ -487,6 +488,7 @@ bool local_recipe_for(const std::string & path, LocalRecipe * out, std::string *
     add("kv_dtype", f.kv_dtype);
     add("kv_layout", f.kv_layout);
     add("backend", bi.backend);
+    add("backends", f.backends);
     add("dgr_version", bi.dgr_version);
     add("pin_commit", f.pin_commit);
     add("patch_digest", f.patch_digest);
