@@ -343,9 +343,16 @@ def ensure(*, install: bool = True) -> Sdk:
     sdk = find_sdk()
     if sdk is None:
         if os.environ.get("DGR_VULKAN_PREFIX"):
-            raise DgrError(f"DGR_VULKAN_PREFIX={os.environ['DGR_VULKAN_PREFIX']} has no Vulkan headers "
-                           f">= 1.3.{MIN_HEADER_VERSION} with VK_EXT_layer_settings in usr/include, or no "
-                           "usr/share/cmake/SPIRV-Headers")
+            prefix = os.environ["DGR_VULKAN_PREFIX"]
+            core = Path(prefix) / "usr" / "include" / "vulkan" / "vulkan_core.h"
+            m = re.search(r"#define VK_HEADER_VERSION (\d+)", core.read_text(errors="replace")) if core.is_file() else None
+            seen = ("no vulkan/vulkan_core.h" if not core.is_file() else
+                    f"VK_HEADER_VERSION {m.group(1) if m else '(none)'}")
+            raise DgrError(f"DGR_VULKAN_PREFIX={prefix} has {seen} in usr/include; the pinned ggml-vulkan "
+                           f"needs headers >= 1.3.{MIN_HEADER_VERSION} with VK_EXT_layer_settings, and "
+                           "usr/share/cmake/SPIRV-Headers",
+                           hint="unset DGR_VULKAN_PREFIX to let `dgr build --backend vulkan` fetch them "
+                                "into build/vulkan-sdk")
         sdk = fetch_headers()
     return sdk
 
