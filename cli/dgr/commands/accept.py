@@ -19,7 +19,8 @@ def accept(
     out: Optional[Path] = typer.Option(None, "--out", help="Evidence root (default evidence/)."),
     list_: bool = typer.Option(False, "--list", help="List registered stories."),
     backend: str = typer.Option("cpu", "--backend", help="Backend build to use."),
-    model: Optional[Path] = typer.Option(None, "--model", help="Model GGUF (default: embedded SmolLM2)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Model GGUF or packaged model name (default: "
+                                         "the story's own, usually the embedded SmolLM2)."),
 ) -> None:
     """Run a registered acceptance story; exit 0 only when every criterion passes."""
     if list_:

@@ -83,11 +83,38 @@ def route(
     rpc: bool = typer.Option(True, "--rpc/--no-rpc",
                              help="Also measure llama.cpp's RPC split (two local rpc-servers; builds them once)."),
     out: Path = typer.Option(Path("route-bench.json"), "--out", help="Where to write the results JSON."),
+    hosts: int = typer.Option(0, "--hosts", help="Run the route over N simulated hosts (`dgr lab`, 1 core/1 thread "
+                              "each, mTLS) against one such host; 0: the local route on this machine's cores."),
+    rtt_ms: str = typer.Option("0,10", "--rtt-ms", help="With --hosts: added round trips to measure, ms (comma-separated)."),
+    sessions: str = typer.Option("1,4,8", "--sessions", help="With --hosts: concurrent session counts."),
+    long_prompt: int = typer.Option(512, "--long-prompt", help="With --hosts: the prompt of the prefill comparison."),
 ) -> None:
-    """2-shard route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads."""
+    """Route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads; --hosts N: across
+    simulated hosts."""
     from ..bench import route as rb
+    from ..errors import DgrError
     from ..gguf.models import resolve_model
     from ..route.local import parse_split
+
+    if hosts:
+        from ..lab import bench as hb
+
+        try:
+            rtts = tuple(float(x) for x in rtt_ms.split(",") if x.strip())
+            levels = tuple(int(x) for x in sessions.split(",") if x.strip())
+        except ValueError:
+            raise DgrError("--rtt-ms and --sessions take comma-separated numbers") from None
+        if not levels or min(levels) < 1 or not rtts or min(rtts) < 0 or repeats < 1:
+            raise DgrError("--sessions needs counts >= 1, --rtt-ms values >= 0, --repeats >= 1")
+        split_given = split != "0:15,15:30"
+        hcfg = hb.HostsBenchConfig(hosts=hosts, split=tuple(parse_split(split)) if split_given else None,
+                                   n_prompt=n_prompt, n_gen=n_gen, long_prompt=long_prompt, sessions=levels,
+                                   rtts_ms=rtts, repeats=repeats, rpc=rpc)
+        doc = hb.run_hosts_bench(resolve_model(model), hcfg, progress=lambda s: typer.echo(s, err=True))
+        out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        typer.echo(hb.summary(doc))
+        typer.echo(f"results written to {out}")
+        return
 
     cfg = rb.RouteBenchConfig(split=tuple(parse_split(split)), threads=threads or 0, n_prompt=n_prompt,
                               n_gen=n_gen, repeats=repeats, rpc=rpc)

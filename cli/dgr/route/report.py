@@ -3,7 +3,7 @@ summary table (the commands print it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .llama_whole import WholeLlama
@@ -24,6 +24,8 @@ class RouteRun:
     # stock whole-model llama.cpp (llama-batched-bench at the pin), measured after the runs above
     llama: WholeLlama | None = None
     llama_error: str | None = None       # why it was asked for but not measured
+    backends: list[str] = field(default_factory=list)   # per Shard, route order
+    whole_backend: str = "cpu"
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "split": [f"{a}:{b}" for a, b in self.split],
@@ -32,7 +34,8 @@ class RouteRun:
                 "isolation": self.isolation.to_json() if self.isolation else None,
                 "route_sequential": self.route_sequential.to_json() if self.route_sequential else None,
                 "whole_sequential": self.whole_sequential.to_json() if self.whole_sequential else None,
-                "llama": self.llama.to_json() if self.llama else None, "llama_error": self.llama_error}
+                "llama": self.llama.to_json() if self.llama else None, "llama_error": self.llama_error,
+                "backends": self.backends, "whole_backend": self.whole_backend}
 
 
 def _mb(n: float) -> str:
@@ -96,6 +99,9 @@ def summary_table(run: RouteRun) -> str:
     w0 = max(len(r[0]) for r in rows)
     lines = ["  ".join([r[0].ljust(w0), *(c.rjust(13) for c in r[1:])]) for r in rows]
     lines += _llama_note(run)
+    if run.backends and set(run.backends) != {"cpu"}:
+        lines.append(f"backends: route {','.join(run.backends)}"
+                     + (f"; whole model {run.whole_backend}" if run.whole else ""))
     lines.append("")
     lines.append(f"seam bytes per decode token (per seam, protobuf frame): {run.route.seam_bytes_per_decode_token:.0f}"
                  f" ({run.route.mode} route)")

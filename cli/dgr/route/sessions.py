@@ -298,14 +298,14 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
                        pids: Sequence[int] = (), on_text: Callable[[int, str], None] | None = None,
                        stream_period: float = 0.2, timeout: float = 60.0,
                        token_prompts: Sequence[Sequence[int]] | None = None,
-                       chain: bool | None = None) -> RunReport:
+                       chain: bool | None = None, tls: Any = None) -> RunReport:
     """Runs one Route Session per prompt, all concurrently; streams text through ``on_text``
     (session index, new text) and returns per-session and per-worker figures. ``chain``: the
     driver's mode (None: chained when the workers support it, False: stepwise, True: chained
-    or fail)."""
+    or fail). ``tls``: a :class:`dgr.protocol.tls.TlsFiles` for mutual TLS to every shard."""
     from .driver import RouteDriver, Sampling
 
-    driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain).connect()
+    driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain, tls=tls).connect()
     try:
         toks = [list(t) for t in token_prompts] if token_prompts is not None else \
             await prompt_tokens(driver, prompts, chat=chat)
