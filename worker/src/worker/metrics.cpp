@@ -80,6 +80,10 @@ std::vector<Sample> Metrics::samples(const Gauges & g) const {
     s.push_back({"dgr_chain_frames_sent_total", {{"phase", "decode"}}, (double) chain_frames_decode.load()});
     s.push_back({"dgr_chain_frame_bytes_sent_total", {{"phase", "prefill"}}, (double) chain_bytes_prefill.load()});
     s.push_back({"dgr_chain_frame_bytes_sent_total", {{"phase", "decode"}}, (double) chain_bytes_decode.load()});
+    s.push_back({"dgr_chain_hop_seconds_total", {{"phase", "prefill"}}, chain_hop_seconds_prefill.load()});
+    s.push_back({"dgr_chain_hop_seconds_total", {{"phase", "decode"}}, chain_hop_seconds_decode.load()});
+    s.push_back({"dgr_chain_replies_total", {{"phase", "prefill"}}, (double) chain_replies_prefill.load()});
+    s.push_back({"dgr_chain_replies_total", {{"phase", "decode"}}, (double) chain_replies_decode.load()});
     s.push_back({"dgr_generated_tokens_total", {}, (double) generated_tokens.load()});
     step_latency.append("dgr_step_latency_seconds", &s);
     batch_occupancy.append("dgr_batch_occupancy_sessions", &s);

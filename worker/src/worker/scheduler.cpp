@@ -1183,6 +1183,8 @@ void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r) {
     }
     s.down_step++;
     s.down_opened = true;
+    s.down_sent_t0 = Clock::now();
+    s.down_sent_decode = w.decode;
     const size_t bytes = s.down->send(std::move(fr));
     (w.decode ? metrics_.chain_frames_decode : metrics_.chain_frames_prefill)++;
     (w.decode ? metrics_.chain_bytes_decode : metrics_.chain_bytes_prefill) += bytes;
@@ -1218,6 +1220,7 @@ void Scheduler::handle_down_reply(Event & ev) {
         }
         return;
     }
+    metrics_.observe_chain_hop(s.down_sent_decode, seconds_since(s.down_sent_t0));
     pb::SessionResponse r;
     *r.mutable_header() = hdr;
     *r.mutable_header()->mutable_payload_checksum() = d.header().payload_checksum();

@@ -110,6 +110,8 @@ private:
         pb::ResponseHeader pending_header;    // ... answered with this header
         bool pending_internal = false;
         Clock::time_point pending_t0;
+        Clock::time_point down_sent_t0;       // the forwarded frame left for the next Shard (hop latency)
+        bool down_sent_decode = false;
         // server-side generation (StepFrame.generate)
         bool generating = false;
         uint32_t gen_left = 0;                // responses still to give, the one in flight included

@@ -1,0 +1,1 @@
+"""Benchmarks and baselines (the transformers lane, the release gate)."""
