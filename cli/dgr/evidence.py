@@ -169,7 +169,11 @@ def git_state(root: Path | None = None, *, ignore: tuple[str, ...] = ("evidence"
     if not commit:
         return {"git_commit": None, "git_dirty": None, "git_dirty_paths": []}
     spec = ["--", "."] + [f":(exclude){p}" for p in ignore]
-    status = _cmd_out(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=normal", *spec])
+    try:  # porcelain lines start with a 2-column status (leading blanks matter: no strip)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=normal", *spec],
+                                capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {"git_commit": commit, "git_dirty": None, "git_dirty_paths": []}
     changed = [ln[3:] for ln in status.splitlines() if ln.strip()]
     return {"git_commit": commit, "git_dirty": bool(changed), "git_dirty_paths": changed[:20]}
 

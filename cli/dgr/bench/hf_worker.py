@@ -68,7 +68,7 @@ def fingerprint_of(recipe: str) -> str:
 
 def artifact_id_of(model_dir: Path) -> str:
     """sha256 of the single safetensors file (or of "name sha" lines for several), as DGR-001."""
-    from .hf_export import sha256_file
+    from ..hf_export import sha256_file
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
