@@ -106,7 +106,7 @@ def gate(
                                   help="The locked DGR-001 contract the GGUF routes are judged against."),
     out: Path = typer.Option(Path("gate.json"), "--out", help="Where to write the measurements JSON."),
 ) -> None:
-    """The release gate without evidence: safetensors route vs GGUF F32/Q8_0/Q4_1 routes (needs '.[baseline]')."""
+    """The release gate without evidence: safetensors route vs GGUF F32/Q8_0/Q4_1 routes (needs the baseline extra)."""
     from .. import bench_contract as bc
     from ..bench import gate as g
     from ..bench import gate_judge as gj
