@@ -46,11 +46,11 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from dgr.errors import DgrError
+from dgr.protocol import client as client_mod
+from dgr.route.supervisor import WorkerProcess, WorkerStartError, default_binary
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 
-from . import client as client_mod
 from .registration import Capacity, ShardRegistration, make_registration
-from .worker_process import WorkerProcess, WorkerStartError, default_binary
 
 
 class BackendError(DgrError):
@@ -331,7 +331,7 @@ class GgufShardBackend:
         if not c.fake:
             if c.model is None:
                 raise BackendError("BackendConfig.model is required (or fake=True)")
-            from dgr.recipe import recipe_for
+            from dgr.gguf.recipe import recipe_for
 
             self._recipe = recipe_for(c.model, backend=c.backend, progress=False)
         if c.log_path is not None:
@@ -370,7 +370,7 @@ class GgufShardBackend:
         ident = cap.identity
         recipe = self._recipe
         if recipe is None:   # fake model: a stand-in recipe (never certified)
-            from dgr.recipe import RuntimeRecipe
+            from dgr.gguf.recipe import RuntimeRecipe
 
             recipe = RuntimeRecipe(
                 artifact_id=ident.artifact_id, tokenizer_digest="fake", arch_adapter=ident.architecture,

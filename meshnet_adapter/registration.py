@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dgr.errors import DgrError
-from dgr.recipe import Registry, RuntimeRecipe
+from dgr.gguf.recipe import Registry, RuntimeRecipe
 
 REGISTRATION_SCHEMA = 1
 

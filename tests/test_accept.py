@@ -10,7 +10,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from dgr import evidence
+from dgr.accept import evidence
 from dgr.main import app
 
 from gitfixtures import git

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dgr.admission import AdmissionDecision, Reason, RouteRequest, ShardCapability, admit
-from dgr.recipe import DEFAULT_KV_LAYOUT, Registry, RegistryEntry, RuntimeRecipe, load_registry
+from dgr.route.admission import AdmissionDecision, Reason, RouteRequest, ShardCapability, admit
+from dgr.gguf.recipe import DEFAULT_KV_LAYOUT, Registry, RegistryEntry, RuntimeRecipe, load_registry
 
 N_LAYER = 30
 

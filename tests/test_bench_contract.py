@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dgr import bench_contract as bc
-from dgr.baseline import _best, percentile, positional_agreement, prefix_agreement
+from dgr.bench import contract as bc
+from dgr.bench.baseline import _best, percentile, positional_agreement, prefix_agreement
 from dgr.errors import DgrError
 
 FIX = Path(__file__).parent / "fixtures" / "bench"
@@ -191,7 +191,7 @@ def test_agreement_and_percentile_helpers():
 
 
 def test_shipped_inputs_are_package_data():
-    from dgr import baseline
+    from dgr.bench import baseline
 
     text, prompts = baseline.load_inputs()
     assert len(text.split()) > 300 and len(prompts) >= 4
@@ -203,7 +203,7 @@ def test_hf_lane_runs_a_tiny_random_llama(tmp_path):
     """The transformers recipe end to end on a tiny random checkpoint (needs the baseline extra)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from dgr import hf_lane
+    from dgr.bench import hf_lane
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -234,7 +234,7 @@ def test_hf_lane_runs_a_tiny_random_llama(tmp_path):
 def test_baseline_without_the_extra_fails_with_an_install_hint(monkeypatch):
     import importlib.util
 
-    from dgr import hf_export
+    from dgr.bench import hf_export
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))

@@ -6,9 +6,9 @@ import subprocess
 
 import pytest
 
-from dgr import build as build_mod
-from dgr import patchstack
-from dgr import pin as pin_mod
+from dgr.upstream import build as build_mod
+from dgr.upstream import patchstack
+from dgr.upstream import pin as pin_mod
 from dgr.errors import DgrError
 
 

@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from dgr import bundle as B
+from dgr.protocol import bundle as B
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 
 

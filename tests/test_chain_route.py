@@ -14,9 +14,9 @@ import time
 import pytest
 
 from dgr.shard.v1 import shard_runtime_pb2 as pb
-from meshnet_adapter.client import WorkerClient
-from meshnet_adapter.route_driver import RouteDriver, RouteError, Sampling
-from meshnet_adapter.worker_process import WorkerProcess
+from dgr.protocol.client import WorkerClient
+from dgr.route.driver import RouteDriver, RouteError, Sampling
+from dgr.route.supervisor import WorkerProcess
 from fakeroute import start_fake, start_fake_routes
 
 pytestmark = pytest.mark.native
@@ -142,7 +142,7 @@ def test_generation_stops_at_max_tokens(fake_workers):
 
 def test_chained_seam_bytes_per_decode_token_fit_the_target(fake_workers):
     """Per seam: serialized decode frame bytes the worker sent downstream, per frame."""
-    from dgr.route import chain_counters, chain_seam_bytes
+    from dgr.route.sessions import chain_counters, chain_seam_bytes
 
     async def main():
         d = await RouteDriver(_eps(fake_workers, "3-shard")).connect()
@@ -259,7 +259,7 @@ def test_downstream_outside_allowed_peers_is_refused(fake_workers):
 
 def test_mode_selection_relay_and_requirement(fake_workers):
     """A relayed hop cannot be dialled by the head: auto falls back to stepwise, chain=True refuses."""
-    from meshnet_adapter.relay_bridge import LoopbackRelay, RelayBridge
+    from dgr.protocol.relay import LoopbackRelay, RelayBridge
 
     async def main():
         bridge = await RelayBridge(fake_workers["4:8"].target).start()
@@ -287,7 +287,7 @@ def test_mode_selection_relay_and_requirement(fake_workers):
 
 
 def test_chain_client_helpers_drive_a_chained_head(fake_workers):
-    """meshnet_adapter.client: a head session with downstream hops answers the tail's tokens."""
+    """dgr.protocol.client: a head session with downstream hops answers the tail's tokens."""
     head, tail = fake_workers["0:4"], fake_workers["4:8"]
     with WorkerClient(tail.target) as t:
         cap = t.capability()
@@ -307,7 +307,7 @@ def test_chain_client_helpers_drive_a_chained_head(fake_workers):
 def test_every_hop_of_a_chained_route_reports_a_measured_round_trip(fake_workers):
     """The driver times its hop to the head; each worker times its own hop downstream
     (dgr_chain_hop_seconds_total / dgr_chain_replies_total): no hop reads 0 in a chained route."""
-    from dgr.route import run_sessions
+    from dgr.route.sessions import run_sessions
 
     rep = asyncio.run(run_sessions(_eps(fake_workers, "3-shard"), [""] * 2, token_prompts=PROMPTS[:2],
                                    max_tokens=12, stop_on_eog=False, chain=True, tokens_per_answer=1))

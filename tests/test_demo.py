@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dgr import route as rt
+from dgr.route import local, report, sessions
+from dgr.route import run as route_run
 from dgr.errors import DgrError
-from dgr.llama_whole import WholeLlama, WholeRow
+from dgr.route.llama_whole import WholeLlama, WholeRow
 
 LLAMA_1 = "llama.cpp (llama-batched-bench) 1 session"
 LLAMA_AGG = "llama.cpp (llama-batched-bench) aggregate (4)"
@@ -23,9 +24,9 @@ NOT_MEASURED = "llama.cpp baseline: not measured ("
 
 # ---- synthetic reports ---------------------------------------------------------------------
 
-def _session(i: int, *, prompt_tokens: int = 20, n: int = 8, ttft: float = 0.1) -> rt.SessionReport:
+def _session(i: int, *, prompt_tokens: int = 20, n: int = 8, ttft: float = 0.1) -> sessions.SessionReport:
     toks = [100 + i + k for k in range(n)]
-    return rt.SessionReport(
+    return sessions.SessionReport(
         index=i, prompt=f"p{i}", prompt_tokens=prompt_tokens, tokens=toks, text="x" * n, finish_reason="length",
         status="ok", error=None, ttft_s=ttft, prefill_tok_s=200.0, decode_tok_s=50.0, decode_start_s=ttft,
         decode_end_s=ttft + 0.2, seam_bytes_per_decode_token=[2400.0], hop_decode_rtt_s=[0.01, 0.01],
@@ -33,13 +34,13 @@ def _session(i: int, *, prompt_tokens: int = 20, n: int = 8, ttft: float = 0.1) 
         token_times_s=[ttft + 0.025 * k for k in range(n)])
 
 
-def _report(label: str, ranges: list[str], n: int = 4, **kw) -> rt.RunReport:
+def _report(label: str, ranges: list[str], n: int = 4, **kw) -> sessions.RunReport:
     workers = []
     for r in ranges:
-        w = rt.WorkerStats(r, "127.0.0.1:1", 1, rss_peak_bytes=150_000_000, kv_cells_total=8192, kv_cells_peak=120,
+        w = sessions.WorkerStats(r, "127.0.0.1:1", 1, rss_peak_bytes=150_000_000, kv_cells_total=8192, kv_cells_peak=120,
                            kv_bytes_per_cell=46_080, batches=10, batch_rows=30)
         workers.append(w)
-    return rt.RunReport(label, [f"127.0.0.1:1[{r})" for r in ranges], [_session(i, **kw) for i in range(n)], 1.0,
+    return sessions.RunReport(label, [f"127.0.0.1:1[{r})" for r in ranges], [_session(i, **kw) for i in range(n)], 1.0,
                         workers, mode="chained")
 
 
@@ -51,8 +52,8 @@ WHOLE = WholeLlama(
     peak_rss_bytes=210_000_000, wall_s=12.0)
 
 
-def _run(**kw) -> rt.RouteRun:
-    return rt.RouteRun(_report("route 0:15,15:30", ["0:15", "15:30"]), _report("whole model 0:30", ["0:30"]),
+def _run(**kw) -> report.RouteRun:
+    return report.RouteRun(_report("route 0:15,15:30", ["0:15", "15:30"]), _report("whole model 0:30", ["0:30"]),
                        None, [(0, 15), (15, 30)], "/m.gguf", **kw)
 
 
@@ -64,7 +65,7 @@ def _row(table: str, label: str) -> list[str]:
 # ---- summary table -------------------------------------------------------------------------
 
 def test_summary_table_has_llama_rows_next_to_route_and_whole_worker():
-    table = rt.summary_table(_run(llama=WHOLE))
+    table = report.summary_table(_run(llama=WHOLE))
     assert _row(table, LLAMA_1) == ["81", "310", "95.5"]
     assert _row(table, LLAMA_AGG) == ["273", "350", "180.0"]
     assert _row(table, LLAMA_PER) == ["273", "88", "45.0"]          # prefill 350 / 4
@@ -83,14 +84,14 @@ def test_summary_table_has_llama_rows_next_to_route_and_whole_worker():
 
 
 def test_summary_table_says_when_the_baseline_was_not_measured():
-    table = rt.summary_table(_run(llama_error="llama-batched-bench failed (exit 1): error: unknown argument -npp"))
+    table = report.summary_table(_run(llama_error="llama-batched-bench failed (exit 1): error: unknown argument -npp"))
     assert f"{NOT_MEASURED}llama-batched-bench failed (exit 1): error: unknown argument -npp)" in table
     assert "llama.cpp (llama-batched-bench)" not in table and "llama-batched-bench (" not in table
     assert "whole model on 1 dgr-worker  aggregate" in table
-    long = rt.summary_table(_run(llama_error="ninja failed (exit 1); last lines:\n" + "x " * 400))
+    long = report.summary_table(_run(llama_error="ninja failed (exit 1); last lines:\n" + "x " * 400))
     assert NOT_MEASURED + "ninja failed" in long and max(len(ln) for ln in long.splitlines()) <= 100
     # not asked for: no line at all
-    assert "llama.cpp" not in rt.summary_table(_run())
+    assert "llama.cpp" not in report.summary_table(_run())
 
 
 def test_route_run_json_carries_the_baseline():
@@ -130,7 +131,7 @@ def fake_local(monkeypatch):
     async def fake_sessions(endpoints, prompts, *, label="route", max_tokens=32, **kw):
         events.append(("sessions", label))
         lengths = [18, 19, 22, 27]
-        return rt.RunReport(label, list(endpoints),
+        return sessions.RunReport(label, list(endpoints),
                             [_session(i, prompt_tokens=lengths[i % 4], n=max_tokens) for i in range(len(prompts))],
                             1.0, mode="chained")
 
@@ -144,16 +145,16 @@ def fake_local(monkeypatch):
         return fake_measure.result
 
     fake_measure.result = WHOLE
-    monkeypatch.setattr(rt, "LocalRoute", FakeRoute)
-    monkeypatch.setattr(rt, "run_sessions", fake_sessions)
-    monkeypatch.setattr("dgr.llama_whole.measure_whole_llama", fake_measure)
+    monkeypatch.setattr(route_run, "LocalRoute", FakeRoute)
+    monkeypatch.setattr(route_run, "run_sessions", fake_sessions)
+    monkeypatch.setattr("dgr.route.llama_whole.measure_whole_llama", fake_measure)
     return events, calls, fake_measure
 
 
 def test_run_local_measures_llama_after_every_worker_stopped(fake_local):
     events, calls, _ = fake_local
     logs: list[str] = []
-    res = rt.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], list(rt.DEFAULT_PROMPTS), max_tokens=12, parity=True,
+    res = route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], list(sessions.DEFAULT_PROMPTS), max_tokens=12, parity=True,
                        llama_baseline=True, log=logs.append)
     assert res.llama is WHOLE and res.llama_error is None and res.parity.ok
     assert calls == [dict(model=Path("/m.gguf"), threads=os.cpu_count(), n_prompt=22, n_gen=12, sessions=(1, 4),
@@ -167,7 +168,7 @@ def test_run_local_measures_llama_after_every_worker_stopped(fake_local):
 
 def test_run_local_passes_the_workers_threads(fake_local):
     events, calls, _ = fake_local
-    rt.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a", "b"], max_tokens=5, parity=True, threads=3,
+    route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a", "b"], max_tokens=5, parity=True, threads=3,
                  llama_baseline=True)
     assert calls[0]["threads"] == 3 and calls[0]["sessions"] == (1, 2) and calls[0]["n_prompt"] == 18
     assert {e[1] for e in events if e[0] == "threads"} == {3}
@@ -175,22 +176,22 @@ def test_run_local_passes_the_workers_threads(fake_local):
 
 def test_run_local_without_baseline_does_not_measure(fake_local):
     _, calls, _ = fake_local
-    res = rt.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a"], max_tokens=4, parity=True)
+    res = route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a"], max_tokens=4, parity=True)
     assert calls == [] and res.llama is None and res.llama_error is None
-    assert "llama.cpp" not in rt.summary_table(res)
+    assert "llama.cpp" not in report.summary_table(res)
 
 
 def test_a_failing_baseline_is_recorded_and_printed_not_raised(fake_local):
     _, calls, measure = fake_local
     measure.result = DgrError("llama-batched-bench failed (exit 134): GGML_ASSERT(n_ctx > 0)")
     logs: list[str] = []
-    res = rt.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a", "b"], max_tokens=4, parity=True,
+    res = route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a", "b"], max_tokens=4, parity=True,
                        llama_baseline=True, log=logs.append)
     assert res.llama is None and res.llama_error == "llama-batched-bench failed (exit 134): GGML_ASSERT(n_ctx > 0)"
-    assert f"{NOT_MEASURED}llama-batched-bench failed (exit 134): GGML_ASSERT(n_ctx > 0))" in rt.summary_table(res)
+    assert f"{NOT_MEASURED}llama-batched-bench failed (exit 134): GGML_ASSERT(n_ctx > 0))" in report.summary_table(res)
     assert any("not measured" in m for m in logs)
     measure.result = FileNotFoundError(2, "No such file or directory")
-    res = rt.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a"], max_tokens=4, parity=True, llama_baseline=True)
+    res = route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a"], max_tokens=4, parity=True, llama_baseline=True)
     assert res.llama is None and "No such file" in res.llama_error
 
 
@@ -198,10 +199,10 @@ def test_a_tool_that_cannot_be_built_is_not_measured(monkeypatch):
     def no_build(name, backend="cpu", **kw):
         raise DgrError("cmake failed (exit 1)", hint="install a C++ toolchain")
 
-    monkeypatch.setattr("dgr.build.tool_binary", no_build)
-    got, err = rt.whole_llama_baseline(Path("/m.gguf"), threads=2, n_prompt=20, n_gen=8, sessions=(1, 4))
+    monkeypatch.setattr("dgr.upstream.build.tool_binary", no_build)
+    got, err = route_run.whole_llama_baseline(Path("/m.gguf"), threads=2, n_prompt=20, n_gen=8, sessions=(1, 4))
     assert got is None and err == "cmake failed (exit 1) (install a C++ toolchain)"
-    assert rt.whole_llama_baseline(None, threads=2, n_prompt=20, n_gen=8, sessions=(1,)) == \
+    assert route_run.whole_llama_baseline(None, threads=2, n_prompt=20, n_gen=8, sessions=(1,)) == \
         (None, "no GGUF model (fake-model workers)")
 
 
@@ -216,10 +217,10 @@ def test_demo_asks_for_the_baseline_and_survives_its_failure(monkeypatch):
         seen.update(kw)
         return _run(llama_error="llama-batched-bench failed (exit 1): boom")
 
-    monkeypatch.setattr("dgr.models.resolve_model", lambda m: Path("/m.gguf"))
-    monkeypatch.setattr(rt, "model_n_layer", lambda m: 30)
-    monkeypatch.setattr(rt, "ensure_worker", lambda **kw: Path("/w"))
-    monkeypatch.setattr(rt, "run_local", fake_run_local)
+    monkeypatch.setattr("dgr.gguf.models.resolve_model", lambda m: Path("/m.gguf"))
+    monkeypatch.setattr(local, "model_n_layer", lambda m: 30)
+    monkeypatch.setattr(local, "ensure_worker", lambda **kw: Path("/w"))
+    monkeypatch.setattr(route_run, "run_local", fake_run_local)
     r = CliRunner().invoke(app, ["demo", "--max-tokens", "8"])
     assert r.exit_code == 0, r.output
     assert seen["llama_baseline"] is True and seen["parity"] is True and seen["max_tokens"] == 8

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dgr.bench import gate_judge as gj
-from dgr.bench_contract import check
+from dgr.bench.contract import check
 
 from gitfixtures import git
 

@@ -73,7 +73,7 @@ def test_teacher_forced_scoring_matches_torch(tiny_ckpt, hf_route):
 
 
 def test_capability_and_cleanup(hf_route):
-    from meshnet_adapter.client import WorkerClient
+    from dgr.protocol.client import WorkerClient
 
     head, tail = (WorkerClient(e, timeout=30) for e in hf_route.endpoints)
     with head, tail:
@@ -89,7 +89,7 @@ def test_capability_and_cleanup(hf_route):
 
 
 def test_protocol_faults_answer_documented_reasons(hf_route):
-    from meshnet_adapter.route_driver import RouteDriver
+    from dgr.route.driver import RouteDriver
 
     from dgr.shard.v1 import shard_runtime_pb2 as pb
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dgr import identity
+from dgr.gguf import identity
 from dgr.errors import DgrError
-from dgr.gguf_inspect import GgufError, open_gguf
-from dgr.gguf_synth import SynthSpec, synthesize
-from dgr.identity import Manifest, ManifestError, TensorEntry
+from dgr.gguf.inspect import GgufError, open_gguf
+from dgr.gguf.synth import SynthSpec, synthesize
+from dgr.gguf.identity import Manifest, ManifestError, TensorEntry
 
 
 @pytest.fixture(autouse=True)

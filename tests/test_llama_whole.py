@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dgr.llama_whole import batched_bench_command, parse_rows
+from dgr.route.llama_whole import batched_bench_command, parse_rows
 
 LINES = """\
 main: n_kv_max = 480 (log line, ignored)
@@ -44,16 +44,16 @@ def _stand_in(tmp_path: Path, body: str) -> Path:
 
 
 def test_measure_runs_the_tool_and_reads_its_rows(tmp_path, monkeypatch):
-    from dgr import route as rt
-    from dgr.llama_whole import measure_whole_llama
+    from dgr.route import local
+    from dgr.route.llama_whole import measure_whole_llama
 
     args = tmp_path / "args"
     lines = tmp_path / "out.jsonl"
     lines.write_text(LINES)
     exe = _stand_in(tmp_path, f'echo "$@" > {args}\necho "log line" >&2\ncat {lines}\n')
-    monkeypatch.setattr("dgr.build.tool_binary", lambda name, backend="cpu": exe)
-    monkeypatch.setattr(rt, "model_n_layer", lambda m: 30)
-    monkeypatch.setattr(rt, "kv_bytes_per_cell", lambda m, a, b: 1000 if (a, b) == (0, 30) else 0)
+    monkeypatch.setattr("dgr.upstream.build.tool_binary", lambda name, backend="cpu": exe)
+    monkeypatch.setattr(local, "model_n_layer", lambda m: 30)
+    monkeypatch.setattr(local, "kv_bytes_per_cell", lambda m, a, b: 1000 if (a, b) == (0, 30) else 0)
     got = measure_whole_llama(Path("/m.gguf"), threads=3, n_prompt=40, n_gen=16, sessions=(4, 1, 4))
     assert args.read_text().split() == got.command[1:]
     assert got.command[got.command.index("-t") + 1] == "3" and got.command[got.command.index("-npl") + 1] == "1,4"
@@ -64,9 +64,9 @@ def test_measure_runs_the_tool_and_reads_its_rows(tmp_path, monkeypatch):
 
 def test_measure_fails_with_the_tools_exit_and_stderr(tmp_path, monkeypatch):
     from dgr.errors import DgrError
-    from dgr.llama_whole import measure_whole_llama
+    from dgr.route.llama_whole import measure_whole_llama
 
     exe = _stand_in(tmp_path, 'echo "error: failed to load model" >&2\nexit 3\n')
-    monkeypatch.setattr("dgr.build.tool_binary", lambda name, backend="cpu": exe)
+    monkeypatch.setattr("dgr.upstream.build.tool_binary", lambda name, backend="cpu": exe)
     with pytest.raises(DgrError, match=r"exit 3\): error: failed to load model"):
         measure_whole_llama(Path("/m.gguf"), threads=1, n_prompt=8, n_gen=4)

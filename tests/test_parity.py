@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dgr.memory_probe import ShardSpec, owned_tensors, parity, probe
+from dgr.bench.memory_probe import ShardSpec, owned_tensors, parity, probe
 
 pytestmark = pytest.mark.native
 
@@ -43,7 +43,7 @@ def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _synth(tmp: Path, *, tied: bool, dtype: str, seed: int) -> Path:
-    from dgr.gguf_synth import SynthSpec, synthesize
+    from dgr.gguf.synth import SynthSpec, synthesize
 
     return synthesize(SynthSpec(arch="llama", n_layer=N_LAYER, tied=tied, dtype=dtype, seed=seed),
                       tmp / f"llama-{'tied' if tied else 'untied'}-{dtype}.gguf")
@@ -118,7 +118,7 @@ def test_the_harness_reports_a_real_difference(parity_bin: Path, tmp_path: Path)
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_slice_files_match_whole_model(parity_bin: Path, tmp_path: Path, tied: bool) -> None:
-    from dgr.gguf_slice import LayerRange, slice_gguf
+    from dgr.gguf.slice import LayerRange, slice_gguf
 
     model = _synth(tmp_path, tied=tied, dtype="q8_0", seed=5)
     ranges = [(0, 2), (2, 5), (5, 6)]

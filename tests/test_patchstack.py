@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from gitfixtures import LINES, PATCH_BODY, commit_file, fake_checkout, git, make_upstream  # noqa: E402
 
-from dgr import patchstack  # noqa: E402
+from dgr.upstream import patchstack  # noqa: E402
 from dgr.errors import DgrError  # noqa: E402
 
 

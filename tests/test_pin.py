@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from gitfixtures import commit_file, fake_checkout, make_upstream  # noqa: E402
 
-from dgr import pin as pin_mod  # noqa: E402
+from dgr.upstream import pin as pin_mod  # noqa: E402
 from dgr.errors import DgrError  # noqa: E402
 
 

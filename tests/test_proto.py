@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dgr import bundle as B
-from dgr import protogen
-from dgr import protovectors as V
+from dgr.protocol import bundle as B
+from dgr.protocol import protogen
+from dgr.protocol import vectors as V
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 from dgr.shard.v1 import shard_runtime_pb2_grpc as pb_grpc
 

@@ -27,7 +27,7 @@ def _load(exe: Path, model: Path, rng: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_other_architecture_with_a_range_fails_closed(parity_bin: Path, tmp_path: Path, arch: str) -> None:  # noqa: F811
-    from dgr.gguf_synth import SynthSpec, synthesize
+    from dgr.gguf.synth import SynthSpec, synthesize
 
     model = synthesize(SynthSpec(arch=arch, n_layer=4, tied=True, seed=1), tmp_path / f"{arch}.gguf")
     for rng in ("0:2", "2:4", "1:3"):
@@ -42,7 +42,7 @@ def test_other_architecture_with_a_range_fails_closed(parity_bin: Path, tmp_path
 
 
 def test_bad_range_is_refused(parity_bin: Path, tmp_path: Path) -> None:  # noqa: F811
-    from dgr.gguf_synth import SynthSpec, synthesize
+    from dgr.gguf.synth import SynthSpec, synthesize
 
     model = synthesize(SynthSpec(arch="llama", n_layer=4, seed=2), tmp_path / "llama.gguf")
     for rng in ("0:5", "3:3", "3:2"):
@@ -52,8 +52,8 @@ def test_bad_range_is_refused(parity_bin: Path, tmp_path: Path) -> None:  # noqa
 
 
 def test_slice_cannot_claim_layers_it_does_not_hold(parity_bin: Path, tmp_path: Path) -> None:  # noqa: F811
-    from dgr.gguf_slice import LayerRange, slice_gguf
-    from dgr.gguf_synth import SynthSpec, synthesize
+    from dgr.gguf.slice import LayerRange, slice_gguf
+    from dgr.gguf.synth import SynthSpec, synthesize
 
     model = synthesize(SynthSpec(arch="llama", n_layer=4, seed=3), tmp_path / "llama.gguf")
     tail = slice_gguf(model, LayerRange(2, 4), tmp_path / "tail.gguf", progress=False).path

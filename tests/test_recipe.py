@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dgr import recipe as R
+from dgr.gguf import recipe as R
 from dgr.errors import DgrError
-from dgr.gguf_slice import LayerRange, slice_gguf
-from dgr.gguf_synth import SynthSpec, synthesize
+from dgr.gguf.slice import LayerRange, slice_gguf
+from dgr.gguf.synth import SynthSpec, synthesize
 
 REPO = Path(__file__).resolve().parent.parent
 VECTORS = REPO / "tests" / "vectors" / "fingerprint"
@@ -66,7 +66,7 @@ def test_committed_vectors_match_the_generator(tmp_path: Path) -> None:
     R.write_vectors(tmp_path)
     for name in ("recipes.txt", "sha256.txt"):
         assert (VECTORS / name).read_text() == (tmp_path / name).read_text(), \
-            f"tests/vectors/fingerprint/{name} drifted: run `python -m dgr.recipe write-vectors`"
+            f"tests/vectors/fingerprint/{name} drifted: run `python -m dgr.gguf.recipe write-vectors`"
 
 
 def test_vectors_agree_with_python() -> None:

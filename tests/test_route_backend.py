@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 
-from dgr.recipe import Registry
+from dgr.gguf.recipe import Registry
 from meshnet_adapter.backend import BackendConfig, BackendError, GgufShardBackend, RestartPolicy
-from meshnet_adapter.client import Sampling
+from dgr.protocol.client import Sampling
 from meshnet_adapter.routing import NoRoute, form_routes
-from meshnet_adapter.worker_process import WorkerProcess
+from dgr.route.supervisor import WorkerProcess
 
 pytestmark = pytest.mark.native
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dgr import route_bench
-from dgr.route_bench import _floor_summary, _median_profile, _profile, _rpc_summary, floor_lines, profile_lines
+from dgr.bench import route as route_bench
+from dgr.bench.route import _floor_summary, _median_profile, _profile, _rpc_summary, floor_lines, profile_lines
 
 
 def counters(busy: float, batches: float, rows: float) -> dict[str, float]:
@@ -97,9 +97,9 @@ print(json.dumps([{"n_prompt": p, "n_gen": n, "n_depth": d, "avg_ts": 500.0 if p
                    "stddev_ts": 1.0}]))
 """)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    import dgr.build
+    import dgr.upstream.build
 
-    monkeypatch.setattr(dgr.build, "tool_binary", lambda name, backend="cpu": fake)
+    monkeypatch.setattr(dgr.upstream.build, "tool_binary", lambda name, backend="cpu": fake)
     r = route_bench._llama_bench(Path("m.gguf"), 2, 128, 64, 1, "cpu")
     assert r["pp_tok_s"] == 500.0
     assert r["tg_depth"] == 128 and r["tg_tok_s"] == pytest.approx(87.2)
@@ -129,7 +129,7 @@ def test_steal_is_a_share_of_cpu_time_and_reported_only_when_present(monkeypatch
 
 
 def test_repeat_lines_show_every_repeat_behind_a_target_ratio():
-    from dgr.route_bench import repeat_lines
+    from dgr.bench.route import repeat_lines
 
     doc = {"ratios": {"paired_per_repeat": {"route_decode_vs_llama_bench_tg": [0.78, 0.91, 0.8],
                                             "route_prefill_vs_llama_bench_pp": []}}}

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from dgr.route import parse_split
+from dgr.route.local import parse_split
 from dgr.errors import DgrError
-from meshnet_adapter.worker_process import WorkerProcess
+from dgr.route.supervisor import WorkerProcess
 
 pytestmark = pytest.mark.native
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from meshnet_adapter.route_driver import RouteDriver, RouteError, Sampling
+from dgr.route.driver import RouteDriver, RouteError, Sampling
 from fakeroute import start_fake, start_fake_routes
 
 pytestmark = pytest.mark.native

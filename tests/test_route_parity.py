@@ -1,8 +1,9 @@
-"""Parity and isolation judgements of dgr.route (pure Python, no worker)."""
+"""Parity and isolation judgements of dgr.route.parity (pure Python, no worker)."""
 
 from __future__ import annotations
 
-from dgr.route import RunReport, SessionReport, compare, isolation
+from dgr.route.sessions import RunReport, SessionReport
+from dgr.route.parity import compare, isolation
 
 
 def _s(i, tokens, tops):

@@ -8,8 +8,11 @@ import os
 
 import pytest
 
-from dgr.route import LocalRoute, _sequential, compare, isolation, run_sessions
-from meshnet_adapter.route_driver import RouteDriver, Sampling
+from dgr.route.local import LocalRoute
+from dgr.route.run import _sequential
+from dgr.route.sessions import run_sessions
+from dgr.route.parity import compare, isolation
+from dgr.route.driver import RouteDriver, Sampling
 
 pytestmark = [pytest.mark.real, pytest.mark.native]
 
@@ -84,7 +87,7 @@ def test_four_concurrent_sessions_isolated_and_released(routes):
 
 def test_relayed_real_route_equals_direct(routes):
     """The same frames through a byte relay (loopback, 1000-byte pieces) to the real workers."""
-    from meshnet_adapter.relay_bridge import LoopbackRelay, RelayBridge
+    from dgr.protocol.relay import LoopbackRelay, RelayBridge
 
     r, _ = routes
 
@@ -114,7 +117,7 @@ def test_relayed_real_route_equals_direct(routes):
 
 
 def test_backend_registers_the_exact_recipe_and_forms_a_route(smollm2_path, native_bin, tmp_path):
-    from dgr.recipe import load_registry, recipe_for
+    from dgr.gguf.recipe import load_registry, recipe_for
     from meshnet_adapter.backend import BackendConfig, GgufShardBackend
     from meshnet_adapter.routing import NoRoute, form_routes
 

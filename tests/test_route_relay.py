@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from meshnet_adapter.relay_bridge import LoopbackRelay, RelayBridge
-from meshnet_adapter.route_driver import RouteDriver
-from meshnet_adapter.worker_process import WorkerProcess
+from dgr.protocol.relay import LoopbackRelay, RelayBridge
+from dgr.route.driver import RouteDriver
+from dgr.route.supervisor import WorkerProcess
 
 pytestmark = pytest.mark.native
 
@@ -61,7 +61,7 @@ def test_relayed_route_gives_the_direct_routes_tokens(workers):
 def test_relay_carries_structured_errors_and_status(workers):
     """A shard error frame and a gRPC status both come back through the relay unchanged."""
     from dgr.shard.v1 import shard_runtime_pb2 as pb
-    from meshnet_adapter.relay_bridge import RelayRpcError, RelayStub
+    from dgr.protocol.relay import RelayRpcError, RelayStub
 
     async def main():
         bridge = await RelayBridge(workers["4:8"].target).start()

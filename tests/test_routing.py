@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from dgr.errors import DgrError
-from dgr.recipe import Registry, RegistryEntry, RuntimeRecipe
+from dgr.gguf.recipe import Registry, RegistryEntry, RuntimeRecipe
 from meshnet_adapter.registration import Capacity, make_registration
-from meshnet_adapter.relay import FrameDecoder, FrameTooLarge, encode_frame
+from dgr.protocol.relay import FrameDecoder, FrameTooLarge, encode_frame
 from meshnet_adapter.routing import NoRoute, form_routes
 
 ART = "a" * 64

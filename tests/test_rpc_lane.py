@@ -1,4 +1,4 @@
-"""llama.cpp RPC lane (dgr.rpc_lane): tensor split from a route split, the commands, placement
+"""llama.cpp RPC lane (dgr.bench.rpc): tensor split from a route split, the commands, placement
 checks, the skipped-with-reason paths and process cleanup (fake binaries, no build, no model);
 plus one real run over two rpc-servers (real lane, and only when build/cpu-rpc is built)."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dgr import build as build_mod
-from dgr import rpc_lane
+from dgr.upstream import build as build_mod
+from dgr.bench import rpc as rpc_lane
 from dgr.errors import DgrError
 
 REPO = Path(__file__).resolve().parent.parent

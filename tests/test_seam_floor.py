@@ -25,7 +25,7 @@ def _run(exe: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _synth(tmp: Path) -> Path:
-    from dgr.gguf_synth import SynthSpec, synthesize
+    from dgr.gguf.synth import SynthSpec, synthesize
 
     return synthesize(SynthSpec(arch="llama", n_layer=6, tied=True, dtype="f32", seed=5), tmp / "llama.gguf")
 

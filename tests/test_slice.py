@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dgr import identity
+from dgr.gguf import identity
 from dgr.errors import DgrError
-from dgr.gguf_inspect import GgufError, open_gguf
-from dgr.gguf_slice import LayerRange, SliceError, slice_gguf, verify_slice
-from dgr.gguf_synth import SynthSpec, synthesize
+from dgr.gguf.inspect import GgufError, open_gguf
+from dgr.gguf.slice import LayerRange, SliceError, slice_gguf, verify_slice
+from dgr.gguf.synth import SynthSpec, synthesize
 
 N = 4
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dgr.errors import DgrError
-from dgr.gguf_inspect import open_gguf
-from dgr.gguf_synth import SynthSpec, spm_vocab, synthesize
+from dgr.gguf.inspect import open_gguf
+from dgr.gguf.synth import SynthSpec, spm_vocab, synthesize
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dgr import worker_bench as wb
+from dgr.bench import worker as wb
 
 
 def test_saturation_is_the_last_level_that_still_grew():

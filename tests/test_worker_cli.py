@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgr.main import app
-from meshnet_adapter.client import WorkerClient
+from dgr.protocol.client import WorkerClient
 
 
 def test_serve_dry_run_maps_flags():

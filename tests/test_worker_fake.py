@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from dgr.shard.v1 import shard_runtime_pb2 as pb
-from meshnet_adapter.client import Sampling, ShardError, WorkerError, WorkerUnavailable, boundary_rows, sampled
-from meshnet_adapter.worker_process import WorkerProcess
+from dgr.protocol.client import Sampling, ShardError, WorkerError, WorkerUnavailable, boundary_rows, sampled
+from dgr.route.supervisor import WorkerProcess
 from fakeroute import poll
 
 pytestmark = pytest.mark.native
@@ -516,7 +516,7 @@ def test_stream_deadline_releases_the_session(worker_bin):
 def test_async_client_eight_sessions_match_sync(worker):
     import asyncio
 
-    from meshnet_adapter.client import AsyncWorkerClient
+    from dgr.protocol.client import AsyncWorkerClient
 
     ref = [run_alone(worker.client(), p, n=8) for p in PROMPTS]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dgr.shard.v1 import shard_runtime_pb2 as pb
-from meshnet_adapter.client import Sampling, ShardError, WorkerError, sampled
-from meshnet_adapter.worker_process import WorkerProcess
+from dgr.protocol.client import Sampling, ShardError, WorkerError, sampled
+from dgr.route.supervisor import WorkerProcess
 from fakeroute import poll
 
 pytestmark = pytest.mark.native

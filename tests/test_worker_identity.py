@@ -1,7 +1,7 @@
 """A bare `dgr-worker serve --model FILE` (no --fingerprint/--artifact-id, which `dgr worker
 serve` computes in Python and passes) computes the real identity itself
-(worker/src/common/identity.cpp): the artifact id of dgr.identity.identify and the fingerprint
-of dgr.recipe.recipe_for, for whole artifacts (tied/untied, f32/q8_0) and slices (which serve
+(worker/src/common/identity.cpp): the artifact id of dgr.gguf.identity.identify and the fingerprint
+of dgr.gguf.recipe.recipe_for, for whole artifacts (tied/untied, f32/q8_0) and slices (which serve
 their source's identity). A truncated or unsupported file makes it refuse to start."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from dgr import identity
-from dgr.gguf_slice import LayerRange, slice_gguf
-from dgr.gguf_synth import SynthSpec, synthesize
-from dgr.recipe import recipe_for
-from meshnet_adapter.worker_process import WorkerProcess
+from dgr.gguf import identity
+from dgr.gguf.slice import LayerRange, slice_gguf
+from dgr.gguf.synth import SynthSpec, synthesize
+from dgr.gguf.recipe import recipe_for
+from dgr.route.supervisor import WorkerProcess
 
 pytestmark = pytest.mark.native
 

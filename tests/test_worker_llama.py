@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dgr.gguf_synth import SynthSpec, synthesize
+from dgr.gguf.synth import SynthSpec, synthesize
 from dgr.shard.v1 import shard_runtime_pb2 as pb
-from meshnet_adapter.client import Sampling, ShardError, WorkerClient, boundary_rows, sampled
-from meshnet_adapter.worker_process import WorkerProcess
+from dgr.protocol.client import Sampling, ShardError, WorkerClient, boundary_rows, sampled
+from dgr.route.supervisor import WorkerProcess
 
 pytestmark = pytest.mark.native
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from meshnet_adapter.client import WorkerClient, WorkerError
-from meshnet_adapter.worker_process import WorkerProcess
+from dgr.protocol.client import WorkerClient, WorkerError
+from dgr.route.supervisor import WorkerProcess
 
 pytestmark = pytest.mark.native
 

@@ -23,8 +23,8 @@ app = typer.Typer(
 
 
 def _version_text() -> str:
-    from . import pin as pin_mod
-    from . import patchstack
+    from .upstream import pin as pin_mod
+    from .upstream import patchstack
 
     lines = [f"dgr {__version__}"]
     try:

@@ -1,1 +1,2 @@
-"""Benchmarks and baselines (the transformers lane, the release gate)."""
+"""Benchmarks: the worker, the route, llama.cpp lanes (bench, batched-bench, RPC), the Transformers baseline,
+the Transformers shard worker and the release gate."""

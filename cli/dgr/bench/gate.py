@@ -72,7 +72,7 @@ class GateConfig:
 # ---- inputs ----------------------------------------------------------------------------------
 
 def inputs(hf_dir: Path, cfg: GateConfig) -> dict[str, Any]:
-    from ..baseline import _tokenize, load_inputs
+    from .baseline import _tokenize, load_inputs
 
     text, prompts = load_inputs()
     text_ids, prompt_ids = _tokenize(hf_dir, text, prompts)
@@ -91,9 +91,9 @@ async def score_text(endpoints: Sequence[str], ids: Sequence[int], *, chunk: int
     """Teacher-forced scoring through the route, chunk by chunk (one session per chunk): each
     position's top-1 id and the logprob of the text's next token (clipped at the k-th logprob
     when it is not among the top k)."""
-    from meshnet_adapter.route_driver import RouteDriver, Sampling, _Stream
+    from ..route.driver import RouteDriver, Sampling, _Stream
 
-    from ..bundle import frame_payload_checksum
+    from ..protocol.bundle import frame_payload_checksum
     from ..shard.v1 import shard_runtime_pb2 as pb
 
     d = await RouteDriver(list(endpoints), chain=False).connect()
@@ -157,7 +157,7 @@ async def score_text(endpoints: Sequence[str], ids: Sequence[int], *, chunk: int
 
 async def greedy(endpoints: Sequence[str], prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
     """Greedy tokens per fixed prompt, one session at a time (exact parity is per session)."""
-    from meshnet_adapter.route_driver import RouteDriver, Sampling
+    from ..route.driver import RouteDriver, Sampling
 
     d = await RouteDriver(list(endpoints)).connect()
     try:
@@ -175,9 +175,9 @@ async def greedy(endpoints: Sequence[str], prompts: Sequence[Sequence[int]], n: 
 def timing(endpoints: Sequence[str], pids: Sequence[int], ranges: Sequence[str], prompts: Sequence[Sequence[int]],
            n_gen: int) -> dict[str, Any]:
     """One concurrent run (one session per prompt): speeds, token latencies, memory, KV, cleanup."""
-    from meshnet_adapter.route_driver import Sampling
+    from ..route.driver import Sampling
 
-    from ..route import WorkerStats, run_sessions
+    from ..route.sessions import WorkerStats, run_sessions
 
     stats = [WorkerStats(r, e, p) for r, e, p in zip(ranges, endpoints, pids)]
     rep = asyncio.run(run_sessions(list(endpoints), [""] * len(prompts), token_prompts=[list(p) for p in prompts],
@@ -231,11 +231,11 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
     """Measure every route and yardstick; returns the ``dgr.bench.gate/1`` document."""
     from contextlib import ExitStack
 
-    from ..hf_export import prepare, require_baseline_extra, sha256_file
-    from ..llama_lane import CommandLog
-    from ..models import model_dir
-    from ..route import LocalRoute, ensure_worker
-    from ..route_bench import _batched_bench, _llama_bench
+    from .hf_export import prepare, require_baseline_extra, sha256_file
+    from .llama_lane import CommandLog
+    from ..gguf.models import model_dir
+    from ..route.local import LocalRoute, ensure_worker
+    from .route import _batched_bench, _llama_bench
     from .hf_route import HfRoute, whole_model_greedy
 
     require_baseline_extra()

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from ..bench_contract import RESULTS_SCHEMA, Threshold, _get, _num, build_contract, check
+from .contract import RESULTS_SCHEMA, Threshold, _get, _num, build_contract, check
 from .gate import GGUF_ROUTES, SAFETENSORS
 
 CONTRACT = "evidence/DGR-001/performance-contract.json"

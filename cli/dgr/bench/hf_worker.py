@@ -47,7 +47,7 @@ import grpc
 import numpy as np
 
 from .. import __version__
-from ..bundle import ShardProtocolError, boundary_bundle, check_request, frame_payload_checksum, read_boundary
+from ..protocol.bundle import ShardProtocolError, boundary_bundle, check_request, frame_payload_checksum, read_boundary
 from ..shard.v1 import shard_runtime_pb2 as pb
 from ..shard.v1 import shard_runtime_pb2_grpc as pbg
 
@@ -68,7 +68,7 @@ def fingerprint_of(recipe: str) -> str:
 
 def artifact_id_of(model_dir: Path) -> str:
     """sha256 of the single safetensors file (or of "name sha" lines for several), as DGR-001."""
-    from ..hf_export import sha256_file
+    from .hf_export import sha256_file
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

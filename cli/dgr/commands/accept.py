@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from .. import evidence
+from ..accept import evidence
 from ..errors import DgrError
 
 
@@ -38,7 +38,7 @@ def accept(
         return
     if all_ and story_id:
         raise DgrError("name one story or use --all, not both")
-    from ..models import resolve_model
+    from ..gguf.models import resolve_model
 
     model_path = resolve_model(model) if model else None
     if all_:

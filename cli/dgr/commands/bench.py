@@ -20,8 +20,8 @@ def baseline(
     quick: bool = typer.Option(False, "--quick", help="Short prompts and outputs: a smoke run of a few minutes."),
 ) -> None:
     """Transformers/safetensors (fp32, bf16) vs whole-model llama.cpp (F32, Q8_0, Q4_1), side by side."""
-    from .. import baseline as bl
-    from ..models import resolve_model
+    from ..bench import baseline as bl
+    from ..gguf.models import resolve_model
 
     src = resolve_model(model)
     cfg = bl.BaselineConfig.make(device=device, threads=threads, quick=quick)
@@ -40,7 +40,7 @@ def contract(
     out: Path = typer.Option(Path("performance-contract.json"), "--out", help="Where to write the contract."),
 ) -> None:
     """Write a performance contract from baseline results (`dgr accept DGR-001` does this)."""
-    from .. import bench_contract as bc
+    from ..bench import contract as bc
 
     doc = json.loads(results.read_text())
     c = bc.build_contract(doc)
@@ -55,7 +55,7 @@ def check(
     contract: Path = typer.Option(..., "--contract", help="evidence/DGR-001/performance-contract.json"),
 ) -> None:
     """Evaluate results against the contract: pass/fail per threshold; exit 1 on any fail."""
-    from .. import bench_contract as bc
+    from ..bench import contract as bc
 
     c = bc.load_contract(contract)
     r = bc.load_results(results)
@@ -85,9 +85,9 @@ def route(
     out: Path = typer.Option(Path("route-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """2-shard route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads."""
-    from .. import route_bench as rb
-    from ..models import resolve_model
-    from ..route import parse_split
+    from ..bench import route as rb
+    from ..gguf.models import resolve_model
+    from ..route.local import parse_split
 
     cfg = rb.RouteBenchConfig(split=tuple(parse_split(split)), threads=threads or 0, n_prompt=n_prompt,
                               n_gen=n_gen, repeats=repeats, rpc=rpc)
@@ -107,10 +107,10 @@ def gate(
     out: Path = typer.Option(Path("gate.json"), "--out", help="Where to write the measurements JSON."),
 ) -> None:
     """The release gate without evidence: safetensors route vs GGUF F32/Q8_0/Q4_1 routes (needs the baseline extra)."""
-    from .. import bench_contract as bc
+    from ..bench import contract as bc
     from ..bench import gate as g
     from ..bench import gate_judge as gj
-    from ..models import resolve_model
+    from ..gguf.models import resolve_model
 
     c = bc.load_contract(contract)
     doc = g.run_gate(resolve_model(model), g.GateConfig.make(threads=threads, quick=quick),
@@ -138,8 +138,8 @@ def worker(
 ) -> None:
     """One dgr-worker (whole model): aggregate decode tok/s per session count next to llama-batched-bench."""
     from .. import paths
-    from .. import worker_bench as wb
-    from ..models import resolve_model
+    from ..bench import worker as wb
+    from ..gguf.models import resolve_model
 
     levels = tuple(int(x) for x in sessions.split(",") if x.strip())
     cfg = wb.WorkerBenchConfig(levels=levels, prompt_tokens=n_prompt, gen_tokens=n_gen, threads=threads,

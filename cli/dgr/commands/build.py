@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .. import build as build_mod
+from ..upstream import build as build_mod
 
 app = typer.Typer()
 

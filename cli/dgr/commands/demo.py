@@ -20,30 +20,31 @@ def demo(
     """Split the default model over two local workers, run 4 chat prompts concurrently with live
     output, check greedy parity against the whole model and print TTFT/throughput/memory, next
     to the whole model on one dgr-worker and stock llama.cpp (llama-batched-bench)."""
-    from .. import route as rt
     from ..errors import DgrError
-    from ..models import resolve_model
+    from ..gguf.models import resolve_model
+    from ..route import local, report, sessions
+    from ..route import run as route_run
 
     log = lambda m: typer.echo(f"dgr demo: {m}", err=True)  # noqa: E731
     src = resolve_model(model)
-    rng = rt.parse_split(split)
-    n_layer = rt.model_n_layer(src)
+    rng = local.parse_split(split)
+    n_layer = local.model_n_layer(src)
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; {src.name} has {n_layer} layers")
-    rt.ensure_worker(log=log)
+    local.ensure_worker(log=log)
     log(f"model {src.name}: {n_layer} layers, route {split} on {len(rng)} local worker processes")
-    prompts = list(rt.DEFAULT_PROMPTS)
+    prompts = list(sessions.DEFAULT_PROMPTS)
     for i, p in enumerate(prompts):
         typer.echo(f"[{i}] user: {p}")
     typer.echo("")
-    res = rt.run_local(src, rng, prompts, max_tokens=max_tokens, parity=True, threads=threads,
-                       on_text=lambda i, t: typer.echo(f"[{i}] {t}".replace("\n", " ")), log=log,
-                       llama_baseline=True)
+    res = route_run.run_local(src, rng, prompts, max_tokens=max_tokens, parity=True, threads=threads,
+                              on_text=lambda i, t: typer.echo(f"[{i}] {t}".replace("\n", " ")), log=log,
+                              llama_baseline=True)
     typer.echo("")
     for s in res.route.sessions:
         typer.echo(f"[{s.index}] assistant: {s.text.strip()}" if s.error is None else f"[{s.index}] error: {s.error}")
     typer.echo("")
-    typer.echo(rt.summary_table(res))
+    typer.echo(report.summary_table(res))
     if out:
         out.write_text(json.dumps(res.to_json(), indent=2) + "\n")
         typer.echo(f"report written to {out}")

@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from .. import gguf_inspect, gguf_slice, gguf_synth, identity
-from ..models import resolve_model
+from ..gguf import inspect as gguf_inspect, slice as gguf_slice, synth as gguf_synth, identity
+from ..gguf.models import resolve_model
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -138,7 +138,7 @@ def recipe_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """The runtime recipe a Shard of this GGUF (artifact or slice) would serve, its fingerprint and registry status."""
-    from .. import recipe as recipe_mod
+    from ..gguf import recipe as recipe_mod
 
     r = recipe_mod.recipe_for(resolve_model(file), backend=backend, activation_dtype=activation_dtype,
                               kv_dtype=kv_dtype)

@@ -7,8 +7,9 @@ from typing import Optional
 
 import typer
 
-from .. import paths, patchstack
-from .. import pin as pin_mod
+from .. import paths
+from ..upstream import patchstack
+from ..upstream import pin as pin_mod
 from ..errors import DgrError
 
 app = typer.Typer(no_args_is_help=True)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .. import pin as pin_mod
+from ..upstream import pin as pin_mod
 
 app = typer.Typer(no_args_is_help=True)
 

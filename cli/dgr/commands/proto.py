@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .. import protogen
+from ..protocol import protogen
 from ..errors import DgrError
 
 app = typer.Typer(no_args_is_help=True)
@@ -34,7 +34,7 @@ def vectors(
     write: bool = typer.Option(False, "--write", help="(Re)write tests/vectors/proto/ from the generator."),
 ) -> None:
     """Check (default) or write the golden binary frames under tests/vectors/proto/."""
-    from .. import protovectors  # numpy + generated code: imported only when used
+    from ..protocol import vectors as protovectors  # numpy + generated code: imported only when used
 
     if write:
         for path in protovectors.write():

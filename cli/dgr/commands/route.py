@@ -15,7 +15,7 @@ app = typer.Typer(no_args_is_help=True)
 
 
 def _prompts(prompt: Optional[str], prompts_file: Optional[Path], sessions: int) -> list[str]:
-    from ..route import DEFAULT_PROMPTS
+    from ..route.sessions import DEFAULT_PROMPTS
 
     if prompt and prompts_file:
         raise DgrError("give --prompt or --prompts, not both")
@@ -35,7 +35,7 @@ def _prompts(prompt: Optional[str], prompts_file: Optional[Path], sessions: int)
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, seed: int):
-    from meshnet_adapter.route_driver import Sampling
+    from ..route.driver import Sampling
 
     if temperature < 0:
         raise DgrError("--temperature must be >= 0 (0 = greedy)")
@@ -70,20 +70,22 @@ def run(
     fake: bool = typer.Option(False, "--fake", hidden=True, help="Fake-model workers (tests)."),
 ) -> None:
     """Start one local worker per shard of the split, run the sessions concurrently, print metrics."""
-    from .. import route as rt
-    from ..models import resolve_model
+    from ..gguf.models import resolve_model
+    from ..route import local, report
+    from ..route import run as route_run
 
     items = _prompts(prompt, prompts, sessions)
-    rng = rt.parse_split(split)
+    rng = local.parse_split(split)
     src = None if fake else resolve_model(model)
     if src is not None:
-        n_layer = rt.model_n_layer(src)
+        n_layer = local.model_n_layer(src)
         if rng[-1][1] != n_layer:
             raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     log = (lambda m: typer.echo(m, err=True))
-    res = rt.run_local(src, rng, items, max_tokens=max_tokens, sampling=_sampling(temperature, top_k, top_p, seed),
-                       parity=parity, fake=fake, slices=slices, threads=threads, chat=not raw,
-                       on_text=_printer(len(items), as_json), log=log)
+    res = route_run.run_local(src, rng, items, max_tokens=max_tokens,
+                              sampling=_sampling(temperature, top_k, top_p, seed), parity=parity, fake=fake,
+                              slices=slices, threads=threads, chat=not raw, on_text=_printer(len(items), as_json),
+                              log=log)
     if as_json:
         typer.echo(json.dumps(res.to_json(), indent=2))
     else:
@@ -91,7 +93,7 @@ def run(
         for s in res.route.sessions:
             if s.error:
                 typer.echo(f"[{s.index}] error: {s.error}")
-        typer.echo(rt.summary_table(res))
+        typer.echo(report.summary_table(res))
     if not res.route.ok or (res.parity is not None and not res.parity.ok) or (res.isolation is not None and not res.isolation.ok):
         raise typer.Exit(1)
 
@@ -110,11 +112,12 @@ def generate(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Generate through already running workers (`dgr worker serve …`)."""
-    from .. import route as rt
+    from ..route import run as route_run
 
     items = [prompt] * max(1, sessions)
-    rep = rt.generate_remote(shard, items, max_tokens=max_tokens, sampling=_sampling(temperature, top_k, top_p, seed),
-                             chat=not raw, on_text=_printer(len(items), as_json))
+    rep = route_run.generate_remote(shard, items, max_tokens=max_tokens,
+                                    sampling=_sampling(temperature, top_k, top_p, seed), chat=not raw,
+                                    on_text=_printer(len(items), as_json))
     if as_json:
         typer.echo(json.dumps(rep.to_json(), indent=2))
     else:

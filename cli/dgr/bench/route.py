@@ -1,0 +1,593 @@
+"""`dgr bench route`: a 2-shard route against whole-model llama.cpp, in one run, same model and
+threads (DESIGN §8: ratios measured side by side, never absolute times).
+
+Measured, interleaved per repeat so machine noise hits both sides alike; the chained route at
+each concurrency is bracketed by its yardstick (llama-bench at 1 session, llama-batched-bench at
+B = sessions, measured just before and just after it; the targets use the mean of the two):
+- the route (local dgr-workers for the split) through the route driver in its default chained
+  mode (the head forwards boundaries along the chain, the worker generates server-side):
+  single-session prefill (n_prompt tokens -> first token) and decode (n_gen tokens) tok/s,
+  aggregate decode at each concurrency, seam bytes per decode token per seam (the workers'
+  dgr_chain_frame_bytes_sent_total / dgr_chain_frames_sent_total, phase="decode");
+- the same route driven stepwise from Python (``route_stepwise``: one stream per shard, one
+  frame per token per hop), with its per-hop decode round trip and frame bytes;
+- the whole model on one dgr-worker through the same driver (server-side generation; isolates
+  the cost of the seam);
+- whole-model llama.cpp at the pin: ``llama-bench`` (pp at depth 0; tg at depth n_prompt, where
+  the route decodes) and ``llama-batched-bench`` (aggregate tg at B = each concurrency, after
+  its n_prompt prefill);
+- the seam floor (2-shard splits; ``dgr-seam-floor``): the same lock-step generation as the
+  whole model in one process, as head+tail in one process, and as head and tail in two
+  processes over a socketpair, with the route workers' environment: what two processes taking
+  turns on the same cores cost before any transport, against which the route's cost is read;
+- llama.cpp RPC over two local ``rpc-server`` processes when the build has them (GGML_RPC);
+  otherwise recorded as skipped with the reason;
+- the driver's own cost on fake-model workers (CPU and round trip per hop, no model compute).
+
+Targets (issue 6), judged on the chained route: single-session decode >= 90% and prefill >= 95%
+of llama-bench; aggregate decode at 4 sessions >= 90% of llama-batched-bench B=4; seam bytes per
+decode token per seam <= 2 * n_embd * 4 + 256.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import DgrError
+
+SCHEMA = "dgr.bench.route/1"
+
+# each ratio target (issue 6): the paired ratio it is judged on and the least passing value
+TARGET_RATIOS = {
+    "decode_ge_90pct_llama_bench": ("route_decode_vs_llama_bench_tg", 0.90),
+    "prefill_ge_95pct_llama_bench": ("route_prefill_vs_llama_bench_pp", 0.95),
+    "aggregate_decode_B4_ge_90pct_batched_bench": ("route_aggregate_decode_vs_batched_bench_B4", 0.90),
+}
+
+
+@dataclass(frozen=True)
+class RouteBenchConfig:
+    split: tuple[tuple[int, int], ...] = ((0, 15), (15, 30))
+    threads: int = 0               # 0: CPU count
+    n_prompt: int = 128
+    n_gen: int = 64
+    concurrency: tuple[int, ...] = (1, 4)
+    repeats: int = 3
+    rpc: bool = True               # also llama.cpp's RPC split (builds build/<backend>-rpc once)
+    backend: str = "cpu"
+    driver_overhead: bool = True
+
+
+def _prompt(n: int, seed: int, n_vocab: int = 49152) -> list[int]:
+    # deterministic token ids away from the special-token range
+    x, out = seed * 2654435761 % (1 << 32), []
+    for _ in range(n):
+        x = (1103515245 * x + 12345) % (1 << 31)
+        out.append(200 + x % (min(n_vocab, 30000) - 200))
+    return out
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(all, steal) CPU ticks of the host so far (Linux /proc/stat), None where unknown."""
+    try:
+        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        ticks = [int(x) for x in f[1:]]
+        return sum(ticks[:8]), ticks[7] if len(ticks) > 7 else 0
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _steal_since(t0: tuple[int, int] | None) -> float | None:
+    """Share of CPU time the hypervisor took from this VM since ``t0`` (None where unknown).
+    A shared host's bursts of steal slow a measurement without any fault of its own; the share
+    is recorded with every sample so a reader can see which ones a burst hit."""
+    if t0 is None:
+        return None
+    t1 = _cpu_times()
+    if t1 is None or t1[0] <= t0[0]:
+        return None
+    return (t1[1] - t0[1]) / (t1[0] - t0[0])
+
+
+async def _measure(endpoints: list[str], n_prompt: int, n_gen: int, sessions: int, seed: int,
+                   chain: bool | None = None) -> dict[str, Any]:
+    from ..route.driver import Sampling
+
+    from ..route.sessions import run_sessions
+
+    prompts = [_prompt(n_prompt, seed + i) for i in range(sessions)]
+    m0 = _compute_counters(endpoints)
+    c0 = _cpu_times()
+    rep = await run_sessions(endpoints, [""] * sessions, token_prompts=prompts, max_tokens=n_gen,
+                             sampling=Sampling(ignore_eog=True), stop_on_eog=False, label="bench", chain=chain)
+    if not rep.ok:
+        raise DgrError("a benchmark session failed: " + "; ".join(s.error or "" for s in rep.sessions if s.error))
+    s0 = rep.sessions[0]
+    steal = _steal_since(c0)
+    m1 = _compute_counters(endpoints)
+    return {
+        "host_steal_fraction": steal,
+        "profile": _profile(m0, m1, rep.concurrent_decode_tok_s if sessions > 1 else s0.decode_tok_s),
+        "sessions": sessions,
+        "mode": rep.mode,
+        "prefill_tok_s": s0.prefill_tok_s if sessions == 1 else rep.aggregate_prefill_tok_s,
+        # B > 1: the rate while all B sessions decode together, as llama-batched-bench's S_TG (the
+        # first-to-last window also holds the other sessions' prefills); that window's rate is
+        # kept as aggregate_decode_window_tok_s
+        "decode_tok_s": s0.decode_tok_s if sessions == 1 else (rep.concurrent_decode_tok_s
+                                                               or rep.aggregate_decode_tok_s),
+        "aggregate_decode_window_tok_s": rep.aggregate_decode_tok_s,
+        "concurrent_decode_tok_s": rep.concurrent_decode_tok_s,
+        "ttft_s": rep.mean_ttft_s,
+        "seam_bytes_per_decode_token": rep.seam_bytes_per_decode_token,
+        "hop_decode_rtt_s": [statistics.mean(s.hop_decode_rtt_s[i] for s in rep.sessions)
+                             for i in range(len(s0.hop_decode_rtt_s))],
+        "driver_cpu_s": rep.driver_cpu_s,
+        "wall_s": rep.wall_s,
+    }
+
+
+_COUNTERS = ("dgr_decode_only_busy_seconds_total", "dgr_decode_only_batches_total", "dgr_decode_only_rows_total")
+
+
+def _compute_counters(endpoints: list[str]) -> list[dict[str, float]]:
+    from ..protocol.client import WorkerClient
+
+    out = []
+    for ep in endpoints:
+        with WorkerClient(ep, timeout=10) as c:
+            s = {m.name: m.value for m in c.metrics().samples if not m.labels}
+        out.append({k: s.get(k, 0.0) for k in _COUNTERS})
+    return out
+
+
+def _profile(before: list[dict[str, float]], after: list[dict[str, float]], decode_tok_s: float) -> dict[str, Any]:
+    """Where a decode step's time goes: per worker, compute per decode-only batch (inside
+    llama_decode) and rows per batch; the wall time per step (1 / steps per second) minus the
+    shards' compute is what the hand-offs cost (gRPC hops, wake-ups, sampling, the driver)."""
+    per = []
+    for b, a in zip(before, after):
+        n = a["dgr_decode_only_batches_total"] - b["dgr_decode_only_batches_total"]
+        busy = a["dgr_decode_only_busy_seconds_total"] - b["dgr_decode_only_busy_seconds_total"]
+        rows = a["dgr_decode_only_rows_total"] - b["dgr_decode_only_rows_total"]
+        per.append({"decode_batches": n, "compute_ms_per_batch": 1e3 * busy / n if n else 0.0,
+                    "rows_per_batch": rows / n if n else 0.0})
+    rows = per[0]["rows_per_batch"] if per else 0.0
+    step_ms = 1e3 * rows / decode_tok_s if decode_tok_s > 0 and rows else 0.0
+    compute = sum(p["compute_ms_per_batch"] for p in per)
+    return {"workers": per, "step_ms": step_ms, "compute_ms_per_step": compute,
+            "handoff_ms_per_step": step_ms - compute if step_ms else 0.0}
+
+
+def _median_profile(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ps = [r["profile"] for r in runs if r.get("profile")]
+    if not ps:
+        return {}
+    nw = len(ps[0]["workers"])
+    return {"step_ms": statistics.median(p["step_ms"] for p in ps),
+            "compute_ms_per_step": statistics.median(p["compute_ms_per_step"] for p in ps),
+            "handoff_ms_per_step": statistics.median(p["handoff_ms_per_step"] for p in ps),
+            "worker_compute_ms_per_batch": [statistics.median(p["workers"][i]["compute_ms_per_batch"] for p in ps)
+                                            for i in range(nw)],
+            "worker_rows_per_batch": [statistics.median(p["workers"][i]["rows_per_batch"] for p in ps)
+                                      for i in range(nw)]}
+
+
+def profile_lines(doc: dict[str, Any]) -> list[str]:
+    """One line per measured configuration: step time = each shard's compute + hand-offs."""
+    out = []
+    for label, key in (("route", "route"), ("route stepwise", "route_stepwise"), ("whole worker", "whole_worker")):
+        for c, v in sorted((doc.get(key) or {}).items(), key=lambda kv: int(kv[0])):
+            p = v.get("profile") or {}
+            if not p.get("step_ms"):
+                continue
+            parts = " + ".join(f"{x:.2f}" for x in p["worker_compute_ms_per_batch"])
+            out.append(f"profile {label}, {c} session(s): step {p['step_ms']:.2f} ms = compute {parts} ms "
+                       f"+ hand-offs {p['handoff_ms_per_step']:.2f} ms; rows per batch "
+                       + "/".join(f"{x:.2f}" for x in p["worker_rows_per_batch"]))
+    return out
+
+
+def steal_lines(doc: dict[str, Any]) -> list[str]:
+    """The hypervisor's steal during the chained route samples and their yardsticks, when any."""
+    out = []
+    for c, v in sorted(doc.get("route", {}).items(), key=lambda kv: int(kv[0])):
+        route = [r.get("host_steal_fraction") for r in v.get("runs", [])]
+        yard = [y.get("host_steal_fraction") for b in doc.get("yardstick_brackets", {}).get(c, [])
+                for y in (b["before"], b["after"])]
+        if any(x for x in route + yard):
+            fmt = lambda xs: "/".join("?" if x is None else f"{100 * x:.0f}%" for x in xs)  # noqa: E731
+            out.append(f"host steal (CPU time taken by the hypervisor), {c} session(s): route runs {fmt(route)}, "
+                       f"yardsticks before/after {fmt(yard)}")
+    return out
+
+
+def floor_lines(doc: dict[str, Any]) -> list[str]:
+    """The seam floor next to the route: decode tok/s without any transport."""
+    f = doc.get("seam_floor") or {}
+    if f.get("skipped", True):
+        return []
+    out = []
+    for c, v in sorted(f["by_sessions"].items(), key=lambda kv: int(kv[0])):
+        route = doc["route"].get(c, {}).get("decode_tok_s", 0.0)
+        out.append(f"seam floor, {c} session(s), decode tok/s: whole model in one process {v['whole_decode_tok_s']:.1f}, "
+                   f"head+tail in one process {v['in_process_decode_tok_s']:.1f}, head and tail in two processes "
+                   f"over a socketpair {v['two_process_decode_tok_s']:.1f}; the route {route:.1f}"
+                   + ("" if v["same_tokens"] else " (the three ways sampled different ids)"))
+    return out
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _llama_bench(model: Path, threads: int, n_prompt: int, n_gen: int, repeats: int, backend: str) -> dict[str, Any]:
+    """pp at depth 0 and tg at depth ``n_prompt``: the route decodes its n_gen tokens after an
+    n_prompt prompt, and attention over a deeper cache costs more per token (a few % at 128 on
+    SmolLM2, about 30 % at 512), so tg from an empty cache would flatter the yardstick."""
+    from ..upstream.build import tool_binary
+
+    exe = tool_binary("llama-bench", backend)
+    base = [str(exe), "-m", str(model), "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    cmds = [base + ["-p", str(n_prompt), "-n", "0"], base + ["-p", "0", "-n", str(n_gen), "-d", str(n_prompt)]]
+    rows = []
+    for cmd in cmds:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if p.returncode != 0:
+            raise DgrError(f"llama-bench failed: {p.stderr.strip()[-300:]}")
+        rows.extend(json.loads(p.stdout))
+    pp = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
+    tg = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    return {"command": " ; ".join(" ".join(c) for c in cmds), "pp_tok_s": pp["avg_ts"], "tg_tok_s": tg["avg_ts"],
+            "tg_depth": tg.get("n_depth", n_prompt), "pp_stddev": pp.get("stddev_ts"), "tg_stddev": tg.get("stddev_ts")}
+
+
+def _yardstick(model: Path, threads: int, cfg: RouteBenchConfig, sessions: int) -> dict[str, Any]:
+    """Whole-model llama.cpp for one concurrency: llama-bench (pp, tg) at 1 session, else
+    llama-batched-bench at B = sessions (tg as pp_tok_s/tg_tok_s of that batch size)."""
+    c0 = _cpu_times()
+    if sessions == 1:
+        r = _llama_bench(model, threads, cfg.n_prompt, cfg.n_gen, 1, cfg.backend)
+    else:
+        b = _batched_bench(model, threads, cfg.n_prompt, cfg.n_gen, (sessions,), cfg.backend)
+        r = {"command": b["command"], **b["by_batch"][str(sessions)]}
+    return {**r, "host_steal_fraction": _steal_since(c0)}
+
+
+def _bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """A yardstick measured just before and just after the route: the mean of the two."""
+    return {"command": before["command"], "pp_tok_s": (before["pp_tok_s"] + after["pp_tok_s"]) / 2,
+            "tg_tok_s": (before["tg_tok_s"] + after["tg_tok_s"]) / 2, "before": before, "after": after}
+
+
+def _seam_floor(model: Path, *, split: int, threads: int, sessions: int, n_prompt: int, n_gen: int,
+                max_sessions: int, ctx: int, env: dict[str, str], backend: str) -> dict[str, Any]:
+    """``dgr-seam-floor``: the same lock-step generation as the whole model in one process, as
+    head+tail in one process, and as head and tail in two processes over a socketpair (no gRPC)."""
+    from ..upstream.build import tool_binary
+
+    exe = tool_binary("dgr-seam-floor", backend)
+    cmd = [str(exe), "--model", str(model), "--split", str(split), "--threads", str(threads), "--sessions",
+           str(sessions), "--prompt-tokens", str(n_prompt), "--gen-tokens", str(n_gen), "--rounds", "3",
+           "--max-sessions", str(max_sessions), "--ctx-per-session", str(ctx)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **env})
+    if p.returncode != 0:
+        raise DgrError(f"dgr-seam-floor failed: {p.stderr.strip()[-300:]}")
+    doc = json.loads(p.stdout)
+    m = doc["median"]
+    return {"command": " ".join(cmd), "same_tokens": doc["same_tokens"],
+            "whole_ms_per_step": m["whole_ms_per_step"], "in_process_ms_per_step": m["in_process_ms_per_step"],
+            "two_process_ms_per_step": m["two_process_ms_per_step"],
+            "whole_decode_tok_s": sessions * 1e3 / m["whole_ms_per_step"],
+            "in_process_decode_tok_s": sessions * 1e3 / m["in_process_ms_per_step"],
+            "two_process_decode_tok_s": sessions * 1e3 / m["two_process_ms_per_step"]}
+
+
+def _batched_bench(model: Path, threads: int, n_prompt: int, n_gen: int, npl: tuple[int, ...],
+                   backend: str) -> dict[str, Any]:
+    from ..upstream.build import tool_binary
+
+    exe = tool_binary("llama-batched-bench", backend)
+    ctx = max(2048, (n_prompt + n_gen) * max(npl) + 64)
+    cmd = [str(exe), "-m", str(model), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(n_prompt),
+           "-ntg", str(n_gen), "-npl", ",".join(map(str, npl)), "-t", str(threads), "--output-format", "jsonl"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise DgrError(f"llama-batched-bench failed: {p.stderr.strip()[-300:]}")
+    rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    return {"command": " ".join(cmd),
+            "by_batch": {str(r["pl"]): {"pp_tok_s": r["speed_pp"], "tg_tok_s": r["speed_tg"]} for r in rows}}
+
+
+def _floor_summary(floor_runs: dict[int, list[dict[str, Any]]], route_runs: dict[int, list[dict[str, Any]]],
+                   lb_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of the seam floor per concurrency, and ratios paired per repeat: what two
+    processes cost without any transport, and what the route costs on top of that floor."""
+    out: dict[str, Any] = {"skipped": False, "by_sessions": {}, "paired_median": {}}
+    keys = ("whole_decode_tok_s", "in_process_decode_tok_s", "two_process_decode_tok_s")
+    for c, runs in floor_runs.items():
+        if not runs:
+            continue
+        out["by_sessions"][str(c)] = {**{k: statistics.median(r[k] for r in runs) for k in keys},
+                                      "same_tokens": all(r["same_tokens"] for r in runs),
+                                      "command": runs[0]["command"], "runs": runs}
+        pm = out["paired_median"]
+        pm[f"floor_in_process_vs_whole_{c}"] = statistics.median(
+            r["in_process_decode_tok_s"] / r["whole_decode_tok_s"] for r in runs)
+        pm[f"floor_two_process_vs_whole_{c}"] = statistics.median(
+            r["two_process_decode_tok_s"] / r["whole_decode_tok_s"] for r in runs)
+        pm[f"route_decode_vs_floor_two_process_{c}"] = statistics.median(
+            x["decode_tok_s"] / r["two_process_decode_tok_s"] for x, r in zip(route_runs[c], runs))
+        if c == 1:
+            pm["floor_whole_vs_llama_bench_tg"] = statistics.median(
+                r["whole_decode_tok_s"] / lb["tg_tok_s"] for r, lb in zip(runs, lb_runs))
+            pm["floor_two_process_vs_llama_bench_tg"] = statistics.median(
+                r["two_process_decode_tok_s"] / lb["tg_tok_s"] for r, lb in zip(runs, lb_runs))
+    return out
+
+
+def _rpc_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama.cpp's own RPC split (two local rpc-servers, dgr.bench.rpc), median over the repeats."""
+    ok = [r for r in runs if not r.get("skipped")]
+    if not ok:
+        return {"skipped": True, "reason": runs[0].get("reason", "not measured") if runs else "not measured"}
+    return {"skipped": False, "command": ok[0]["command"], "tensor_split": ok[0].get("tensor_split"),
+            "per_server": ok[0].get("per_server"), "warnings": sorted({w for r in ok for w in r.get("warnings", [])}),
+            "pp_tok_s": statistics.median(r["pp_tok_s"] for r in ok),
+            "tg_tok_s": statistics.median(r["tg_tok_s"] for r in ok), "runs": runs}
+
+
+async def _driver_overhead(n_tokens: int = 300) -> dict[str, Any]:
+    """Two fake-model workers: what the driver and gRPC cost per decode step per hop (stepwise,
+    the driver relays every token), and per token in the chained mode (the driver only reads)."""
+    from ..route.driver import RouteDriver
+
+    from ..route.local import LocalRoute
+
+    async def one(chain: bool | None) -> tuple[Any, float, float, str]:
+        d = await RouteDriver(lr.endpoints, chain=chain).connect()
+        try:
+            await d.generate([1, 2, 3], max_tokens=10, stop_on_eog=False)
+            c0, t0 = time.process_time(), time.perf_counter()
+            r = await d.generate([1, 2, 3], max_tokens=n_tokens, stop_on_eog=False)
+            cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+            if r.error is not None:
+                raise DgrError(f"driver overhead run ({d.mode}) failed: {r.error}")
+            return r, cpu, wall, d.mode
+        finally:
+            await d.close()
+
+    with LocalRoute(None, [(0, 4), (4, 8)], fake=True) as lr:
+        r, cpu, wall, _ = await one(False)
+        _, ccpu, cwall, cmode = await one(None)
+    steps = (n_tokens - 1) * 2
+    return {"hops": 2, "decode_tokens": n_tokens,
+            "driver_cpu_per_hop_s": cpu / steps, "wall_per_token_s": wall / n_tokens,
+            "decode_rtt_per_hop_s": [n.decode_step_s for n in r.telemetry.nodes],
+            "chained": {"mode": cmode, "driver_cpu_per_token_s": ccpu / n_tokens, "wall_per_token_s": cwall / n_tokens}}
+
+
+def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    from ..gguf.inspect import open_gguf
+    from ..route.local import LocalRoute, ensure_worker
+
+    say = progress or (lambda _m: None)
+    threads = cfg.threads or os.cpu_count() or 1
+    ensure_worker(cfg.backend, log=say)
+    with open_gguf(model) as gf:
+        n_layer, n_embd = int(gf.n_layer), int(gf.hparam("embedding_length"))
+    if cfg.split[-1][1] != n_layer:
+        raise DgrError(f"split ends at layer {cfg.split[-1][1]}; the model has {n_layer} layers")
+    max_s = max(4, max(cfg.concurrency))
+    route_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+    step_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+    whole_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+    floor_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+    brackets: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+    ctx = cfg.n_prompt + cfg.n_gen + 16
+    say(f"starting route workers {','.join(f'{a}:{b}' for a, b in cfg.split)} and a whole-model worker "
+        f"({threads} threads each)")
+    with LocalRoute(model, cfg.split, threads=threads, max_sessions=max_s, ctx_per_session=ctx,
+                    backend=cfg.backend) as lr, \
+            LocalRoute(model, [(0, n_layer)], threads=threads, max_sessions=max_s, ctx_per_session=ctx,
+                       backend=cfg.backend) as lw:
+        asyncio.run(_measure(lr.endpoints, 16, 4, 1, 999))   # warm up both, both modes
+        asyncio.run(_measure(lr.endpoints, 16, 4, 1, 999, chain=False))
+        asyncio.run(_measure(lw.endpoints, 16, 4, 1, 999))
+        lb_runs: list[dict[str, Any]] = []
+        bb_runs: list[dict[str, Any]] = []
+        rpc_runs: list[dict[str, Any]] = []
+        if cfg.rpc:
+            from .rpc import measure_rpc
+
+            say("llama.cpp RPC lane: building rpc-server and an RPC llama-bench if missing (build/"
+                f"{cfg.backend}-rpc; minutes the first time)")
+        for rep in range(cfg.repeats):
+            # everything interleaved per repeat (a shared host's load drifts over minutes), and the
+            # chained route bracketed by its yardstick: measured just before and just after it
+            for c in cfg.concurrency:
+                yard = "llama-bench" if c == 1 else f"llama-batched-bench B={c}"
+                say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): {yard}, route (chained), {yard}")
+                before = _yardstick(model, threads, cfg, c)
+                route_runs[c].append(asyncio.run(_measure(lr.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100)))
+                after = _yardstick(model, threads, cfg, c)
+                brackets[c].append(_bracket(before, after))
+            lb_runs.append(brackets[min(cfg.concurrency)][-1] if min(cfg.concurrency) == 1 else
+                           _llama_bench(model, threads, cfg.n_prompt, cfg.n_gen, 1, cfg.backend))
+            if cfg.rpc:
+                say(f"repeat {rep + 1}/{cfg.repeats}: llama.cpp RPC split over two local rpc-servers")
+                rpc_runs.append(measure_rpc(model, threads=threads, n_prompt=cfg.n_prompt, n_gen=cfg.n_gen, repeats=1,
+                                            backend=cfg.backend, split=tuple(cfg.split), build_missing=True))
+            for c in cfg.concurrency:
+                say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): route (stepwise), whole-model worker")
+                step_runs[c].append(asyncio.run(_measure(lr.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100,
+                                                         chain=False)))
+                whole_runs[c].append(asyncio.run(_measure(lw.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100)))
+                if len(cfg.split) == 2:
+                    say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): seam floor (whole, head+tail in one "
+                        "process, head and tail in two processes over a socketpair)")
+                    floor_runs[c].append(_seam_floor(model, split=cfg.split[0][1], threads=threads, sessions=c,
+                                                     n_prompt=cfg.n_prompt, n_gen=cfg.n_gen, max_sessions=max_s,
+                                                     ctx=ctx, env=dict(lr.env), backend=cfg.backend))
+            say(f"repeat {rep + 1}/{cfg.repeats}: llama-batched-bench")
+            bb_runs.append(_batched_bench(model, threads, cfg.n_prompt, cfg.n_gen, cfg.concurrency, cfg.backend))
+        rss = {"route": [w.rss_bytes() for w in lr.workers], "whole": [w.rss_bytes() for w in lw.workers]}
+        route_env = dict(lr.env)
+    lb = {"command": lb_runs[0]["command"], "runs": lb_runs,
+          "pp_tok_s": statistics.median(r["pp_tok_s"] for r in lb_runs),
+          "tg_tok_s": statistics.median(r["tg_tok_s"] for r in lb_runs)}
+    bb = {"command": bb_runs[0]["command"], "runs": bb_runs,
+          "by_batch": {k: {m: statistics.median(r["by_batch"][k][m] for r in bb_runs) for m in ("pp_tok_s", "tg_tok_s")}
+                       for k in bb_runs[0]["by_batch"]}}
+    overhead = asyncio.run(_driver_overhead()) if cfg.driver_overhead else None
+
+    def summary(runs: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+        return {str(c): {"prefill_tok_s": _median(v, "prefill_tok_s"), "decode_tok_s": _median(v, "decode_tok_s"),
+                         "ttft_s": _median(v, "ttft_s"),
+                         "seam_bytes_per_decode_token": _median(v, "seam_bytes_per_decode_token"),
+                         "mode": v[0]["mode"], "profile": _median_profile(v), "runs": v} for c, v in runs.items()}
+
+    route, stepwise, whole = summary(route_runs), summary(step_runs), summary(whole_runs)
+    one = str(min(cfg.concurrency))
+    ratios: dict[str, Any] = {
+        "route_decode_vs_llama_bench_tg": route[one]["decode_tok_s"] / lb["tg_tok_s"],
+        "route_prefill_vs_llama_bench_pp": route[one]["prefill_tok_s"] / lb["pp_tok_s"],
+        "route_decode_vs_whole_worker": route[one]["decode_tok_s"] / whole[one]["decode_tok_s"],
+        "route_prefill_vs_whole_worker": route[one]["prefill_tok_s"] / whole[one]["prefill_tok_s"],
+        "whole_worker_decode_vs_llama_bench_tg": whole[one]["decode_tok_s"] / lb["tg_tok_s"],
+        "route_stepwise_decode_vs_llama_bench_tg": stepwise[one]["decode_tok_s"] / lb["tg_tok_s"],
+        "route_stepwise_decode_vs_whole_worker": stepwise[one]["decode_tok_s"] / whole[one]["decode_tok_s"],
+        "route_decode_vs_route_stepwise": route[one]["decode_tok_s"] / stepwise[one]["decode_tok_s"],
+    }
+    # paired per repeat (same minute of machine load), then the median: robust on a shared host
+    c1 = min(cfg.concurrency)
+    per_repeat = {
+        "route_decode_vs_llama_bench_tg": [r["decode_tok_s"] / l["tg_tok_s"] for r, l in zip(route_runs[c1], lb_runs)],
+        "route_prefill_vs_llama_bench_pp": [r["prefill_tok_s"] / l["pp_tok_s"] for r, l in zip(route_runs[c1], lb_runs)],
+    }
+    if 4 in cfg.concurrency:
+        per_repeat["route_aggregate_decode_vs_batched_bench_B4"] = [
+            r["decode_tok_s"] / b["tg_tok_s"] for r, b in zip(route_runs[4], brackets[4])]
+    paired = {k: statistics.median(v) for k, v in per_repeat.items()}
+    paired.update({
+        "route_decode_vs_whole_worker": statistics.median(
+            r["decode_tok_s"] / w["decode_tok_s"] for r, w in zip(route_runs[c1], whole_runs[c1])),
+        "route_prefill_vs_whole_worker": statistics.median(
+            r["prefill_tok_s"] / w["prefill_tok_s"] for r, w in zip(route_runs[c1], whole_runs[c1])),
+        "route_stepwise_decode_vs_llama_bench_tg": statistics.median(
+            r["decode_tok_s"] / l["tg_tok_s"] for r, l in zip(step_runs[c1], lb_runs)),
+        "route_stepwise_decode_vs_whole_worker": statistics.median(
+            r["decode_tok_s"] / w["decode_tok_s"] for r, w in zip(step_runs[c1], whole_runs[c1])),
+    })
+    if 4 in cfg.concurrency:
+        paired["route_aggregate_decode_vs_whole_worker_4"] = statistics.median(
+            r["decode_tok_s"] / w["decode_tok_s"] for r, w in zip(route_runs[4], whole_runs[4]))
+        paired["route_stepwise_aggregate_decode_vs_batched_bench_B4"] = statistics.median(
+            r["decode_tok_s"] / b["by_batch"]["4"]["tg_tok_s"] for r, b in zip(step_runs[4], bb_runs))
+    floor = _floor_summary(floor_runs, route_runs, lb_runs) if len(cfg.split) == 2 else \
+        {"skipped": True, "reason": "the seam floor is measured for 2-shard splits"}
+    if not floor.get("skipped"):
+        paired.update(floor["paired_median"])
+    rpc = _rpc_summary(rpc_runs) if cfg.rpc else {"skipped": True, "reason": "--no-rpc"}
+    if not rpc["skipped"]:
+        pairs = [(r, x) for r, x in zip(route_runs[c1], rpc_runs) if not x.get("skipped")]
+        paired["route_decode_vs_llama_rpc_tg"] = statistics.median(r["decode_tok_s"] / x["tg_tok_s"] for r, x in pairs)
+        paired["route_prefill_vs_llama_rpc_pp"] = statistics.median(r["prefill_tok_s"] / x["pp_tok_s"] for r, x in pairs)
+        paired["llama_rpc_tg_vs_llama_bench_tg"] = statistics.median(
+            x["tg_tok_s"] / l["tg_tok_s"] for x, l in zip(rpc_runs, lb_runs) if not x.get("skipped"))
+    ratios["paired_median"] = paired
+    # the per-repeat values behind the target ratios: how far one repeat moves on this host
+    ratios["paired_per_repeat"] = per_repeat
+    for c in cfg.concurrency:
+        b = bb["by_batch"].get(str(c))
+        if b and c > 1:
+            ratios[f"route_aggregate_decode_vs_batched_bench_B{c}"] = route[str(c)]["decode_tok_s"] / b["tg_tok_s"]
+            ratios[f"route_stepwise_aggregate_decode_vs_batched_bench_B{c}"] = \
+                stepwise[str(c)]["decode_tok_s"] / b["tg_tok_s"]
+            ratios[f"whole_worker_aggregate_decode_vs_batched_bench_B{c}"] = whole[str(c)]["decode_tok_s"] / b["tg_tok_s"]
+    seam_limit = 2 * n_embd * 4 + 256
+    seam = route[one]["seam_bytes_per_decode_token"]
+    targets = {t: paired[k] >= least for t, (k, least) in TARGET_RATIOS.items() if k in paired}
+    targets["seam_bytes_per_decode_token_le_limit"] = 0 < seam <= seam_limit
+    return {
+        "schema": SCHEMA, "model": str(model), "n_layer": n_layer, "n_embd": n_embd,
+        "split": [f"{a}:{b}" for a, b in cfg.split], "threads": threads, "n_prompt": cfg.n_prompt,
+        "n_gen": cfg.n_gen, "repeats": cfg.repeats, "concurrency": list(cfg.concurrency),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+        "route_mode": route[one]["mode"], "route": route, "route_stepwise": stepwise,
+        "whole_worker": whole, "whole_worker_mode": whole[one]["mode"], "llama_bench": lb, "llama_batched_bench": bb,
+        "yardstick_brackets": {str(c): v for c, v in brackets.items()},
+        "llama_rpc": rpc, "seam_floor": floor, "driver_overhead": overhead, "rss_bytes": rss, "route_worker_env": route_env,
+        "seam_bytes_limit": seam_limit, "ratios": ratios, "targets": targets,
+    }
+
+
+def repeat_lines(doc: dict[str, Any]) -> list[str]:
+    """The per-repeat values behind each target ratio (the targets use their median), so a reader
+    sees how far single repeats move on this host."""
+    return [f"  {k}: median {statistics.median(v):.2f} of the repeats " + " / ".join(f"{x:.2f}" for x in v)
+            for k, v in doc["ratios"].get("paired_per_repeat", {}).items() if v]
+
+
+def summary(doc: dict[str, Any]) -> str:
+    r, lb = doc["ratios"], doc["llama_bench"]
+    one = str(min(doc["concurrency"]))
+    route, whole = doc["route"][one], doc["whole_worker"][one]
+    stepwise = doc.get("route_stepwise", {}).get(one)
+    n = len(doc["split"])
+    lines = [
+        f"model {Path(doc['model']).name}, split {','.join(doc['split'])}, {doc['threads']} threads, "
+        f"pp{doc['n_prompt']} tg{doc['n_gen']}, median of {doc['repeats']}",
+        f"{'':28}{'prefill tok/s':>14}{'decode tok/s':>14}",
+        f"{'route (' + str(n) + ' workers, ' + doc.get('route_mode', 'stepwise') + ')':28}"
+        f"{route['prefill_tok_s']:>14.1f}{route['decode_tok_s']:>14.1f}",
+        *([f"{'route (' + str(n) + ' workers, stepwise)':28}{stepwise['prefill_tok_s']:>14.1f}"
+           f"{stepwise['decode_tok_s']:>14.1f}"] if stepwise else []),
+        f"{'whole model, 1 dgr-worker':28}{whole['prefill_tok_s']:>14.1f}{whole['decode_tok_s']:>14.1f}",
+        f"{'llama-bench':28}{lb['pp_tok_s']:>14.1f}{lb['tg_tok_s']:>14.1f}",
+    ]
+    for c in doc["concurrency"]:
+        if c == 1:
+            continue
+        b = doc["llama_batched_bench"]["by_batch"].get(str(c), {})
+        sw = doc.get("route_stepwise", {}).get(str(c))
+        lines.append(f"aggregate decode at {c} sessions: route {doc['route'][str(c)]['decode_tok_s']:.1f}, "
+                     + (f"route stepwise {sw['decode_tok_s']:.1f}, " if sw else "")
+                     + f"whole worker {doc['whole_worker'][str(c)]['decode_tok_s']:.1f}, "
+                     f"llama-batched-bench B={c} {b.get('tg_tok_s', 0):.1f} tok/s")
+    lines.append("ratios of medians: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()
+                                           if k not in ("paired_median", "paired_per_repeat")))
+    lines.append("paired per-repeat ratios (median; the targets use these): "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in r["paired_median"].items()))
+    lines.append(f"seam bytes per decode token per seam: {route['seam_bytes_per_decode_token']:.0f} "
+                 + (f"(stepwise {stepwise['seam_bytes_per_decode_token']:.0f}) " if stepwise else "")
+                 + f"(limit {doc['seam_bytes_limit']})")
+    if doc.get("driver_overhead"):
+        o = doc["driver_overhead"]
+        lines.append(f"driver (fake workers, stepwise): {o['driver_cpu_per_hop_s'] * 1e3:.3f} ms CPU per hop per token, "
+                     f"{o['wall_per_token_s'] * 1e3:.3f} ms per token over 2 hops")
+        if o.get("chained"):
+            ch = o["chained"]
+            lines.append(f"driver (fake workers, {ch['mode']}): {ch['driver_cpu_per_token_s'] * 1e3:.3f} ms CPU per token, "
+                         f"{ch['wall_per_token_s'] * 1e3:.3f} ms per token over 2 hops")
+    lines.extend(profile_lines(doc))
+    lines.extend(floor_lines(doc))
+    lines.extend(steal_lines(doc))
+    rpc = doc["llama_rpc"]
+    if rpc.get("skipped"):
+        lines.append(f"llama.cpp RPC split: not measured ({rpc.get('reason')})")
+    else:
+        lines.append(f"llama.cpp RPC split over 2 local rpc-servers (-ts {rpc.get('tensor_split')}): prefill "
+                     f"{rpc['pp_tok_s']:.1f}, decode {rpc['tg_tok_s']:.1f} tok/s")
+    lines.append("targets: " + ", ".join(f"{k} {'PASS' if v else 'MISS'}" for k, v in doc["targets"].items()))
+    lines.extend(repeat_lines(doc))
+    return "\n".join(lines)

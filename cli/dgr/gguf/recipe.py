@@ -1,0 +1,344 @@
+"""Runtime recipe and its compatibility fingerprint (DESIGN.md §6, docs/identity.md).
+
+A :class:`RuntimeRecipe` records everything that decides the numbers a Shard produces. The
+**compatibility fingerprint** is the sha256 of a canonical text over the subset of fields that
+must be equal on every Shard of one Inference Route (``FINGERPRINT_FIELDS``). The C++ worker
+computes the same value (worker/src/common/fingerprint.cpp); both check the shared vectors in
+tests/vectors/fingerprint/, written by ``python -m dgr.gguf.recipe write-vectors``.
+
+Not in the fingerprint, deliberately: ``backend`` (mixed CPU+Vulkan routes are a goal; which
+backends a recipe is certified on is the registry's business, cli/dgr/gguf/recipes.toml),
+``compute_dtype`` (a property of the backend's kernels, certified with it), ``dgr_version``
+(a release label; wire compatibility is the boundary schema version) and the weight
+quantization (already fixed by the artifact id).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import DgrError
+
+FINGERPRINT_HEADER = "dgr-recipe-fingerprint/v1"
+BOUNDARY_SCHEMA_VERSION = 1
+DEFAULT_ACTIVATION_DTYPE = "f32"
+DEFAULT_COMPUTE_DTYPE = "f32"
+DEFAULT_KV_DTYPE = "f16"
+DEFAULT_KV_LAYOUT = "llama-unified-layer-filtered"
+ACTIVATION_DTYPES = ("f32", "f16", "bf16", "q8_0")
+KV_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+BACKENDS = ("cpu", "vulkan", "cuda", "hip", "metal")
+
+# Fields that must match along a route, in canonical (sorted) order.
+FINGERPRINT_FIELDS = (
+    "activation_dtype", "arch_adapter", "arch_adapter_version", "artifact_id",
+    "boundary_schema_version", "kv_dtype", "kv_layout", "patch_digest", "pin_commit",
+    "tokenizer_digest",
+)
+_VALUE = re.compile(r"[A-Za-z0-9._:/+-]{1,128}")
+
+VECTORS_DIR = Path("tests") / "vectors" / "fingerprint"
+
+
+class RecipeError(DgrError):
+    """A recipe value that cannot be put in canonical form."""
+
+
+@dataclass(frozen=True)
+class RuntimeRecipe:
+    """Everything that must be known to say whether two Shards compute compatible numbers."""
+    artifact_id: str
+    tokenizer_digest: str
+    arch_adapter: str
+    arch_adapter_version: int
+    weight_types_digest: str = ""                 # per-tensor ggml types, as one digest
+    weight_types: tuple[tuple[str, int], ...] = ()  # summary: (type name, tensor count)
+    activation_dtype: str = DEFAULT_ACTIVATION_DTYPE  # on the wire, at a seam
+    compute_dtype: str = DEFAULT_COMPUTE_DTYPE
+    kv_dtype: str = DEFAULT_KV_DTYPE
+    kv_layout: str = DEFAULT_KV_LAYOUT
+    backend: str = "cpu"
+    dgr_version: str = ""
+    pin_commit: str = ""
+    patch_digest: str = ""
+    boundary_schema_version: int = BOUNDARY_SCHEMA_VERSION
+
+    def fingerprint_fields(self) -> dict[str, str]:
+        return {name: _canon_value(name, getattr(self, name)) for name in FINGERPRINT_FIELDS}
+
+    def canonical(self) -> str:
+        return canonical_text(self.fingerprint_fields())
+
+    def fingerprint(self) -> str:
+        return fingerprint_of(self.fingerprint_fields())
+
+    def with_(self, **changes: Any) -> "RuntimeRecipe":
+        return replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["weight_types"] = dict(self.weight_types)
+        d["fingerprint"] = self.fingerprint()
+        return d
+
+
+def _canon_value(name: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RecipeError(f"recipe field {name} must be a string or integer, got {type(value).__name__}")
+    text = str(value)
+    if isinstance(value, int) and value < 0:
+        raise RecipeError(f"recipe field {name} must not be negative")
+    if not _VALUE.fullmatch(text):
+        raise RecipeError(f"recipe field {name}={text!r} is not canonical",
+                          hint="values are 1-128 characters of A-Z a-z 0-9 . _ : / + -")
+    return text
+
+
+def canonical_text(values: dict[str, str]) -> str:
+    """``dgr-recipe-fingerprint/v1`` then one ``name=value`` line per field, in FINGERPRINT_FIELDS order."""
+    missing = [f for f in FINGERPRINT_FIELDS if f not in values]
+    extra = [k for k in values if k not in FINGERPRINT_FIELDS]
+    if missing or extra:
+        raise RecipeError(f"fingerprint fields: missing {missing}, unexpected {extra}")
+    lines = [FINGERPRINT_HEADER] + [f"{k}={_canon_value(k, values[k])}" for k in FINGERPRINT_FIELDS]
+    return "\n".join(lines) + "\n"
+
+
+def fingerprint_of(values: dict[str, str]) -> str:
+    return hashlib.sha256(canonical_text(values).encode("ascii")).hexdigest()
+
+
+# ---- building a recipe for a local artifact ----
+
+def local_runtime() -> tuple[str, str, str]:
+    """(dgr version, pin commit, patch-series digest) of this checkout."""
+    from .. import __version__
+    from ..upstream import patchstack, pin
+
+    return __version__, pin.load_pin().commit, patchstack.default_stack().series_digest()
+
+
+def recipe_for(path: str | Path, *, backend: str = "cpu", activation_dtype: str = DEFAULT_ACTIVATION_DTYPE,
+               compute_dtype: str = DEFAULT_COMPUTE_DTYPE, kv_dtype: str = DEFAULT_KV_DTYPE,
+               kv_layout: str = DEFAULT_KV_LAYOUT, runtime: tuple[str, str, str] | None = None,
+               progress: bool = True) -> RuntimeRecipe:
+    """The recipe a Shard of this GGUF (a whole artifact or a slice) would serve on this runtime."""
+    from . import identity
+    from .inspect import open_gguf
+    from .slice import adapter_for, read_slice_info
+
+    if backend not in BACKENDS:
+        raise RecipeError(f"unknown backend {backend!r}", hint=f"one of {', '.join(BACKENDS)}")
+    with open_gguf(path) as gf:
+        if gf.is_slice:
+            info = read_slice_info(gf)
+            artifact_id, tok, manifest = info.source_artifact_id, info.source_tokenizer_digest, info.source_manifest
+        else:
+            manifest = None
+        arch = gf.architecture
+    if manifest is None:
+        ident = identity.identify(path, progress=progress)
+        artifact_id, tok, manifest = ident.artifact_id, ident.tokenizer_digest, ident.manifest
+    adapter = adapter_for(arch)
+    dgr_version, pin_commit, patch_digest = runtime or local_runtime()
+    return RuntimeRecipe(
+        artifact_id=artifact_id, tokenizer_digest=tok, arch_adapter=adapter.name,
+        arch_adapter_version=adapter.version,
+        weight_types_digest=identity.weight_types_digest(manifest),
+        weight_types=tuple(identity.weight_types_summary(manifest).items()),
+        activation_dtype=activation_dtype, compute_dtype=compute_dtype, kv_dtype=kv_dtype,
+        kv_layout=kv_layout, backend=backend, dgr_version=dgr_version, pin_commit=pin_commit,
+        patch_digest=patch_digest, boundary_schema_version=BOUNDARY_SCHEMA_VERSION)
+
+
+# ---- registry: certified vs registered-but-dark ----
+
+REGISTRY_FILE = Path(__file__).resolve().parent / "recipes.toml"
+STATUSES = ("certified", "dark")
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    """A recipe class: the fields a certification run fixes (artifact and runtime are free)."""
+    name: str
+    status: str
+    arch_adapter: str
+    arch_adapter_version: int
+    activation_dtype: str
+    kv_dtype: str
+    kv_layout: str
+    boundary_schema_version: int
+    backends: tuple[str, ...]
+    evidence: str = ""
+    note: str = ""
+
+    def matches(self, r: RuntimeRecipe) -> bool:
+        return (self.arch_adapter, self.arch_adapter_version, self.activation_dtype, self.kv_dtype,
+                self.kv_layout, self.boundary_schema_version) == (
+            r.arch_adapter, r.arch_adapter_version, r.activation_dtype, r.kv_dtype, r.kv_layout,
+            r.boundary_schema_version)
+
+
+@dataclass(frozen=True)
+class Registry:
+    entries: tuple[RegistryEntry, ...]
+
+    def lookup(self, recipe: RuntimeRecipe) -> RegistryEntry | None:
+        for e in self.entries:
+            if e.matches(recipe):
+                return e
+        return None
+
+    def routable(self, recipe: RuntimeRecipe) -> bool:
+        """Certified for this recipe's class and backend. Dark and unknown recipes never route."""
+        e = self.lookup(recipe)
+        return e is not None and e.status == "certified" and recipe.backend in e.backends
+
+
+def load_registry(path: Path | None = None) -> Registry:
+    path = path or REGISTRY_FILE
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DgrError(f"recipe registry not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise DgrError(f"recipe registry {path} is not valid TOML: {exc}") from None
+    entries = []
+    names: set[str] = set()
+    for i, raw in enumerate(data.get("recipe", [])):
+        try:
+            e = RegistryEntry(
+                name=str(raw["name"]), status=str(raw["status"]), arch_adapter=str(raw["arch_adapter"]),
+                arch_adapter_version=int(raw["arch_adapter_version"]),
+                activation_dtype=str(raw["activation_dtype"]), kv_dtype=str(raw["kv_dtype"]),
+                kv_layout=str(raw["kv_layout"]), boundary_schema_version=int(raw["boundary_schema_version"]),
+                backends=tuple(str(b) for b in raw["backends"]), evidence=str(raw.get("evidence", "")),
+                note=str(raw.get("note", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DgrError(f"recipe registry {path}: entry {i} is incomplete ({exc})") from None
+        if e.status not in STATUSES:
+            raise DgrError(f"recipe registry {path}: {e.name} has status {e.status!r}, want certified or dark")
+        if e.status == "certified" and not e.evidence:
+            raise DgrError(f"recipe registry {path}: {e.name} is certified without evidence",
+                           hint="certification needs the evidence folder of a real distributed forward")
+        if e.name in names:
+            raise DgrError(f"recipe registry {path}: duplicate entry {e.name}")
+        names.add(e.name)
+        entries.append(e)
+    return Registry(tuple(entries))
+
+
+# ---- shared test vectors (C++ and Python) ----
+
+def _vector_cases() -> list[tuple[str, dict[str, str] | None, dict[str, Any]]]:
+    base = RuntimeRecipe(
+        artifact_id="a3e57daae193ff32f1ffed53f899498f7bb1f4fb2986d4f4731e7c0263e8b857",
+        tokenizer_digest=hashlib.sha256(b"tokenizer").hexdigest(),
+        arch_adapter="llama", arch_adapter_version=1, dgr_version="0.1.0",
+        pin_commit="0c1e57098bba43ac29e6e3b677cdceebdd22334f",
+        patch_digest=hashlib.sha256(b"series").hexdigest())
+    cases: list[tuple[str, dict[str, str] | None, dict[str, Any]]] = [
+        ("baseline", None, {}),
+        ("activation_f16", None, {"activation_dtype": "f16"}),
+        ("kv_q8_0", None, {"kv_dtype": "q8_0"}),
+        ("kv_layout_other", None, {"kv_layout": "llama-unified-v2"}),
+        ("boundary_schema_2", None, {"boundary_schema_version": 2}),
+        ("adapter_version_2", None, {"arch_adapter_version": 2}),
+        ("other_artifact", None, {"artifact_id": hashlib.sha256(b"other").hexdigest()}),
+        ("other_tokenizer", None, {"tokenizer_digest": hashlib.sha256(b"tok2").hexdigest()}),
+        ("other_pin", None, {"pin_commit": "1" * 40}),
+        ("other_patches", None, {"patch_digest": hashlib.sha256(b"series2").hexdigest()}),
+        ("arch_qwen3", None, {"arch_adapter": "qwen3"}),
+        # Fields outside the fingerprint: same fingerprint as baseline.
+        ("backend_vulkan_same_fp", None, {"backend": "vulkan", "compute_dtype": "f16", "dgr_version": "9.9.9"}),
+    ]
+    out = []
+    for name, _, change in cases:
+        r = base.with_(**change)
+        out.append((name, r.fingerprint_fields(), {"fingerprint": r.fingerprint()}))
+    # Invalid values: both sides must refuse them.
+    bad = dict(base.fingerprint_fields())
+    for name, field, value in (("error_space", "kv_layout", "llama unified"),
+                               ("error_newline", "activation_dtype", "f32\nkv_dtype=f16"),
+                               ("error_trailing_newline", "kv_dtype", "f16\n"),
+                               ("error_non_ascii", "arch_adapter", "llam\u00e4"),
+                               ("error_equals", "arch_adapter", "llama=1"),
+                               ("error_empty", "pin_commit", ""),
+                               ("error_too_long", "kv_layout", "x" * 129)):
+        out.append((name, {**bad, field: value}, {"expect": "error"}))
+    return out
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def write_vectors(dest: Path) -> list[Path]:
+    """Write tests/vectors/fingerprint/{recipes,sha256}.txt (generated; never edited by hand)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    lines = ["# dgr recipe fingerprint vectors: generated by `python -m dgr.gguf.recipe write-vectors`; do not edit.",
+             "# Blocks: 'case=NAME', one 'field=value' line per fingerprint field (values escape",
+             "# backslash as \\\\ and newline as \\n), then 'fingerprint=HEX' or 'expect=error', then 'end'.",
+             f"# Canonical text: '{FINGERPRINT_HEADER}' + one 'field=value' line per field, sorted, each ending in \\n."]
+    for name, values, result in _vector_cases():
+        assert values is not None
+        lines.append(f"case={name}")
+        lines += [f"{k}={_escape(values[k])}" for k in FINGERPRINT_FIELDS]
+        if "fingerprint" in result:
+            lines.append(f"fingerprint={result['fingerprint']}")
+        else:
+            lines.append("expect=error")
+        lines.append("end")
+    recipes = dest / "recipes.txt"
+    recipes.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    # SHA-256 vectors over the padding boundaries: 'LEN HEX-DIGEST' of bytes (i * 7 + 3) & 0xff.
+    sha = ["# sha256 vectors: generated by `python -m dgr.gguf.recipe write-vectors`; do not edit.",
+           "# 'LEN DIGEST' where the message is LEN bytes, byte i = (i * 7 + 3) mod 256."]
+    for n in (0, 1, 3, 55, 56, 57, 63, 64, 65, 119, 120, 127, 128, 129, 1000, 4096, 100003):
+        msg = bytes((i * 7 + 3) & 0xFF for i in range(n))
+        sha.append(f"{n} {hashlib.sha256(msg).hexdigest()}")
+    sha256 = dest / "sha256.txt"
+    sha256.write_text("\n".join(sha) + "\n", encoding="utf-8")
+    return [recipes, sha256]
+
+
+def read_vector_cases(path: Path) -> list[dict[str, str]]:
+    """Parse recipes.txt into one dict per case (for tests)."""
+    cases: list[dict[str, str]] = []
+    cur: dict[str, str] | None = None
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("case="):
+            cur = {"case": line[5:]}
+        elif line == "end":
+            assert cur is not None
+            cases.append(cur)
+            cur = None
+        else:
+            k, _, v = line.partition("=")
+            assert cur is not None
+            cur[k] = v.replace("\\n", "\n").replace("\\\\", "\\")
+    return cases
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 1 and argv[0] == "write-vectors":
+        from .. import paths
+
+        dest = Path(argv[1]) if len(argv) > 1 else paths.repo_root() / VECTORS_DIR
+        for p in write_vectors(dest):
+            print(p)
+        return 0
+    print("usage: python -m dgr.gguf.recipe write-vectors [DIR]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

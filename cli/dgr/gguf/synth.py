@@ -1,0 +1,271 @@
+"""Synthetic models: tiny random-weight GGUFs (seeded, byte-identical per seed) for default tests.
+
+`synthesize(SynthSpec(...), out)` writes a model that the pinned llama.cpp loads and runs, with a
+small real SentencePiece-style ("llama") vocabulary: <unk>, <s>, </s>, the 256 byte-fallback
+tokens <0x00>..<0xFF> and a few hundred word pieces, so tokenize/detokenize work and every token
+id is valid. Each architecture is one entry in ``ARCHS`` (hyper-parameter keys + tensor list),
+so adding one is a table entry, not a new writer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..errors import DgrError
+
+DTYPES = ("f32", "f16", "q8_0")
+
+# Word pieces after the byte tokens (SentencePiece marks a leading space with U+2581).
+_SP = "\u2581"
+_WORDS = ("the of and to in is it you that he was for on are with as his they be at one have this from"
+          " or had by hot word but what some we can out other were all there when up use your how said"
+          " an each she which do their time if will way about many then them write would like so these"
+          " her long make thing see him two has look more day could go come did number sound no most"
+          " people my over know water than call first who may down side been now find hello world model"
+          " token layer shard route seam cache").split()
+_BIGRAMS = ("th he in er an re on at en nd ti es or te of ed is it al ar st to nt ng se ha as ou io le"
+            " ve co me de hi ri ro ic ne ea ra ce li ch ll be ma si om ur").split()
+
+
+@dataclass(frozen=True)
+class Vocab:
+    tokens: tuple[str, ...]
+    scores: tuple[float, ...]
+    types: tuple[int, ...]     # llama_token_type: 1 normal, 2 unknown, 3 control, 6 byte
+    bos: int = 1
+    eos: int = 2
+    unk: int = 0
+
+
+def spm_vocab() -> Vocab:
+    tokens: list[str] = ["<unk>", "<s>", "</s>"]
+    types: list[int] = [2, 3, 3]
+    scores: list[float] = [0.0, 0.0, 0.0]
+    for b in range(256):
+        tokens.append(f"<0x{b:02X}>")
+        types.append(6)
+        scores.append(0.0)
+    pieces: list[str] = [_SP] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    pieces += [_SP + chr(c) for c in range(ord("a"), ord("z") + 1)]
+    pieces += list(_BIGRAMS) + [_SP + w for w in _WORDS]
+    seen: set[str] = set()
+    for i, p in enumerate(pieces):
+        if p in seen:
+            continue
+        seen.add(p)
+        tokens.append(p)
+        types.append(1)
+        scores.append(-float(i))  # earlier pieces merge first; longer words listed last still win by length
+    return Vocab(tuple(tokens), tuple(scores), tuple(types))
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    arch: str = "llama"
+    n_layer: int = 4
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 192
+    n_ctx: int = 256
+    tied: bool = False
+    dtype: str = "f32"
+    seed: int = 0
+    name: str = field(default="")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+# A tensor plan: (name, numpy shape (rows, cols) = GGUF (ne1, ne0), kind) where kind picks the
+# initialisation: "norm" (ones), "embd", "in" (1/sqrt(fan_in)), "out" (residual-scaled), "bias".
+Plan = list[tuple[str, tuple[int, ...], str]]
+
+
+def _llama_plan(s: SynthSpec, with_bias: bool = False) -> Plan:
+    kv = s.n_head_kv * s.head_dim
+    plan: Plan = []
+    for i in range(s.n_layer):
+        b = f"blk.{i}"
+        plan += [(f"{b}.attn_norm.weight", (s.n_embd,), "norm"),
+                 (f"{b}.attn_q.weight", (s.n_embd, s.n_embd), "in"),
+                 (f"{b}.attn_k.weight", (kv, s.n_embd), "in"),
+                 (f"{b}.attn_v.weight", (kv, s.n_embd), "in")]
+        if with_bias:
+            plan += [(f"{b}.attn_q.bias", (s.n_embd,), "bias"), (f"{b}.attn_k.bias", (kv,), "bias"),
+                     (f"{b}.attn_v.bias", (kv,), "bias")]
+        plan += [(f"{b}.attn_output.weight", (s.n_embd, s.n_embd), "out"),
+                 (f"{b}.ffn_norm.weight", (s.n_embd,), "norm"),
+                 (f"{b}.ffn_gate.weight", (s.n_ff, s.n_embd), "in"),
+                 (f"{b}.ffn_up.weight", (s.n_ff, s.n_embd), "in"),
+                 (f"{b}.ffn_down.weight", (s.n_embd, s.n_ff), "out")]
+    return plan
+
+
+def _gemma3_plan(s: SynthSpec) -> Plan:
+    kv = s.n_head_kv * s.head_dim
+    plan: Plan = []
+    for i in range(s.n_layer):
+        b = f"blk.{i}"
+        plan += [(f"{b}.attn_norm.weight", (s.n_embd,), "norm"),
+                 (f"{b}.attn_q.weight", (s.n_embd, s.n_embd), "in"),
+                 (f"{b}.attn_k.weight", (kv, s.n_embd), "in"),
+                 (f"{b}.attn_v.weight", (kv, s.n_embd), "in"),
+                 (f"{b}.attn_q_norm.weight", (s.head_dim,), "norm"),
+                 (f"{b}.attn_k_norm.weight", (s.head_dim,), "norm"),
+                 (f"{b}.attn_output.weight", (s.n_embd, s.n_embd), "out"),
+                 (f"{b}.post_attention_norm.weight", (s.n_embd,), "norm"),
+                 (f"{b}.ffn_norm.weight", (s.n_embd,), "norm"),
+                 (f"{b}.ffn_gate.weight", (s.n_ff, s.n_embd), "in"),
+                 (f"{b}.ffn_up.weight", (s.n_ff, s.n_embd), "in"),
+                 (f"{b}.ffn_down.weight", (s.n_embd, s.n_ff), "out"),
+                 (f"{b}.post_ffw_norm.weight", (s.n_embd,), "norm")]
+    return plan
+
+
+def _common_hparams(s: SynthSpec) -> dict[str, tuple[str, object]]:
+    return {
+        "context_length": ("u32", s.n_ctx),
+        "embedding_length": ("u32", s.n_embd),
+        "block_count": ("u32", s.n_layer),
+        "feed_forward_length": ("u32", s.n_ff),
+        "attention.head_count": ("u32", s.n_head),
+        "attention.head_count_kv": ("u32", s.n_head_kv),
+        "attention.layer_norm_rms_epsilon": ("f32", 1e-5),
+        "rope.freq_base": ("f32", 10000.0),
+    }
+
+
+def _llama_hparams(s: SynthSpec) -> dict[str, tuple[str, object]]:
+    hp = _common_hparams(s)
+    hp["rope.dimension_count"] = ("u32", s.head_dim)
+    return hp
+
+
+def _gemma3_hparams(s: SynthSpec) -> dict[str, tuple[str, object]]:
+    hp = _common_hparams(s)
+    hp["attention.key_length"] = ("u32", s.head_dim)
+    hp["attention.value_length"] = ("u32", s.head_dim)
+    hp["attention.sliding_window"] = ("u32", 64)
+    return hp
+
+
+@dataclass(frozen=True)
+class ArchWriter:
+    hparams: Callable[[SynthSpec], dict[str, tuple[str, object]]]
+    blocks: Callable[[SynthSpec], Plan]
+    supports_untied: bool = True
+
+
+ARCHS: dict[str, ArchWriter] = {
+    "llama": ArchWriter(_llama_hparams, _llama_plan),
+    "qwen2": ArchWriter(_common_hparams, lambda s: _llama_plan(s, with_bias=True)),
+    "gemma3": ArchWriter(_gemma3_hparams, _gemma3_plan, supports_untied=False),
+}
+
+
+def _check(spec: SynthSpec) -> None:
+    if spec.arch not in ARCHS:
+        raise DgrError(f"synth: unknown architecture {spec.arch!r}", hint=f"one of {', '.join(ARCHS)}")
+    if spec.dtype not in DTYPES:
+        raise DgrError(f"synth: unknown dtype {spec.dtype!r}", hint=f"one of {', '.join(DTYPES)}")
+    if spec.n_layer < 1 or spec.n_layer > 256:
+        raise DgrError(f"synth: --layers must be 1..256, got {spec.n_layer}")
+    if spec.n_embd % spec.n_head or spec.n_head % spec.n_head_kv:
+        raise DgrError("synth: n_embd must divide by n_head and n_head by n_head_kv")
+    if spec.dtype == "q8_0" and (spec.n_embd % 32 or spec.n_ff % 32 or (spec.n_head_kv * spec.head_dim) % 32):
+        raise DgrError("synth: q8_0 needs n_embd, n_ff and the KV width to be multiples of 32")
+    if not spec.tied and not ARCHS[spec.arch].supports_untied:
+        raise DgrError(f"synth: {spec.arch} models always tie the output embedding", hint="pass --tied")
+
+
+def synthesize(spec: SynthSpec, out: str | Path) -> Path:
+    """Write the synthetic model to ``out`` (atomically) and return its path."""
+    import gguf
+
+    _check(spec)
+    out = Path(out)
+    from .models import refuse_home
+
+    refuse_home(out.parent, "output folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    arch = ARCHS[spec.arch]
+    vocab = spm_vocab()
+    n_vocab = len(vocab.tokens)
+    rng = np.random.default_rng(spec.seed)
+
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    w = gguf.GGUFWriter(tmp, spec.arch)
+    w.add_name(spec.name or f"dgr-synth-{spec.arch}-{spec.n_layer}L-{spec.dtype}{'-tied' if spec.tied else ''}")
+    w.add_string("general.description", f"dgr synthetic model, seed {spec.seed}; random weights, not a language model")
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[spec.dtype]
+    w.add_file_type(int(ftype))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, (kind, val) in arch.hparams(spec).items():
+        k = f"{spec.arch}.{key}"
+        if kind == "u32":
+            w.add_uint32(k, int(val))  # type: ignore[arg-type]
+        else:
+            w.add_float32(k, float(val))  # type: ignore[arg-type]
+    w.add_uint32(f"{spec.arch}.vocab_size", n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(list(vocab.tokens))
+    w.add_token_scores(list(vocab.scores))
+    w.add_token_types(list(vocab.types))
+    w.add_bos_token_id(vocab.bos)
+    w.add_eos_token_id(vocab.eos)
+    w.add_unk_token_id(vocab.unk)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+    residual_scale = 1.0 / math.sqrt(2.0 * spec.n_layer)
+    # Logits ~ N(0, 2) from a separate output matrix. A tied embedding is kept small so the
+    # layers, not the input token's own row, steer the final state (else greedy repeats it).
+    embd_gain = 0.25 if spec.tied else 2.0
+    plan: Plan = [("token_embd.weight", (n_vocab, spec.n_embd), "embd")]
+    plan += arch.blocks(spec)
+    plan.append(("output_norm.weight", (spec.n_embd,), "norm"))
+    if not spec.tied:
+        plan.append(("output.weight", (n_vocab, spec.n_embd), "embd"))
+
+    for name, shape, kind in plan:
+        if kind == "norm":
+            data = np.ones(shape, dtype=np.float32)
+        elif kind == "bias":
+            data = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+        else:
+            fan_in = shape[-1]
+            std = {"embd": embd_gain, "in": 1.0, "out": residual_scale}[kind] / math.sqrt(fan_in)
+            data = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+        _add_tensor(w, name, data, spec.dtype if data.ndim == 2 else "f32")
+
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _add_tensor(w, name: str, data: np.ndarray, dtype: str) -> None:
+    import gguf
+
+    if dtype == "f32":
+        w.add_tensor(name, data)
+    elif dtype == "f16":
+        w.add_tensor(name, data.astype(np.float16))
+    else:
+        q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)

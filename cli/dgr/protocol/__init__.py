@@ -1,0 +1,1 @@
+"""The Shard wire protocol: boundary bundles, generated code checks, golden vectors, the worker client, relay framing."""

@@ -1,0 +1,456 @@
+"""The named-tensor bundle crossing an Activation Seam (``dgr.shard.v1.TensorBundle``).
+
+Writing: numpy arrays -> ``TensorBundle`` with the payload split in bounded fragments and a
+CRC-32 per tensor (:func:`make_bundle`, :func:`boundary_bundle`, :func:`split_bundle` to spread
+a large bundle over several frames). Reading: :class:`BundleAssembler` accepts the bundles of
+one step (one or several frames), validates every rule of ``NamedTensor`` in the .proto and
+returns native-order numpy arrays; every failure is a :class:`ShardProtocolError` carrying the
+``ErrorReason`` and the gRPC status code it maps to. ``worker/src/common/bundle.h`` implements
+the same rules in C++.
+
+Checksums are CRC-32/IEEE (``zlib.crc32``).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import DgrError
+from ..shard.v1 import shard_runtime_pb2 as pb
+
+#: Fragment size writers use unless the peer advertises a smaller ``max_fragment_bytes``.
+DEFAULT_FRAGMENT_BYTES = 1 << 20
+#: Most dimensions a tensor may have.
+MAX_DIMS = 8
+#: The boundary bundle's one tensor in schema v1: residual entering the next layer.
+RESIDUAL = "residual"
+
+# numpy dtype (little-endian) per wire dtype; BF16 travels as its raw 16-bit patterns (uint16).
+_NP_DTYPE = {
+    pb.TENSOR_DTYPE_F32: np.dtype("<f4"),
+    pb.TENSOR_DTYPE_F16: np.dtype("<f2"),
+    pb.TENSOR_DTYPE_BF16: np.dtype("<u2"),
+    pb.TENSOR_DTYPE_I32: np.dtype("<i4"),
+}
+_WIRE_DTYPE = {np.dtype(np.float32): pb.TENSOR_DTYPE_F32, np.dtype(np.float16): pb.TENSOR_DTYPE_F16,
+               np.dtype(np.int32): pb.TENSOR_DTYPE_I32}
+
+# ErrorReason -> gRPC status code number (see the ErrorReason comments in the .proto).
+_OK, _CANCELLED, _UNKNOWN, _INVALID_ARGUMENT = 0, 1, 2, 3
+_RESOURCE_EXHAUSTED, _FAILED_PRECONDITION, _ABORTED, _INTERNAL, _UNAVAILABLE = 8, 9, 10, 13, 14
+GRPC_CODE_BY_REASON: dict[int, int] = {
+    pb.ERROR_REASON_UNSPECIFIED: _UNKNOWN,
+    pb.ERROR_REASON_STALE_EPOCH: _ABORTED,
+    pb.ERROR_REASON_CACHE_MISS: _ABORTED,
+    pb.ERROR_REASON_FINGERPRINT_MISMATCH: _FAILED_PRECONDITION,
+    pb.ERROR_REASON_BAD_BUNDLE: _INVALID_ARGUMENT,
+    pb.ERROR_REASON_OVER_BUDGET: _RESOURCE_EXHAUSTED,
+    pb.ERROR_REASON_UNKNOWN_SESSION: _ABORTED,
+    pb.ERROR_REASON_POSITION_GAP: _ABORTED,
+    pb.ERROR_REASON_TOKEN_OUT_OF_VOCAB: _INVALID_ARGUMENT,
+    pb.ERROR_REASON_MESSAGE_TOO_LARGE: _RESOURCE_EXHAUSTED,
+    pb.ERROR_REASON_ARTIFACT_MISMATCH: _FAILED_PRECONDITION,
+    pb.ERROR_REASON_RANGE_MISMATCH: _FAILED_PRECONDITION,
+    pb.ERROR_REASON_SESSION_RELEASED: _FAILED_PRECONDITION,
+    pb.ERROR_REASON_CANCELLED: _CANCELLED,
+    pb.ERROR_REASON_INTERNAL: _INTERNAL,
+    pb.ERROR_REASON_SCHEMA_UNSUPPORTED: _FAILED_PRECONDITION,
+    pb.ERROR_REASON_STEP_OUT_OF_ORDER: _ABORTED,
+    pb.ERROR_REASON_CHUNK_TOO_LARGE: _INVALID_ARGUMENT,
+    pb.ERROR_REASON_ROLE_MISMATCH: _FAILED_PRECONDITION,
+    pb.ERROR_REASON_UNSUPPORTED_COMPRESSION: _INVALID_ARGUMENT,
+    pb.ERROR_REASON_BAD_REQUEST: _INVALID_ARGUMENT,
+    pb.ERROR_REASON_UNAVAILABLE: _UNAVAILABLE,
+}
+
+
+def grpc_code_for(reason: int) -> int:
+    """The numeric gRPC status code an ``ErrorReason`` maps to (UNKNOWN for unknown reasons)."""
+    return GRPC_CODE_BY_REASON.get(reason, _UNKNOWN)
+
+
+class ShardProtocolError(DgrError):
+    """A frame or bundle broke the protocol; carries the machine-readable reason."""
+
+    def __init__(self, reason: int, message: str, *, tensor: str | None = None, limit: int = 0) -> None:
+        self.reason = reason
+        self.reason_name = pb.ErrorReason.Name(reason)
+        self.grpc_code = grpc_code_for(reason)
+        self.tensor = tensor
+        self.limit = limit
+        where = f" (tensor {tensor!r})" if tensor else ""
+        super().__init__(f"{self.reason_name}: {message}{where}")
+
+    def to_message(self, *, session_terminated: bool = False) -> pb.ShardError:
+        """The ``ShardError`` frame body for this error."""
+        return pb.ShardError(reason=self.reason, grpc_code=self.grpc_code, message=str(self),
+                             session_terminated=session_terminated, limit=self.limit)
+
+
+def crc32(data: bytes | bytearray | memoryview) -> int:
+    """CRC-32/IEEE, unsigned (the protocol's CHECKSUM_ALGORITHM_CRC32)."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def checksum(data: bytes | bytearray | memoryview) -> pb.Checksum:
+    return pb.Checksum(algorithm=pb.CHECKSUM_ALGORITHM_CRC32, value=crc32(data))
+
+
+def token_payload(token_ids: Sequence[int]) -> bytes:
+    """The bytes a TokenSpan's frame checksum covers: each id as 4-byte little-endian."""
+    return np.asarray(token_ids, dtype="<i4").tobytes()
+
+
+def frame_payload_checksum(payload: pb.TokenSpan | pb.TensorBundle | None) -> pb.Checksum:
+    """``FrameHeader.payload_checksum`` for a frame carrying ``payload``."""
+    if payload is None:
+        return checksum(b"")
+    if isinstance(payload, pb.TokenSpan):
+        return checksum(token_payload(payload.token_ids))
+    crc = 0
+    for t in payload.tensors:
+        for f in t.fragments:
+            crc = zlib.crc32(f.data, crc)
+    return pb.Checksum(algorithm=pb.CHECKSUM_ALGORITHM_CRC32, value=crc & 0xFFFFFFFF)
+
+
+def verify_frame_payload(payload: pb.TokenSpan | pb.TensorBundle | None, expected: pb.Checksum) -> None:
+    """Raise BAD_BUNDLE when a set frame checksum does not match the payload."""
+    if expected.algorithm == pb.CHECKSUM_ALGORITHM_UNSPECIFIED:
+        return
+    if expected.algorithm != pb.CHECKSUM_ALGORITHM_CRC32:
+        raise ShardProtocolError(pb.ERROR_REASON_BAD_REQUEST, f"unknown checksum algorithm {expected.algorithm}")
+    got = frame_payload_checksum(payload).value
+    if got != expected.value:
+        raise ShardProtocolError(pb.ERROR_REASON_BAD_BUNDLE,
+                                 f"frame payload checksum {got:08x} != {expected.value:08x}")
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+def tensor_message(name: str, array: np.ndarray, *, dtype: int | None = None,
+                   fragment_bytes: int = DEFAULT_FRAGMENT_BYTES,
+                   big_endian: bool = False) -> pb.NamedTensor:
+    """One array -> NamedTensor with every fragment. ``dtype`` is needed only for BF16
+    (pass the raw uint16 bit patterns); otherwise it follows the array (f32, f16, i32)."""
+    if fragment_bytes < 1:
+        raise ValueError("fragment_bytes must be >= 1")
+    arr = np.asarray(array)
+    if dtype is None:
+        try:
+            dtype = _WIRE_DTYPE[arr.dtype.newbyteorder("=")]
+        except KeyError:
+            raise DgrError(f"tensor {name!r}: dtype {arr.dtype} has no wire dtype",
+                           hint="use float32, float16 or int32 (bf16: uint16 bits with dtype=TENSOR_DTYPE_BF16)")
+    wire = _NP_DTYPE[dtype].newbyteorder(">" if big_endian else "<")
+    if arr.dtype.itemsize != wire.itemsize:
+        raise DgrError(f"tensor {name!r}: array of {arr.dtype} cannot be carried as {pb.TensorDtype.Name(dtype)}")
+    data = np.ascontiguousarray(arr.astype(wire, copy=False)).tobytes()
+    n_frag = max(1, math.ceil(len(data) / fragment_bytes))
+    msg = pb.NamedTensor(
+        name=name, shape=list(arr.shape), dtype=dtype,
+        byte_order=pb.BYTE_ORDER_BIG_ENDIAN if big_endian else pb.BYTE_ORDER_LITTLE_ENDIAN,
+        byte_size=len(data), fragment_count=n_frag, checksum=checksum(data))
+    for i in range(n_frag):
+        msg.fragments.add(index=i, data=data[i * fragment_bytes:(i + 1) * fragment_bytes])
+    return msg
+
+
+def make_bundle(tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]], *,
+                fragment_bytes: int = DEFAULT_FRAGMENT_BYTES) -> pb.TensorBundle:
+    """Arrays (in the given order) -> one TensorBundle carrying every fragment."""
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    bundle = pb.TensorBundle()
+    for name, arr in items:
+        bundle.tensors.append(tensor_message(name, arr, fragment_bytes=fragment_bytes))
+    return bundle
+
+
+def boundary_bundle(residual: np.ndarray, *, fragment_bytes: int = DEFAULT_FRAGMENT_BYTES) -> pb.TensorBundle:
+    """The v1 boundary bundle: ``residual`` [n_tokens, n_embd] f32."""
+    arr = np.asarray(residual)
+    if arr.ndim != 2 or arr.dtype != np.float32:
+        raise DgrError(f"boundary residual must be a 2-D float32 array, got {arr.dtype} {arr.shape}")
+    return make_bundle({RESIDUAL: arr}, fragment_bytes=fragment_bytes)
+
+
+def split_bundle(bundle: pb.TensorBundle, max_frame_payload_bytes: int) -> list[pb.TensorBundle]:
+    """Spread a bundle's fragments over several bundles (one per frame), each carrying at most
+    ``max_frame_payload_bytes`` of fragment data (at least one fragment each); tensor metadata is
+    repeated in every part that carries one of its fragments."""
+    parts: list[pb.TensorBundle] = []
+    cur: pb.TensorBundle | None = None
+    used = 0
+    for t in bundle.tensors:
+        for f in t.fragments:
+            if cur is None or (used and used + len(f.data) > max_frame_payload_bytes):
+                cur = pb.TensorBundle()
+                parts.append(cur)
+                used = 0
+            if not cur.tensors or cur.tensors[-1].name != t.name:
+                meta = pb.NamedTensor()
+                meta.CopyFrom(t)
+                del meta.fragments[:]
+                cur.tensors.append(meta)
+            cur.tensors[-1].fragments.append(f)
+            used += len(f.data)
+    return parts or [pb.TensorBundle()]
+
+
+# ---- reading -------------------------------------------------------------------------------
+
+@dataclass
+class _Pending:
+    meta: pb.NamedTensor  # without fragments
+    parts: dict[int, bytes] = field(default_factory=dict)
+    received: int = 0
+
+
+def _bad(message: str, tensor: str | None = None) -> ShardProtocolError:
+    return ShardProtocolError(pb.ERROR_REASON_BAD_BUNDLE, message, tensor=tensor)
+
+
+class BundleAssembler:
+    """Collects the bundle(s) of one step, validating as they arrive.
+
+    ``max_tensor_bytes`` bounds each tensor's byte_size and ``max_fragment_bytes`` each
+    fragment (MESSAGE_TOO_LARGE); ``compression`` is the frame header's.
+    """
+
+    def __init__(self, *, max_tensor_bytes: int | None = None, max_fragment_bytes: int | None = None,
+                 compression: int = pb.COMPRESSION_UNSPECIFIED) -> None:
+        if compression not in (pb.COMPRESSION_UNSPECIFIED, pb.COMPRESSION_NONE):
+            name = pb.Compression.Name(compression) if compression in pb.Compression.values() else str(compression)
+            raise ShardProtocolError(pb.ERROR_REASON_UNSUPPORTED_COMPRESSION,
+                                     f"compression {name} is not supported by schema v1 receivers")
+        self.max_tensor_bytes = max_tensor_bytes
+        self.max_fragment_bytes = max_fragment_bytes
+        self._tensors: dict[str, _Pending] = {}
+
+    def _check_meta(self, t: pb.NamedTensor) -> None:
+        name = t.name
+        if not name:
+            raise _bad("tensor with an empty name")
+        if t.dtype not in _NP_DTYPE:
+            raise _bad(f"unknown dtype {t.dtype}", name)
+        if t.byte_order not in (pb.BYTE_ORDER_UNSPECIFIED, pb.BYTE_ORDER_LITTLE_ENDIAN, pb.BYTE_ORDER_BIG_ENDIAN):
+            raise _bad(f"unknown byte order {t.byte_order}", name)
+        if len(t.shape) > MAX_DIMS:
+            raise _bad(f"{len(t.shape)} dimensions, at most {MAX_DIMS}", name)
+        if any(d == 0 for d in t.shape):
+            raise _bad(f"shape {list(t.shape)} has a zero dimension", name)
+        if self.max_tensor_bytes is not None and t.byte_size > self.max_tensor_bytes:
+            raise ShardProtocolError(pb.ERROR_REASON_MESSAGE_TOO_LARGE,
+                                     f"byte_size {t.byte_size} above the limit {self.max_tensor_bytes}",
+                                     tensor=name, limit=self.max_tensor_bytes)
+        want = math.prod(t.shape) * _NP_DTYPE[t.dtype].itemsize
+        if want != t.byte_size:
+            raise _bad(f"shape {list(t.shape)} x {pb.TensorDtype.Name(t.dtype)} is {want} bytes, "
+                       f"byte_size says {t.byte_size}", name)
+        if not 1 <= t.fragment_count <= t.byte_size:
+            raise _bad(f"fragment_count {t.fragment_count} outside [1, {t.byte_size}]", name)
+        if t.checksum.algorithm not in (pb.CHECKSUM_ALGORITHM_UNSPECIFIED, pb.CHECKSUM_ALGORITHM_CRC32):
+            raise _bad(f"unknown checksum algorithm {t.checksum.algorithm}", name)
+
+    def add(self, bundle: pb.TensorBundle) -> None:
+        """Take one frame's bundle. Raises ShardProtocolError on the first violation."""
+        seen_here: set[str] = set()
+        for t in bundle.tensors:
+            if t.name in seen_here:
+                raise _bad("tensor named twice in one bundle", t.name)
+            seen_here.add(t.name)
+            meta = pb.NamedTensor()
+            meta.CopyFrom(t)
+            del meta.fragments[:]
+            pending = self._tensors.get(t.name)
+            if pending is None:
+                self._check_meta(t)
+                pending = self._tensors[t.name] = _Pending(meta)
+            elif pending.meta.SerializeToString(deterministic=True) != meta.SerializeToString(deterministic=True):
+                raise _bad("tensor metadata differs between frames of one step", t.name)
+            for f in t.fragments:
+                if f.index >= t.fragment_count:
+                    raise _bad(f"fragment index {f.index} >= fragment_count {t.fragment_count}", t.name)
+                if f.index in pending.parts:
+                    raise _bad(f"fragment {f.index} received twice", t.name)
+                if not f.data:
+                    raise _bad(f"fragment {f.index} is empty", t.name)
+                if self.max_fragment_bytes is not None and len(f.data) > self.max_fragment_bytes:
+                    raise ShardProtocolError(pb.ERROR_REASON_MESSAGE_TOO_LARGE,
+                                             f"fragment {f.index} is {len(f.data)} bytes, above {self.max_fragment_bytes}",
+                                             tensor=t.name, limit=self.max_fragment_bytes)
+                if pending.received + len(f.data) > t.byte_size:
+                    raise _bad(f"fragments exceed byte_size {t.byte_size}", t.name)
+                pending.parts[f.index] = bytes(f.data)
+                pending.received += len(f.data)
+
+    def complete(self) -> bool:
+        """Every fragment of every tensor seen so far has arrived (and at least one tensor)."""
+        return bool(self._tensors) and all(len(p.parts) == p.meta.fragment_count for p in self._tensors.values())
+
+    def missing(self) -> dict[str, list[int]]:
+        return {name: [i for i in range(p.meta.fragment_count) if i not in p.parts]
+                for name, p in self._tensors.items() if len(p.parts) != p.meta.fragment_count}
+
+    def finish(self) -> dict[str, np.ndarray]:
+        """Reassemble and verify; arrays in native byte order, in arrival order of names."""
+        if not self._tensors:
+            raise _bad("bundle carries no tensor")
+        out: dict[str, np.ndarray] = {}
+        for name, p in self._tensors.items():
+            t = p.meta
+            if len(p.parts) != t.fragment_count:
+                gaps = [i for i in range(t.fragment_count) if i not in p.parts]
+                shown = ", ".join(map(str, gaps[:8])) + (" ..." if len(gaps) > 8 else "")
+                raise _bad(f"missing fragment(s) {shown} of {t.fragment_count}", name)
+            data = b"".join(p.parts[i] for i in range(t.fragment_count))
+            if len(data) != t.byte_size:
+                raise _bad(f"reassembled {len(data)} bytes, byte_size says {t.byte_size}", name)
+            if t.checksum.algorithm == pb.CHECKSUM_ALGORITHM_CRC32 and crc32(data) != t.checksum.value:
+                raise _bad(f"checksum {crc32(data):08x} != {t.checksum.value:08x}", name)
+            wire = _NP_DTYPE[t.dtype].newbyteorder(">" if t.byte_order == pb.BYTE_ORDER_BIG_ENDIAN else "<")
+            arr = np.frombuffer(data, dtype=wire).reshape(tuple(t.shape))
+            out[name] = arr.astype(wire.newbyteorder("="), copy=True)
+        return out
+
+
+def read_bundle(bundles: pb.TensorBundle | Iterable[pb.TensorBundle], *,
+                max_tensor_bytes: int | None = None, max_fragment_bytes: int | None = None,
+                compression: int = pb.COMPRESSION_UNSPECIFIED) -> dict[str, np.ndarray]:
+    """Validate and reassemble the bundle(s) of one step into ``{name: array}``."""
+    asm = BundleAssembler(max_tensor_bytes=max_tensor_bytes, max_fragment_bytes=max_fragment_bytes,
+                          compression=compression)
+    for b in ([bundles] if isinstance(bundles, pb.TensorBundle) else bundles):
+        asm.add(b)
+    return asm.finish()
+
+
+def read_boundary(bundles: pb.TensorBundle | Iterable[pb.TensorBundle], *, n_tokens: int, n_embd: int,
+                  **limits: int) -> np.ndarray:
+    """The v1 boundary bundle -> residual [n_tokens, n_embd] float32, checking it is exactly that."""
+    arrays = read_bundle(bundles, **limits)
+    if set(arrays) != {RESIDUAL}:
+        raise _bad(f"boundary bundle must carry exactly {RESIDUAL!r}, got {sorted(arrays)}")
+    arr = arrays[RESIDUAL]
+    if arr.dtype != np.float32 or arr.shape != (n_tokens, n_embd):
+        raise _bad(f"expected f32 [{n_tokens}, {n_embd}], got {arr.dtype} {list(arr.shape)}", RESIDUAL)
+    return arr
+
+
+
+# ---- frame-level checks (stateless; the worker adds its session-state checks) ---------------
+
+#: Schema versions this code accepts: [min, max].
+SCHEMA_VERSIONS = (pb.SCHEMA_VERSION_V1, pb.SCHEMA_VERSION_V1)
+_ROW_PHASES = (pb.PHASE_PREFILL, pb.PHASE_DECODE)
+_KNOWN_PHASES = (pb.PHASE_PREFILL, pb.PHASE_DECODE, pb.PHASE_TRUNCATE, pb.PHASE_RELEASE)
+
+
+def _req(reason: int, message: str) -> ShardProtocolError:
+    return ShardProtocolError(reason, message)
+
+
+def check_sampling(s: pb.SamplingParams) -> None:
+    """The sampling contract's value ranges (BAD_REQUEST)."""
+    bad = pb.ERROR_REASON_BAD_REQUEST
+    if s.mode not in (pb.SAMPLING_MODE_UNSPECIFIED, pb.SAMPLING_MODE_GREEDY, pb.SAMPLING_MODE_STOCHASTIC):
+        raise _req(bad, f"unknown sampling mode {s.mode}")
+    if s.mode == pb.SAMPLING_MODE_STOCHASTIC and not s.temperature > 0:
+        raise _req(bad, f"stochastic sampling needs temperature > 0, got {s.temperature}")
+    if not 0 <= s.top_p <= 1:
+        raise _req(bad, f"top_p {s.top_p} outside [0, 1]")
+    if not 0 <= s.min_p < 1:
+        raise _req(bad, f"min_p {s.min_p} outside [0, 1)")
+
+
+def check_request(req: pb.SessionRequest, capability: pb.GetCapabilityResponse | None = None) -> None:
+    """Stateless checks of one SessionRequest frame, in the order a worker applies them.
+
+    Raises ShardProtocolError with the documented reason; returns None when the frame may go on
+    to the session-state checks (epoch, step, cache expectation). With ``capability`` it also
+    checks fingerprint, range, role, vocabulary and chunk limits against that Shard.
+    """
+    kind = req.WhichOneof("frame")
+    if kind is None:
+        raise _req(pb.ERROR_REASON_BAD_REQUEST, "no frame kind this worker knows (sent by a newer schema?)")
+    ident = capability.identity if capability is not None else None
+    if kind == "fast_decode":
+        f = req.fast_decode
+        if not f.session_id:
+            raise _req(pb.ERROR_REASON_BAD_REQUEST, "fast_decode without session_id")
+        which = f.WhichOneof("input")
+        if which is None:
+            raise _req(pb.ERROR_REASON_BAD_REQUEST, "fast_decode without input")
+        if ident is not None:
+            _check_role(which == "token_id", ident)
+            if which == "token_id":
+                _check_vocab([f.token_id], ident)
+        return
+    s = req.step
+    if not s.HasField("header"):
+        raise _req(pb.ERROR_REASON_BAD_REQUEST, "step frame without header")
+    h = s.header
+    lo, hi = SCHEMA_VERSIONS
+    if capability is not None:
+        lo, hi = capability.min_schema_version, capability.schema_version
+    if not lo <= h.schema_version <= hi or h.schema_version == pb.SCHEMA_VERSION_UNSPECIFIED:
+        raise _req(pb.ERROR_REASON_SCHEMA_UNSUPPORTED, f"schema_version {h.schema_version} outside [{lo}, {hi}]")
+    if not h.session_id:
+        raise _req(pb.ERROR_REASON_BAD_REQUEST, "header without session_id")
+    if h.phase not in _KNOWN_PHASES:
+        raise _req(pb.ERROR_REASON_BAD_REQUEST, f"unknown phase {h.phase}")
+    if ident is not None:
+        if h.compatibility_fingerprint != ident.compatibility_fingerprint:
+            raise _req(pb.ERROR_REASON_FINGERPRINT_MISMATCH,
+                       f"fingerprint {h.compatibility_fingerprint!r} != served {ident.compatibility_fingerprint!r}")
+        if (h.shard_range.start, h.shard_range.end) != (ident.range.start, ident.range.end):
+            raise _req(pb.ERROR_REASON_RANGE_MISMATCH,
+                       f"frame names [{h.shard_range.start}, {h.shard_range.end}), this Shard serves "
+                       f"[{ident.range.start}, {ident.range.end})")
+        if h.effective_start >= ident.range.end:
+            raise _req(pb.ERROR_REASON_RANGE_MISMATCH, f"effective_start {h.effective_start} >= {ident.range.end}")
+    which = s.WhichOneof("input")
+    if h.phase in _ROW_PHASES:
+        rows = h.positions.end - h.positions.start
+        if h.positions.end <= h.positions.start:
+            raise _req(pb.ERROR_REASON_BAD_REQUEST, f"empty positions [{h.positions.start}, {h.positions.end})")
+        if which is None:
+            raise _req(pb.ERROR_REASON_BAD_REQUEST, f"{pb.Phase.Name(h.phase)} without input")
+        if h.phase == pb.PHASE_DECODE and rows != 1:
+            raise ShardProtocolError(pb.ERROR_REASON_CHUNK_TOO_LARGE, f"DECODE carries {rows} rows, not 1", limit=1)
+        if capability is not None and capability.capacity.max_prefill_chunk_tokens and \
+                rows > capability.capacity.max_prefill_chunk_tokens:
+            lim = capability.capacity.max_prefill_chunk_tokens
+            raise ShardProtocolError(pb.ERROR_REASON_CHUNK_TOO_LARGE, f"{rows} rows above the chunk limit {lim}",
+                                     limit=lim)
+        if which == "tokens" and len(s.tokens.token_ids) != rows:
+            raise _req(pb.ERROR_REASON_BAD_REQUEST, f"{len(s.tokens.token_ids)} token ids for {rows} positions")
+        if ident is not None:
+            _check_role(which == "tokens", ident)
+            if which == "tokens":
+                _check_vocab(s.tokens.token_ids, ident)
+    elif which is not None:
+        raise _req(pb.ERROR_REASON_BAD_REQUEST, f"{pb.Phase.Name(h.phase)} carries no input")
+    if h.compression not in (pb.COMPRESSION_UNSPECIFIED, pb.COMPRESSION_NONE):
+        raise _req(pb.ERROR_REASON_UNSUPPORTED_COMPRESSION, f"compression {h.compression} not supported")
+    if s.HasField("sampling"):
+        check_sampling(s.sampling)
+    verify_frame_payload(getattr(s, which) if which else None, h.payload_checksum)
+
+
+def _check_role(has_tokens: bool, ident: pb.ShardIdentity) -> None:
+    if has_tokens != ident.head:
+        what = "token ids" if has_tokens else "a boundary bundle"
+        raise _req(pb.ERROR_REASON_ROLE_MISMATCH,
+                   f"{what} sent to a {'head' if ident.head else 'non-head'} Shard")
+
+
+def _check_vocab(token_ids: Iterable[int], ident: pb.ShardIdentity) -> None:
+    for t in token_ids:
+        if not 0 <= t < ident.n_vocab:
+            raise _req(pb.ERROR_REASON_TOKEN_OUT_OF_VOCAB, f"token id {t} outside [0, {ident.n_vocab})")

@@ -1,0 +1,1 @@
+"""Inference Routes: local worker processes, the worker supervisor, the route driver, reports and parity."""

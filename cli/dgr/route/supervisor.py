@@ -1,0 +1,143 @@
+"""Start, watch and stop one dgr-worker process (tests, route code, benchmarks).
+
+    with WorkerProcess.start(["--fake-model"]) as w:
+        client = w.client()
+        ...
+
+The worker listens on 127.0.0.1 with a free port (``--listen 127.0.0.1:0``); its first stdout
+line names the port. :meth:`WorkerProcess.start` waits (with a deadline) for that line and for
+grpc.health.v1 SERVING.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from ..protocol.client import WorkerClient
+
+REPO = Path(__file__).resolve().parents[3]   # cli/dgr/route/supervisor.py -> the checkout
+_LISTEN = re.compile(r"listening on (\S+):(\d+)")
+_METRICS = re.compile(r"metrics on (\S+):(\d+)/metrics")
+
+
+def default_binary(backend: str = "cpu") -> Path:
+    """``$DGR_WORKER_BIN`` or build/<backend>/bin/dgr-worker."""
+    env = os.environ.get("DGR_WORKER_BIN")
+    return Path(env) if env else REPO / "build" / backend / "bin" / "dgr-worker"
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+class WorkerProcess:
+    def __init__(self, proc: subprocess.Popen, binary: Path) -> None:
+        self.proc = proc
+        self.binary = binary
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.metrics_port = 0
+        self.credentials: grpc.ChannelCredentials | None = None
+        self.stdout_lines: list[str] = []
+        self.stderr_lines: list[str] = []
+        self._listening = threading.Event()
+        threading.Thread(target=self._pump, args=(proc.stdout, self.stdout_lines, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(proc.stderr, self.stderr_lines, False), daemon=True).start()
+
+    def _pump(self, stream, sink: list[str], parse: bool) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            sink.append(line)
+            if parse:
+                m = _LISTEN.search(line)
+                if m:
+                    self.host, self.port = m.group(1), int(m.group(2))
+                m = _METRICS.search(line)
+                if m:
+                    self.metrics_port = int(m.group(2))
+                if line.startswith("dgr-worker: serving"):
+                    self._listening.set()
+        stream.close()
+
+    @classmethod
+    def start(cls, args: Sequence[str], *, binary: Path | None = None, listen: str = "127.0.0.1:0",
+              ready_timeout: float = 60.0, env: dict[str, str] | None = None,
+              credentials: grpc.ChannelCredentials | None = None) -> "WorkerProcess":
+        """Starts `dgr-worker serve --listen LISTEN ARGS` and waits for health SERVING
+        (through ``credentials`` when the worker serves TLS)."""
+        binary = binary or default_binary()
+        if not binary.is_file():
+            raise WorkerStartError(f"{binary} missing: run `dgr build`")
+        cmd = [str(binary), "serve", "--listen", listen, *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, **(env or {})})
+        w = cls(proc, binary)
+        w.credentials = credentials
+        end = time.monotonic() + ready_timeout
+        while not w._listening.wait(0.05):
+            if proc.poll() is not None or time.monotonic() > end:
+                w.kill()
+                raise WorkerStartError(f"worker did not start (exit {proc.poll()}): "
+                                       + " | ".join(w.stderr_lines[-10:]))
+        client = w.client()
+        try:
+            while client.health() != "SERVING":
+                if time.monotonic() > end:
+                    raise WorkerStartError("worker never reported SERVING")
+                time.sleep(0.05)
+        finally:
+            client.close()
+        return w
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def client(self, **kw: object) -> WorkerClient:
+        kw.setdefault("credentials", self.credentials)
+        return WorkerClient(self.target, **kw)  # type: ignore[arg-type]
+
+    def rss_bytes(self) -> int:
+        """VmRSS from /proc/PID/status."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("VmRSS not found")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait for the exit code (SIGKILL after the timeout)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def __enter__(self) -> "WorkerProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.terminate(10.0)
+            except subprocess.TimeoutExpired:
+                pass

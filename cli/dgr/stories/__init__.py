@@ -1,1 +1,0 @@
-"""Registered acceptance scenarios; each module registers with :func:`dgr.evidence.story`."""

@@ -1,0 +1,286 @@
+"""Configure and build the patched llama.cpp and the dgr-worker into ``build/<backend>/``.
+
+One CMake + Ninja tree per backend (``worker/CMakeLists.txt`` adds the patched llama.cpp as a
+static subproject). Only the requested targets are built; ccache is used when present.
+Refuses to build from an unverified or dirty pin, or a patched tree that differs from the
+committed series.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import __version__, paths
+from . import patchstack
+from . import pin as pin_mod
+from ..errors import DgrError
+
+BACKENDS = ("cpu", "vulkan", "cuda", "hip", "metal")
+DEFAULT_TARGETS = ("dgr-worker",)
+TEST_TARGETS = ("dgr-tests",)
+# Whole-model llama.cpp tools used as yardsticks and helpers (benchmarks, quantize, references).
+TOOL_TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-simple",
+                "llama-completion")
+BACKEND_CMAKE = {
+    "cpu": [],
+    "vulkan": ["-DGGML_VULKAN=ON"],
+    "cuda": ["-DGGML_CUDA=ON"],
+    "hip": ["-DGGML_HIP=ON"],
+    "metal": ["-DGGML_METAL=ON"],
+}
+VULKAN_MIN_HEADER = 309  # the pinned ggml-vulkan uses VK_EXT_layer_settings (headers 1.4.309 seen to work)
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    backend: str
+    build_dir: Path
+    bin_dir: Path
+    targets: tuple[str, ...]
+
+
+def check_toolchain(backend: str) -> list[str]:
+    """Return the CMake flags for ``backend`` or raise naming what is missing."""
+    if backend not in BACKENDS:
+        raise DgrError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    missing = [t for t in ("cmake", "ninja") if shutil.which(t) is None]
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        missing.append(f"C++ compiler ({cxx})")
+    if missing:
+        raise DgrError(f"build tools missing: {', '.join(missing)}",
+                       hint="apt-get install build-essential cmake ninja-build")
+    flags = list(BACKEND_CMAKE[backend])
+    if backend == "cuda":
+        nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+        if nvcc is None:
+            raise DgrError("backend cuda needs the CUDA toolkit (nvcc not found on PATH or in /usr/local/cuda/bin)")
+        flags.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+        if not os.environ.get("CUDAARCHS"):
+            flags.append("-DCMAKE_CUDA_ARCHITECTURES=native" if _has_nvidia_gpu() else "-DCMAKE_CUDA_ARCHITECTURES=80;89;90")
+    elif backend == "hip":
+        if shutil.which("hipcc") is None and not Path("/opt/rocm/bin/hipcc").exists():
+            raise DgrError("backend hip needs ROCm (hipcc not found on PATH or in /opt/rocm/bin)")
+    elif backend == "metal":
+        if platform.system() != "Darwin":
+            raise DgrError("backend metal builds only on macOS")
+    elif backend == "vulkan":
+        flags += _vulkan_flags()
+    return flags
+
+
+def _has_nvidia_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def _vulkan_flags() -> list[str]:
+    prefix = os.environ.get("DGR_VULKAN_PREFIX")
+    include_dirs = [Path(prefix) / "usr/include"] if prefix else []
+    include_dirs.append(Path("/usr/include"))
+    header = next((d / "vulkan/vulkan_core.h" for d in include_dirs if (d / "vulkan/vulkan_core.h").is_file()), None)
+    problems = []
+    if header is None:
+        problems.append("Vulkan headers (vulkan/vulkan_core.h)")
+    else:
+        m = re.search(r"#define VK_HEADER_VERSION (\d+)", header.read_text(errors="replace"))
+        ver = int(m.group(1)) if m else 0
+        if ver < VULKAN_MIN_HEADER or "VK_EXT_layer_settings" not in header.read_text(errors="replace"):
+            problems.append(f"Vulkan headers >= 1.3.{VULKAN_MIN_HEADER} with VK_EXT_layer_settings "
+                            f"({header} has VK_HEADER_VERSION {ver}); unpack newer libvulkan-dev + "
+                            "spirv-headers with dpkg -x into a prefix and set DGR_VULKAN_PREFIX")
+    if shutil.which("glslc") is None:
+        problems.append("glslc (apt-get install glslc)")
+    if not any(Path(p).exists() for p in ("/usr/lib/x86_64-linux-gnu/libvulkan.so.1", "/usr/lib/aarch64-linux-gnu/libvulkan.so.1", "/usr/lib/libvulkan.so.1")):
+        problems.append("the Vulkan loader (apt-get install libvulkan1)")
+    if problems:
+        raise DgrError("backend vulkan is missing: " + "; ".join(problems))
+    flags = []
+    if prefix:
+        flags.append(f"-DVulkan_INCLUDE_DIR={Path(prefix) / 'usr/include'}")
+    return flags
+
+
+def _ensure_sources() -> tuple[pin_mod.Pin, Path, str]:
+    pin = pin_mod.load_pin()
+    src = pin_mod.located_source()
+    pin_mod.verify_tree(src, pin)  # raises on a wrong commit or a dirty pinned tree
+    stack = patchstack.default_stack()
+    tree = paths.patched_source_dir()
+    st = patchstack.apply(stack, src, tree)  # idempotent; raises on local edits
+    if st.base != pin.commit:
+        raise DgrError(f"patched tree {tree} is based on {st.base}, the pin says {pin.commit}",
+                       hint="run `dgr patches apply --force`")
+    if st.unexported:
+        raise DgrError(f"patched tree {tree} differs from the committed series ({st.unexported[0]})",
+                       hint="run `dgr patches export` to keep the change, or `dgr patches apply --force`")
+    return pin, tree, stack.series_digest()
+
+
+def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> None:
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail.append(line.rstrip())
+        tail = tail[-40:]
+        # Ninja status lines ("[12/345] Building …") are the progress; compiler chatter is kept
+        # for the error message only.
+        if line.startswith("[") or "error" in line.lower() or line.startswith(("FAILED", "CMake Error", "-- Configuring done", "-- Build files")):
+            sys.stderr.write(line)
+    if proc.wait() != 0:
+        raise DgrError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}); last lines:\n" + "\n".join(tail[-15:]))
+
+
+def build(backend: str = "cpu", *, jobs: int | None = None, clean: bool = False,
+          targets: tuple[str, ...] = DEFAULT_TARGETS, extra_cmake: tuple[str, ...] = ()) -> BuildResult:
+    """Build ``targets`` in build/<backend>/; concurrent calls on one tree wait for each other."""
+    flags = check_toolchain(backend)
+    paths.build_dir().mkdir(parents=True, exist_ok=True)
+    with open(paths.build_dir() / f".build-{backend}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(backend, flags, jobs=jobs, clean=clean, targets=targets, extra_cmake=extra_cmake)
+
+
+def _build_locked(backend: str, flags: list[str], *, jobs: int | None, clean: bool,
+                  targets: tuple[str, ...], extra_cmake: tuple[str, ...]) -> BuildResult:
+    pin, tree, digest = _ensure_sources()
+    bdir = paths.backend_build_dir(backend)
+    if clean and bdir.exists():
+        shutil.rmtree(bdir)
+    bdir.mkdir(parents=True, exist_ok=True)
+    config = [
+        "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+        f"-DDGR_LLAMA_SOURCE_DIR={tree}",
+        f"-DDGR_REPO_ROOT={paths.repo_root()}",
+        f"-DDGR_VERSION={__version__}",
+        f"-DDGR_PIN_COMMIT={pin.commit}",
+        f"-DDGR_PATCH_DIGEST={digest}",
+        f"-DDGR_BACKEND={backend}",
+        *flags, *extra_cmake,
+    ]
+    if shutil.which("ccache"):
+        config += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
+                   "-DGGML_CCACHE=OFF"]
+    stamp = bdir / "dgr-config.json"
+    previous = json.loads(stamp.read_text()) if stamp.is_file() else None
+    if previous != config or not (bdir / "build.ninja").is_file():
+        _run(["cmake", "-S", str(paths.repo_root() / "worker"), "-B", str(bdir), *config])
+        stamp.write_text(json.dumps(config, indent=1))
+    jobs = jobs or os.cpu_count() or 2
+    # Rewrite absolute paths for ccache so scratch/clean trees reuse cached objects.
+    env = dict(os.environ)
+    env.setdefault("CCACHE_BASEDIR", "/")
+    _run(["ninja", "-C", str(bdir), f"-j{jobs}", *targets], env=env)
+    # Upstream notices next to the binaries (also done at configure; re-copied in case of clean bin/).
+    bin_dir = bdir / "bin"
+    for notice in pin.notices:
+        if (tree / notice).is_file():
+            shutil.copyfile(tree / notice, bin_dir / f"llama.cpp-{notice}")
+    return BuildResult(backend, bdir, bin_dir, targets)
+
+
+def worker_binary(backend: str = "cpu") -> Path:
+    exe = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+    if not exe.is_file():
+        raise DgrError(f"{exe} not built", hint=f"run `dgr build --backend {backend}`")
+    return exe
+
+
+def tool_binary(name: str, backend: str = "cpu", *, build_missing: bool = True) -> Path:
+    """A built program of build/<backend>/bin; with ``build_missing`` it is (re)built when
+    missing or out of date (a no-op Ninja run otherwise)."""
+    exe = paths.backend_build_dir(backend) / "bin" / name
+    if build_missing:
+        build(backend, targets=(name,))
+    elif not exe.is_file():
+        raise DgrError(f"{exe} not built", hint=f"run `dgr build --backend {backend} --target {name}`")
+    return exe
+
+
+# --- llama.cpp's own RPC split (a yardstick for routes) --------------------------------------
+# GGML_RPC stays off in build/<backend>/ (the worker tree); the RPC tools are configured straight
+# from the patched llama.cpp tree into their own build/<backend>-rpc/ so that tree is never touched.
+RPC_SERVER = "ggml-rpc-server"   # the pinned CMake target/binary name (older upstreams: rpc-server)
+RPC_TARGETS = (RPC_SERVER, "llama-bench")
+_RPC_ALIASES = {"rpc-server": RPC_SERVER}
+_RPC_CMAKE = (
+    "-DGGML_RPC=ON", "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_COMMON=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_IS_DEV=OFF",
+)
+
+
+def rpc_build_dir(backend: str = "cpu") -> Path:
+    return paths.build_dir() / f"{backend}-rpc"
+
+
+def build_rpc_tools(backend: str = "cpu", jobs: int | None = None, *, clean: bool = False) -> Path:
+    """Build llama.cpp's RPC server and an RPC-enabled llama-bench in build/<backend>-rpc/ and
+    return its bin dir; concurrent calls on that tree wait for each other."""
+    flags = check_toolchain(backend)
+    paths.build_dir().mkdir(parents=True, exist_ok=True)
+    with open(paths.build_dir() / f".build-{backend}-rpc.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_rpc_locked(backend, flags, jobs=jobs, clean=clean)
+
+
+def _build_rpc_locked(backend: str, flags: list[str], *, jobs: int | None, clean: bool) -> Path:
+    pin, tree, digest = _ensure_sources()
+    bdir = rpc_build_dir(backend)
+    if clean and bdir.exists():
+        shutil.rmtree(bdir)
+    bdir.mkdir(parents=True, exist_ok=True)
+    config = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *_RPC_CMAKE, *flags]
+    if shutil.which("ccache"):
+        config += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
+                   "-DGGML_CCACHE=OFF"]
+    # the pin and patch digest are in the stamp (not CMake flags): a new series reconfigures
+    stamp_doc = {"source": str(tree), "pin": pin.commit, "patches": digest, "cmake": config}
+    stamp = bdir / "dgr-config.json"
+    previous = json.loads(stamp.read_text()) if stamp.is_file() else None
+    print(f"llama.cpp RPC tools ({backend}) in {bdir}", file=sys.stderr, flush=True)
+    if previous != stamp_doc or not (bdir / "build.ninja").is_file():
+        _run(["cmake", "-S", str(tree), "-B", str(bdir), *config])
+        stamp.write_text(json.dumps(stamp_doc, indent=1))
+    jobs = jobs or os.cpu_count() or 2
+    env = dict(os.environ)
+    env.setdefault("CCACHE_BASEDIR", "/")
+    _run(["ninja", "-C", str(bdir), f"-j{jobs}", *RPC_TARGETS], env=env)
+    bin_dir = bdir / "bin"
+    for alias, name in _RPC_ALIASES.items():   # `rpc-server`, the name the docs and older pins use
+        link = bin_dir / alias
+        if alias != name and not link.exists():
+            link.unlink(missing_ok=True)        # a dangling link
+            link.symlink_to(name)
+    for notice in pin.notices:
+        if (tree / notice).is_file():
+            shutil.copyfile(tree / notice, bin_dir / f"llama.cpp-{notice}")
+    return bin_dir
+
+
+def rpc_tool_binary(name: str, backend: str = "cpu", *, build_missing: bool = True) -> Path:
+    """``rpc-server`` (alias of the pinned ``ggml-rpc-server``) or ``llama-bench`` of
+    build/<backend>-rpc/bin; with ``build_missing`` the RPC tree is (re)built first (a no-op
+    Ninja run when up to date)."""
+    real = _RPC_ALIASES.get(name, name)
+    if real not in RPC_TARGETS:
+        raise DgrError(f"unknown RPC tool {name!r}; choose one of rpc-server, {', '.join(RPC_TARGETS)}")
+    exe = rpc_build_dir(backend) / "bin" / real
+    if build_missing:
+        build_rpc_tools(backend)
+    elif not exe.is_file():
+        raise DgrError(f"{exe} not built (llama.cpp RPC tools, GGML_RPC=ON)",
+                       hint=f"python -c 'from dgr.upstream.build import build_rpc_tools; build_rpc_tools(\"{backend}\")'")
+    return exe
