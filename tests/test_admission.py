@@ -69,10 +69,30 @@ def test_architecture_mismatch() -> None:
 
 
 def test_unknown_architecture_fails_closed_even_if_registered_certified() -> None:
-    q = recipe(arch_adapter="qwen3")
-    reg = Registry((entry(arch_adapter="qwen3"),))
+    q = recipe(arch_adapter="qwen2")
+    reg = Registry((entry(arch_adapter="qwen2"),))
     d = decide(cap_recipe=q, req_recipe=q, registry=reg)
     assert not d.admitted and Reason.ARCHITECTURE_UNSUPPORTED in d.reasons
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_packaged_registry_keeps_qwen3_dark_with_its_reason(arch: str) -> None:
+    # Qwen3 / Qwen3-MoE have adapters but no real-model certification: dark, with the reason
+    q = recipe(arch_adapter=arch)
+    d = decide(cap_recipe=q, req_recipe=q, registry=load_registry())
+    assert d.reasons == {Reason.RECIPE_DARK}
+    (why,) = [r.detail for r in d.rejections]
+    assert f"recipe {arch}-v1-f32wire-f16kv is registered but dark" in why and "waits on a real" in why
+    assert "dgr accept DGR-015 --model" in why
+
+
+def test_packaged_registry_certifies_gemma3_on_cpu_only() -> None:
+    g = recipe(arch_adapter="gemma3")
+    reg = load_registry()
+    e = reg.lookup(g)
+    assert e is not None and e.status == "certified" and e.evidence == "evidence/DGR-015"
+    assert decide(cap_recipe=g, req_recipe=g, registry=reg).admitted
+    assert reg.routable(g) and not reg.routable(g.with_(backend="vulkan"))
 
 
 @pytest.mark.parametrize("cap_range,req_range", [((0, 15), (0, 16)), ((15, 30), (10, 30)), ((0, 15), (15, 30)),
@@ -97,11 +117,25 @@ def test_unregistered_recipe_is_rejected() -> None:
     assert d.reasons == {Reason.RECIPE_UNREGISTERED}
 
 
-def test_backend_must_be_certified_but_may_differ_along_a_route() -> None:
+def test_backend_plan_must_be_certified_and_fails_closed() -> None:
+    mixed_head, mixed_tail = recipe(backends="cpu+vulkan"), recipe(backend="vulkan", backends="cpu+vulkan")
+    # certified on cpu and on vulkan alone: a mixed CPU-head/Vulkan-tail route is still refused
     reg = Registry((entry(backends=("cpu", "vulkan")),))
-    assert decide(cap_recipe=recipe(backend="vulkan"), registry=reg).admitted  # mixed CPU+Vulkan route
-    d = decide(cap_recipe=recipe(backend="cuda"), registry=reg)
+    d = decide(cap_recipe=mixed_tail, req_recipe=mixed_head, req_range=(15, 30), cap_range=(15, 30), registry=reg)
     assert d.reasons == {Reason.BACKEND_NOT_CERTIFIED}
+    assert decide(cap_recipe=recipe(backend="vulkan"), req_recipe=recipe(backend="vulkan"), registry=reg).admitted
+    # a certified mixed plan admits both of its Shards
+    reg = Registry((entry(backends=("cpu",)), entry(name="mixed", backends=("cpu+vulkan",),
+                                                     tolerance=(("max_abs_dlogprob", 0.5),))))
+    for cap in (mixed_head, mixed_tail):
+        assert decide(cap_recipe=cap, req_recipe=mixed_head, registry=reg).admitted
+    # a Shard on another backend than the plan's, or a Vulkan Shard in a CPU route: refused
+    d = decide(cap_recipe=recipe(backend="cuda", backends="cpu+vulkan"), req_recipe=mixed_head, registry=reg)
+    assert Reason.BACKEND_NOT_CERTIFIED in d.reasons
+    d = decide(cap_recipe=recipe(backend="vulkan"), registry=reg)
+    assert d.reasons == {Reason.FINGERPRINT_MISMATCH, Reason.BACKEND_NOT_CERTIFIED}
+    assert decide(cap_recipe=recipe(backends="vulkan+cpu"), req_recipe=recipe(backends="vulkan+cpu"),
+                  registry=reg).reasons == {Reason.BACKEND_NOT_CERTIFIED}
 
 
 def test_forged_fingerprint_is_rejected() -> None:
@@ -120,7 +154,7 @@ def test_every_reason_is_reported_at_once() -> None:
 
 
 def test_packaged_registry_keeps_uncertified_llama_dark() -> None:
-    # Nothing is certified until a real distributed forward leaves evidence (DESIGN.md §2).
+    # Nothing is certified until a real distributed forward leaves evidence.
     reg = load_registry()
     d = admit(ShardCapability(recipe(), 0, 15, N_LAYER), RouteRequest(recipe(), 0, 15, N_LAYER), reg)
     e = reg.lookup(recipe())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+from pathlib import Path
 
 from dgr.upstream import build as build_mod
 from dgr.upstream import patchstack
@@ -32,11 +33,16 @@ def test_old_vulkan_headers_are_explained(tmp_path, monkeypatch):
     inc.mkdir(parents=True)
     (inc / "vulkan_core.h").write_text("#define VK_HEADER_VERSION 239\n")
     monkeypatch.setenv("DGR_VULKAN_PREFIX", str(tmp_path))
-    monkeypatch.setattr(build_mod.shutil, "which", lambda name: None if name == "glslc" else "/usr/bin/" + name)
+    from dgr.upstream import vulkan_sdk
+
+    # the system side is present (no apt from a unit test); only the prefix's headers are old
+    monkeypatch.setattr(vulkan_sdk, "missing_system_packages", lambda: [])
+    monkeypatch.setattr(vulkan_sdk, "loader_library", lambda: Path("/usr/lib/libvulkan.so.1"))
+    monkeypatch.setattr(vulkan_sdk.shutil, "which", lambda name: "/usr/bin/" + name)
     with pytest.raises(DgrError) as exc:
         build_mod.check_toolchain("vulkan")
     msg = str(exc.value)
-    assert "VK_HEADER_VERSION 239" in msg and "VK_EXT_layer_settings" in msg and "glslc" in msg
+    assert "VK_HEADER_VERSION 239" in msg and "VK_EXT_layer_settings" in msg and "1.3.309" in msg
 
 
 def test_metal_only_on_macos(monkeypatch):

@@ -19,6 +19,8 @@ from dgr.route.llama_whole import WholeLlama, WholeRow
 LLAMA_1 = "llama.cpp (llama-batched-bench) 1 session"
 LLAMA_AGG = "llama.cpp (llama-batched-bench) aggregate (4)"
 LLAMA_PER = "llama.cpp (llama-batched-bench) per session (4)"
+SERVER_1 = "llama.cpp (llama-server) 1 session"
+SERVER_AGG = "llama.cpp (llama-server) aggregate (4)"
 NOT_MEASURED = "llama.cpp baseline: not measured ("
 
 
@@ -51,6 +53,13 @@ WHOLE = WholeLlama(
           WholeRow(4, 0.2734, 350.0, 180.0, 45.0, 272 * 184_320)],
     peak_rss_bytes=210_000_000, wall_s=12.0)
 
+SERVER = WholeLlama(
+    command=["/b/llama-server", "-m", "/m.gguf", "-t", "2", "-tb", "2", "-np", "4", "-c", "4096", "-b", "512",
+             "-ub", "512", "--host", "127.0.0.1", "--port", "1234", "--no-webui"],
+    rows=[WholeRow(1, 0.0712, 290.0, 92.5, 92.5, 70 * 184_320),
+          WholeRow(4, 0.2034, 330.0, 170.0, 42.5, 280 * 184_320)],
+    peak_rss_bytes=220_000_000, wall_s=14.0, tool="llama-server")
+
 
 def _run(**kw) -> report.RouteRun:
     return report.RouteRun(_report("route 0:15,15:30", ["0:15", "15:30"]), _report("whole model 0:30", ["0:30"]),
@@ -81,6 +90,18 @@ def test_summary_table_has_llama_rows_next_to_route_and_whole_worker():
     assert "-t 2" in flat and "20-token prompts" in flat and "48 tokens generated" in flat
     assert NOT_MEASURED not in table
     assert max(len(ln) for ln in table.splitlines()) <= 100, table
+
+
+def test_summary_table_llama_server_rows_and_note():
+    table = report.summary_table(_run(llama=SERVER))
+    assert _row(table, SERVER_1) == ["71", "290", "92.5"]
+    assert _row(table, SERVER_AGG) == ["203", "330", "170.0"]
+    assert _row(table, "llama-server (4)")[:4] == ["220.0", "MB", f"{280 * 184_320 / 1e6:.1f}", "MB"]
+    flat = " ".join(table.split())
+    assert "llama-server at the pin" in flat and "same chat prompts" in flat and "-np 4" in flat and "-t 2" in flat
+    assert "lockstep" not in flat and "llama-batched-bench" not in flat
+    assert max(len(ln) for ln in table.splitlines()) <= 100, table
+    assert _run(llama=SERVER).to_json()["llama"]["tool"] == "llama-server"
 
 
 def test_summary_table_says_when_the_baseline_was_not_measured():
@@ -144,25 +165,27 @@ def fake_local(monkeypatch):
             raise fake_measure.result
         return fake_measure.result
 
-    fake_measure.result = WHOLE
+    fake_measure.result = SERVER
     monkeypatch.setattr(route_run, "LocalRoute", FakeRoute)
     monkeypatch.setattr(route_run, "run_sessions", fake_sessions)
-    monkeypatch.setattr("dgr.route.llama_whole.measure_whole_llama", fake_measure)
+    monkeypatch.setattr("dgr.route.llama_whole.measure_whole_llama_server", fake_measure)
     return events, calls, fake_measure
 
 
-def test_run_local_measures_llama_after_every_worker_stopped(fake_local):
+def test_run_local_measures_llama_after_every_worker_stopped(fake_local, caplog):
     events, calls, _ = fake_local
-    logs: list[str] = []
+    caplog.set_level("INFO", logger="dgr.route.run")
     res = route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], list(sessions.DEFAULT_PROMPTS), max_tokens=12, parity=True,
-                       llama_baseline=True, log=logs.append)
-    assert res.llama is WHOLE and res.llama_error is None and res.parity.ok
-    assert calls == [dict(model=Path("/m.gguf"), threads=os.cpu_count(), n_prompt=22, n_gen=12, sessions=(1, 4),
-                          backend="cpu")]                        # mean(18, 19, 22, 27) = 21.5 -> 22
+                       llama_baseline=True)
+    logs = caplog.messages
+    assert res.llama is SERVER and res.llama_error is None and res.parity.ok
+    # the same prompts, answer length and threads as the route
+    assert calls == [dict(model=Path("/m.gguf"), threads=os.cpu_count(), prompts=list(sessions.DEFAULT_PROMPTS),
+                          max_tokens=12, sessions=(1, 4), backend="cpu")]
     assert events[-1] == ("llama",)                              # after the route and whole-worker runs
     assert events.count(("stop", ((0, 15), (15, 30)))) == 1 and events.count(("stop", ((0, 30),))) == 1
     assert {e[1] for e in events if e[0] == "threads"} == {os.cpu_count()}
-    assert any("llama-batched-bench" in m and "-t " in m for m in logs)
+    assert any("llama-server -np 4" in m and "-t " in m for m in logs)
     assert "llama" in res.to_json() and res.to_json()["llama"]["rows"][1]["sessions"] == 4
 
 
@@ -170,7 +193,7 @@ def test_run_local_passes_the_workers_threads(fake_local):
     events, calls, _ = fake_local
     route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a", "b"], max_tokens=5, parity=True, threads=3,
                  llama_baseline=True)
-    assert calls[0]["threads"] == 3 and calls[0]["sessions"] == (1, 2) and calls[0]["n_prompt"] == 18
+    assert calls[0]["threads"] == 3 and calls[0]["sessions"] == (1, 2) and calls[0]["prompts"] == ["a", "b"]
     assert {e[1] for e in events if e[0] == "threads"} == {3}
 
 
@@ -181,14 +204,15 @@ def test_run_local_without_baseline_does_not_measure(fake_local):
     assert "llama.cpp" not in report.summary_table(res)
 
 
-def test_a_failing_baseline_is_recorded_and_printed_not_raised(fake_local):
+def test_a_failing_baseline_is_recorded_and_printed_not_raised(fake_local, caplog):
     _, calls, measure = fake_local
-    measure.result = DgrError("llama-batched-bench failed (exit 134): GGML_ASSERT(n_ctx > 0)")
-    logs: list[str] = []
+    measure.result = DgrError("llama-server exited (1): error: unknown argument --no-webui")
+    caplog.set_level("INFO", logger="dgr.route.run")
     res = route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a", "b"], max_tokens=4, parity=True,
-                       llama_baseline=True, log=logs.append)
-    assert res.llama is None and res.llama_error == "llama-batched-bench failed (exit 134): GGML_ASSERT(n_ctx > 0)"
-    assert f"{NOT_MEASURED}llama-batched-bench failed (exit 134): GGML_ASSERT(n_ctx > 0))" in report.summary_table(res)
+                       llama_baseline=True)
+    logs = caplog.messages
+    assert res.llama is None and res.llama_error == "llama-server exited (1): error: unknown argument --no-webui"
+    assert f"{NOT_MEASURED}llama-server exited (1): error: unknown argument --no-webui)" in report.summary_table(res)
     assert any("not measured" in m for m in logs)
     measure.result = FileNotFoundError(2, "No such file or directory")
     res = route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a"], max_tokens=4, parity=True, llama_baseline=True)
@@ -200,9 +224,10 @@ def test_a_tool_that_cannot_be_built_is_not_measured(monkeypatch):
         raise DgrError("cmake failed (exit 1)", hint="install a C++ toolchain")
 
     monkeypatch.setattr("dgr.upstream.build.tool_binary", no_build)
-    got, err = route_run.whole_llama_baseline(Path("/m.gguf"), threads=2, n_prompt=20, n_gen=8, sessions=(1, 4))
+    monkeypatch.setattr("dgr.route.local.model_n_layer", lambda m: 30)
+    got, err = route_run.whole_llama_baseline(Path("/m.gguf"), threads=2, prompts=["a"], max_tokens=8, sessions=(1, 4))
     assert got is None and err == "cmake failed (exit 1) (install a C++ toolchain)"
-    assert route_run.whole_llama_baseline(None, threads=2, n_prompt=20, n_gen=8, sessions=(1,)) == \
+    assert route_run.whole_llama_baseline(None, threads=2, prompts=["a"], max_tokens=8, sessions=(1,)) == \
         (None, "no GGUF model (fake-model workers)")
 
 
@@ -238,9 +263,10 @@ def test_demo_runs_to_completion_with_parity_and_table(smollm2_path, native_bin,
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "greedy parity vs whole model: OK" in p.stdout and "concurrent isolation: OK" in p.stdout
     for col in ("TTFT ms", "prefill tok/s", "decode tok/s", "route  aggregate", "whole model on 1 dgr-worker  aggregate",
-                "seam bytes per decode token", "KV peak", LLAMA_1, LLAMA_AGG, "llama-batched-bench (4)",
-                "lockstep"):
+                "seam bytes per decode token", "KV peak", SERVER_1, SERVER_AGG, "llama-server (4)"):
         assert col in p.stdout, col
+    # the footnote is wrapped to the table's width: compare its words, not its line breaks
+    assert "same chat prompts" in " ".join(p.stdout.split())
     assert NOT_MEASURED not in p.stdout
     assert p.stdout.count("assistant:") == 4
     doc = json.loads(out.read_text())
@@ -248,13 +274,27 @@ def test_demo_runs_to_completion_with_parity_and_table(smollm2_path, native_bin,
     assert [w["range"] for w in doc["route"]["workers"]] == ["0:15", "15:30"]
     assert all(w["rss_peak_bytes"] > 0 and w["kv_cells_peak"] > 0 for w in doc["route"]["workers"])
     assert 0 < doc["route"]["seam_bytes_per_decode_token"] <= 2 * 576 * 4 + 256
-    # stock llama.cpp at the route's threads, prompt length and answer length, 1 and 4 sessions
+    # stock llama-server at the route's threads serving the same prompts, 1 and 4 sessions
     assert doc["llama_error"] is None
     llama = doc["llama"]
     cmd = llama["command"]
-    assert cmd[cmd.index("-t") + 1] == str(os.cpu_count()) and cmd[cmd.index("-ntg") + 1] == "16"
-    mean_prompt = sum(s["prompt_tokens"] for s in doc["route"]["sessions"]) / 4
-    assert abs(int(cmd[cmd.index("-npp") + 1]) - mean_prompt) <= 0.5
+    assert llama["tool"] == "llama-server"
+    assert cmd[cmd.index("-t") + 1] == str(os.cpu_count()) and cmd[cmd.index("-np") + 1] == "4"
     assert [r["sessions"] for r in llama["rows"]] == [1, 4] and llama["peak_rss_bytes"] > 0
     assert all(r["ttft_s"] > 0 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["kv_bytes"] > 0
                for r in llama["rows"])
+
+
+@pytest.mark.real
+@pytest.mark.native
+def test_demo_runs_gemma3_270m(gemma3_path, native_bin, tmp_path):
+    """`dgr demo --model gemma3-270m`: the packaged Gemma 3 split in halves, greedy parity OK."""
+    out = tmp_path / "demo.json"
+    p = subprocess.run([sys.executable, "-m", "dgr.main", "demo", "--model", "gemma3-270m", "--max-tokens", "12",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "greedy parity vs whole model: OK" in p.stdout and "concurrent isolation: OK" in p.stdout
+    doc = json.loads(out.read_text())
+    assert doc["parity"]["ok"] and [w["range"] for w in doc["route"]["workers"]] == ["0:9", "9:18"]
+    assert Path(doc["model"]) == gemma3_path
+    assert 0 < doc["route"]["seam_bytes_per_decode_token"] <= 2 * 640 * 4 + 256

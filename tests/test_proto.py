@@ -64,7 +64,7 @@ def test_cli_proto_check_and_vectors_pass():
 def test_service_and_style():
     svc = pb.DESCRIPTOR.services_by_name["ShardRuntimeService"]
     assert {m.name for m in svc.methods} == {"GetCapability", "Session", "ReleaseSession", "CancelSession",
-                                             "GetMetrics", "Tokenize", "Detokenize"}
+                                             "GetMetrics", "Tokenize", "Detokenize", "ApplyChatTemplate"}
     for m in svc.methods:
         assert m.input_type.name == f"{m.name}Request" and m.output_type.name == f"{m.name}Response"
     assert pb.DESCRIPTOR.package == "dgr.shard.v1"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import subprocess
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,7 @@ def base() -> R.RuntimeRecipe:
 def test_canonical_text_shape() -> None:
     text = base().canonical()
     lines = text.splitlines()
-    assert lines[0] == "dgr-recipe-fingerprint/v1"
+    assert lines[0] == "dgr-recipe-fingerprint/v2"
     assert [ln.split("=")[0] for ln in lines[1:]] == list(R.FINGERPRINT_FIELDS) == sorted(R.FINGERPRINT_FIELDS)
     assert text.endswith("\n") and "artifact_id=" + "a" * 64 in lines
 
@@ -44,10 +44,26 @@ def test_every_fingerprint_field_changes_the_fingerprint(field: str) -> None:
     assert r.with_(**{field: other}).fingerprint() != r.fingerprint()
 
 
-@pytest.mark.parametrize("change", [{"backend": "vulkan"}, {"compute_dtype": "f16"}, {"dgr_version": "0.2.0"},
+@pytest.mark.parametrize("change", [{"compute_dtype": "f16"}, {"dgr_version": "0.2.0"},
                                     {"weight_types_digest": "e" * 64}, {"weight_types": (("Q4_1", 3),)}])
 def test_fields_outside_the_fingerprint_do_not_change_it(change: dict) -> None:
     assert base().with_(**change).fingerprint() == base().fingerprint()
+
+
+def test_backend_plan_distinguishes_backends() -> None:
+    cpu = base()
+    vk = base().with_(backend="vulkan")
+    assert vk.fingerprint() != cpu.fingerprint()
+    # the Shards of a mixed route share the plan's fingerprint, whatever their own backend
+    head = base().with_(backends="cpu+vulkan")
+    tail = base().with_(backend="vulkan", backends="cpu+vulkan")
+    assert head.fingerprint() == tail.fingerprint()
+    assert head.fingerprint() not in (cpu.fingerprint(), vk.fingerprint())
+    assert base().with_(backends="vulkan+cpu").fingerprint() != head.fingerprint()
+    assert R.backend_plan(["cpu", "cpu", "vulkan", "vulkan"]) == "cpu+vulkan"
+    assert R.backend_plan(["vulkan"]) == "vulkan"
+    with pytest.raises(R.RecipeError):
+        R.backend_plan(["cpu", "opencl"])
 
 
 def test_every_recipe_field_is_classified() -> None:
@@ -85,8 +101,13 @@ def test_recipe_for_whole_file_and_slice_agree(tmp_path: Path) -> None:
     src = synthesize(SynthSpec(n_layer=4, dtype="q8_0", seed=2), tmp_path / "m.gguf")
     tail = slice_gguf(src, LayerRange(2, 4), tmp_path / "t.gguf", progress=False).path
     a = R.recipe_for(src, runtime=RUNTIME, progress=False)
-    b = R.recipe_for(tail, runtime=RUNTIME, backend="vulkan", progress=False)
+    b = R.recipe_for(tail, runtime=RUNTIME, progress=False)
     assert a.fingerprint() == b.fingerprint()
+    assert R.recipe_for(tail, runtime=RUNTIME, backend="vulkan", progress=False).fingerprint() != a.fingerprint()
+    mixed = R.recipe_for(tail, runtime=RUNTIME, backend="vulkan", backends="cpu+vulkan", progress=False)
+    assert mixed.fingerprint() == R.recipe_for(src, runtime=RUNTIME, backends="cpu+vulkan", progress=False).fingerprint()
+    with pytest.raises(R.RecipeError, match="not part of"):
+        R.recipe_for(tail, runtime=RUNTIME, backend="cuda", backends="cpu+vulkan", progress=False)
     assert a.weight_types_digest == b.weight_types_digest and dict(a.weight_types) == {"F32": 9, "Q8_0": 30}
     assert a.arch_adapter == "llama" and a.boundary_schema_version == R.BOUNDARY_SCHEMA_VERSION
     assert R.recipe_for(src, runtime=RUNTIME, kv_dtype="q8_0", progress=False).fingerprint() != a.fingerprint()
@@ -167,3 +188,52 @@ def test_cli_recipe_json(tmp_path: Path) -> None:
     assert out["arch_adapter"] == "llama" and len(out["fingerprint"]) == 64
     # Routable exactly when the packaged registry certifies this recipe class on cpu.
     assert out["routable"] is R.load_registry().routable(R.recipe_for(src, runtime=RUNTIME, progress=False))
+
+
+def test_every_certified_recipe_names_passing_evidence_in_the_repo() -> None:
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    for e in R.load_registry().entries:
+        if e.status != "certified":
+            continue
+        results = root / e.evidence / "results.json"
+        assert results.is_file(), f"{e.name}: {results} missing"
+        assert json.loads(results.read_text())["verdict"] == "pass", e.name
+
+
+def test_certified_entries_follow_from_their_evidence() -> None:
+    """The packaged registry: every certified entry's evidence passed, and a mixed plan's drift
+    is within the tolerance the entry states (otherwise the entry must stay dark)."""
+    from dgr import paths
+
+    reg = R.load_registry()
+    problems = [p for e in reg.entries for p in R.certification_problems(e, paths.repo_root())]
+    assert not problems, problems
+
+
+def test_certification_problems_reads_the_drift(tmp_path: Path) -> None:
+    import json
+
+    ev = tmp_path / "evidence" / "DGR-X"
+    ev.mkdir(parents=True)
+    drift = [{"plan": "cpu+vulkan", "tokens": 128, "top1_agreement": 0.99, "max_abs_dlogprob": 0.2}]
+    (ev / "results.json").write_text(json.dumps({"verdict": "pass", "metrics": {"drift": drift}}))
+    e = R.RegistryEntry("m", "certified", "llama", 1, "f32", "f16", R.DEFAULT_KV_LAYOUT, 1, ("cpu+vulkan",),
+                        "evidence/DGR-X", tolerance=(("tokens", 64), ("top1_agreement_min", 0.95),
+                                                     ("max_abs_dlogprob", 0.5)))
+    assert R.certification_problems(e, tmp_path) == []
+    assert R.certification_problems(replace(e, tolerance=(("max_abs_dlogprob", 0.1),)), tmp_path)
+    assert R.certification_problems(replace(e, backends=("cpu+vulkan", "vulkan+cpu")), tmp_path)
+    drift[0]["max_abs_dlogprob"] = "inf"
+    (ev / "results.json").write_text(json.dumps({"verdict": "pass", "metrics": {"drift": drift}}))
+    assert R.certification_problems(e, tmp_path)
+    (ev / "results.json").write_text(json.dumps({"verdict": "fail", "metrics": {}}))
+    assert R.certification_problems(replace(e, tolerance=()), tmp_path)
+
+
+def test_mixed_plan_certified_without_tolerance_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(DgrError, match="tolerance"):
+        R.load_registry(_registry(tmp_path, "certified", backends='["cpu+vulkan"]'))
+    with pytest.raises(DgrError, match="not a backend plan"):
+        R.load_registry(_registry(tmp_path, "dark", backends='["cpu,vulkan"]'))

@@ -245,3 +245,39 @@ def test_hung_worker_hits_the_step_deadline_and_names_the_shard(native_bin):
     finally:
         for w in ws:
             w.kill()
+
+
+def test_forced_tokens_predict_on_the_given_context(fake_workers):
+    """Teacher forcing (the drift measurement): each output is the route's prediction after the
+    forced tokens, the same as a free run whose prompt holds them; own greedy tokens change nothing."""
+    eps = [fake_workers[r].target for r in ("0:4", "4:8")]
+    prompt = PROMPTS[0]
+
+    async def go():
+        d = await RouteDriver(eps, chain=False).connect()
+        try:
+            free = await d.generate(prompt, max_tokens=6, stop_on_eog=False)
+            same = await d.generate(prompt, max_tokens=6, stop_on_eog=False, forced_tokens=free.tokens)
+            other = [65, 66, 67, 68, 69, 70]
+            forced = await d.generate(prompt, max_tokens=6, stop_on_eog=False, forced_tokens=other)
+            step2 = await d.generate(prompt + other[:2], max_tokens=1, stop_on_eog=False)
+            return free, same, forced, step2
+        finally:
+            await d.close()
+
+    free, same, forced, step2 = _run(go())
+    assert same.tokens == free.tokens
+    assert forced.tokens[0] == free.tokens[0] and forced.tokens[2] == step2.tokens[0]
+    assert forced.tokens != free.tokens
+
+
+def test_forced_tokens_need_the_stepwise_mode(fake_workers):
+    async def go():
+        d = await RouteDriver([fake_workers["0:4"].target, fake_workers["4:8"].target], chain=True).connect()
+        try:
+            return await d.generate(PROMPTS[0], max_tokens=2, forced_tokens=[1, 2])
+        finally:
+            await d.close()
+
+    with pytest.raises(RouteError, match="stepwise"):
+        _run(go())

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from dgr.protocol.relay import LoopbackRelay, RelayBridge
 from dgr.route.driver import RouteDriver
 from dgr.route.supervisor import WorkerProcess
+from dgr.shard.v1 import shard_runtime_pb2 as pb
 
 pytestmark = pytest.mark.native
 
@@ -96,3 +98,34 @@ def test_relay_carries_structured_errors_and_status(workers):
     assert resp.error.reason == pb.ERROR_REASON_ROLE_MISMATCH
     if unary_err is not None:   # an out-of-vocab detokenize is refused with a status, carried back
         assert unary_err.code().name in ("INVALID_ARGUMENT", "OUT_OF_RANGE")
+
+
+def test_relay_connection_reset_is_a_grpc_status():
+    """A relay connection that is reset (the bridge went away) surfaces as UNAVAILABLE, the way a
+    grpc.aio call ends, never as a bare ConnectionError."""
+    import socket
+    import struct
+
+    from dgr.protocol.relay import RelayRpcError, RelayStub
+
+    async def main():
+        async def reset(r, w):
+            sock = w.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            w.close()
+        srv = await asyncio.start_server(reset, "127.0.0.1", 0)
+        stub = RelayStub(f"relay+tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+        call = stub.Session()
+        errors = []
+        for _ in range(50):      # bounded: the reset is seen by a write or a read, whichever comes first
+            try:
+                await call.write(pb.SessionRequest())
+                await call.read()
+            except Exception as exc:  # noqa: BLE001 - the type is what is checked
+                errors.append(exc)
+                break
+        srv.close()
+        return errors
+    errors = asyncio.run(main())
+    assert len(errors) == 1 and isinstance(errors[0], RelayRpcError)
+    assert errors[0].code() == grpc.StatusCode.UNAVAILABLE

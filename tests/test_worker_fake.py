@@ -531,3 +531,43 @@ def test_async_client_eight_sessions_match_sync(worker):
             return await asyncio.gather(*(one(p) for p in PROMPTS))
 
     assert asyncio.run(main()) == ref
+
+
+def _rpc_status_class():
+    """google.rpc.Status built from its descriptor in a private pool (the test needs no
+    googleapis package, and registers nothing in the default pool)."""
+    from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, message_factory
+
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(any_pb2.DESCRIPTOR.serialized_pb)
+    f = descriptor_pb2.FileDescriptorProto(name="google/rpc/status.proto", package="google.rpc", syntax="proto3",
+                                           dependency=["google/protobuf/any.proto"])
+    m = f.message_type.add(name="Status")
+    m.field.add(name="code", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_INT32,
+                label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
+    m.field.add(name="message", number=2, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
+                label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
+    m.field.add(name="details", number=3, type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
+                label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED, type_name=".google.protobuf.Any")
+    pool.Add(f)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("google.rpc.Status"))
+
+
+def test_error_status_details_carry_the_shard_error(worker):
+    """A failing RPC also sends the standard grpc-status-details-bin trailer: a google.rpc.Status
+    whose details hold the ShardError (what grpcurl and gRPC rich-error clients read); the
+    dgr-error-bin trailer stays."""
+    from dgr.shard.v1 import shard_runtime_pb2_grpc as rpc
+
+    with grpc.insecure_channel(worker.target) as ch:
+        with pytest.raises(grpc.RpcError) as ei:
+            rpc.ShardRuntimeServiceStub(ch).Detokenize(pb.DetokenizeRequest(token_ids=[10**6]), timeout=10)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    md = dict(ei.value.trailing_metadata())
+    status = _rpc_status_class().FromString(md["grpc-status-details-bin"])
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert status.message == ei.value.details()
+    assert len(status.details) == 1 and status.details[0].type_url.endswith("/dgr.shard.v1.ShardError")
+    err = pb.ShardError.FromString(status.details[0].value)
+    assert err.reason == pb.ERROR_REASON_TOKEN_OUT_OF_VOCAB and "1000000" in err.message
+    assert pb.ShardError.FromString(md["dgr-error-bin"]) == err

@@ -51,8 +51,14 @@ def root(
         False, "--version", callback=_version_callback, is_eager=True,
         help="Print the dgr version, the pinned llama.cpp commit and the patch-series digest.",
     ),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show debug log lines (on stderr)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q",
+                               help="Show only warnings and errors on stderr; results on stdout are unchanged."),
 ) -> None:
     """dgr - distributed GGUF runtime toolkit."""
+    from .console import setup_logging, verbosity_level
+
+    setup_logging(verbosity_level(verbose, quiet))
 
 
 def _register() -> None:
@@ -75,6 +81,15 @@ def _register() -> None:
     from .commands import route as route_cmd, demo as demo_cmd
     app.add_typer(route_cmd.app, name="route", help="Run an Inference Route: local workers for a split, or running workers.")
     app.command("demo")(demo_cmd.demo)
+    from .commands import upstream as upstream_cmd
+    app.add_typer(upstream_cmd.app, name="upstream",
+                  help="The collaboration package for llama.cpp: render the proposal, check the examples.")
+    from .commands import lab as lab_cmd
+    app.add_typer(lab_cmd.app, name="lab", help="Simulated hosts on one machine: namespaces, own CPUs and memory, shaped links, mTLS.")
+    from .commands import serve as serve_cmd
+    app.command("serve")(serve_cmd.serve)
+    from .commands import doctor as doctor_cmd
+    app.command("doctor", help="Each compute backend: what is present, what is missing, the install command.")(doctor_cmd.doctor)
     # Further command groups register here.
 
 

@@ -337,12 +337,54 @@ static void test_check_request() {
     small_chunk.mutable_capacity()->set_max_prefill_chunk_tokens(2);
     CHECK(req_reason(ok, &small_chunk) == "ERROR_REASON_CHUNK_TOO_LARGE", "chunk limit");
 
+    CHECK(req_reason(with([](pb::SessionRequest * r) { r->mutable_step()->mutable_header()->set_route_epoch(0); })) ==
+              "ERROR_REASON_BAD_REQUEST", "epoch 0");
+    CHECK(req_reason(with([](pb::SessionRequest * r) {
+              r->mutable_step()->mutable_header()->set_session_id(std::string(129, 'x'));
+          })) == "ERROR_REASON_BAD_REQUEST", "session id above 128 bytes");
+    CHECK(req_reason(with([](pb::SessionRequest * r) { r->mutable_step()->mutable_sampling()->set_top_logprobs(65); })) ==
+              "ERROR_REASON_BAD_REQUEST", "top_logprobs above 64");
+    CHECK(req_reason(with([](pb::SessionRequest * r) { r->mutable_step()->mutable_sampling()->set_top_logprobs(64); })) ==
+              "ok", "top_logprobs 64");
+    CHECK(req_reason(with([](pb::SessionRequest * r) {
+              r->mutable_step()->mutable_header()->set_effective_start(3);
+          }), &cap) == "ok", "effective_start inside the range");
+    {
+        pb::SessionRequest r = token_frame();
+        r.mutable_step()->mutable_header()->set_effective_start(3);
+        const B::Result e = B::check_header(r, &cap, /*whole_range=*/true);
+        CHECK(e && e->reason_name() == "ERROR_REASON_RANGE_MISMATCH", "whole range");
+    }
+
     pb::SessionRequest fast;
     fast.mutable_fast_decode()->set_session_id("s");
+    fast.mutable_fast_decode()->set_route_epoch(1);
     CHECK(req_reason(fast) == "ERROR_REASON_BAD_REQUEST", "fast without input");
     fast.mutable_fast_decode()->set_token_id(150);
     CHECK(req_reason(fast) == "ok" && req_reason(fast, &cap) == "ERROR_REASON_TOKEN_OUT_OF_VOCAB", "fast vocab");
     CHECK(req_reason(pb::SessionRequest()) == "ERROR_REASON_BAD_REQUEST", "no frame");
+}
+
+// The assembler as the worker uses it for a boundary bundle: one expected tensor, checked at
+// its first frame.
+static void test_expect_only() {
+    pb::TensorBundle b = small();
+    B::Assembler ok;
+    ok.expect_only(B::kResidual, pb::TENSOR_DTYPE_F32, { 2, 4 });
+    CHECK(!ok.add(b), "expected shape");
+    B::Assembler wrong;
+    wrong.expect_only(B::kResidual, pb::TENSOR_DTYPE_F32, { 3, 4 });
+    pb::TensorBundle first = small();
+    first.mutable_tensors(0)->mutable_fragments()->DeleteSubrange(1, 3);
+    const B::Result r = wrong.add(first);
+    CHECK(r && r->reason_name() == "ERROR_REASON_BAD_BUNDLE" && contains(r->to_string(), "expected"),
+          "refused at the first frame: %s", r ? r->to_string().c_str() : "ok");
+    pb::TensorBundle two = small();
+    *two.add_tensors() = two.tensors(0);
+    two.mutable_tensors(1)->set_name("other");
+    B::Assembler extra;
+    extra.expect_only(B::kResidual, pb::TENSOR_DTYPE_F32, { 2, 4 });
+    CHECK(extra.add(two), "a second tensor");
 }
 
 static void test_reason_mapping() {
@@ -364,6 +406,7 @@ int main() {
     test_bad_fragments_and_checksum();
     test_limits_and_compression();
     test_check_request();
+    test_expect_only();
     test_reason_mapping();
     if (g_failures) {
         std::fprintf(stderr, "bundle_test: %d failure(s)\n", g_failures);

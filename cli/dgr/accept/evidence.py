@@ -33,7 +33,7 @@ from typing import Any, Callable
 from .. import __version__, paths
 from ..errors import DgrError
 
-LANES = ("synthetic", "local-real", "multi-machine-real")
+LANES = ("synthetic", "local-real", "multi-host-simulated", "multi-machine-real")
 
 
 @dataclass
@@ -108,6 +108,7 @@ class Story:
     lane: str
     fn: Callable[[StoryContext], None]
     needs_model: bool
+    default_model: str | None = None  # a name of dgr.models.MODEL_NAMES (None: the embedded SmolLM2)
     in_all: bool = True          # False: `--all` leaves it out (named runs only), see ``all_note``
     all_note: str = ""
 
@@ -116,14 +117,16 @@ _REGISTRY: dict[str, Story] = {}
 
 
 def story(story_id: str, title: str, *, lane: str = "local-real", needs_model: bool = False,
-          in_all: bool = True, all_note: str = ""):
-    """Register an acceptance scenario. ``in_all=False`` keeps it out of `dgr accept --all`
-    (``all_note`` says why; e.g. a story whose evidence is a locked contract)."""
+          default_model: str | None = None, in_all: bool = True, all_note: str = ""):
+    """Register an acceptance scenario (``default_model``: the packaged model it runs without --model).
+    ``in_all=False`` keeps it out of `dgr accept --all` (``all_note`` says why; e.g. a story whose
+    evidence is a locked contract)."""
     if lane not in LANES:
         raise ValueError(f"lane must be one of {LANES}")
 
     def deco(fn: Callable[[StoryContext], None]):
-        _REGISTRY[story_id.upper()] = Story(story_id.upper(), title, lane, fn, needs_model, in_all, all_note)
+        _REGISTRY[story_id.upper()] = Story(story_id.upper(), title, lane, fn, needs_model, default_model,
+                                            in_all, all_note)
         return fn
 
     return deco
@@ -214,6 +217,14 @@ def environment_manifest(backend: str = "cpu", model: Path | None = None,
     worker = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
     if worker.is_file():
         env["worker_version"] = _cmd_out([str(worker), "--version"]).splitlines()
+    # the toolchain the backend's build recorded, and the device a non-CPU worker computes on
+    from ..upstream.build import toolchain_record
+    from ..upstream.doctor import worker_devices
+
+    env["toolchain"] = toolchain_record(backend)
+    if backend != "cpu":
+        devices = worker_devices(worker, backend)
+        env["device"] = devices[0] if devices else "none found"
     if model is not None:
         env["model_file"] = model.name
         try:
@@ -236,9 +247,9 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str = "cp
     out_root = out_root or (paths.repo_root() / "evidence")
     out_dir = out_root / key
     if st.needs_model and model is None:
-        from ..gguf.models import default_model_path
+        from ..gguf.models import default_model_path, resolve_model
 
-        model = default_model_path()
+        model = resolve_model(st.default_model) if st.default_model else default_model_path()
     git = git_state()   # the commit the run starts at (and whether the tree is dirty then)
     with tempfile.TemporaryDirectory(prefix=f"dgr-{key}-") as tmp:
         ctx = StoryContext(key, out_dir, Path(tmp), st.lane, backend=backend, model=model)
@@ -349,7 +360,7 @@ def _readme(st: Story, ctx: StoryContext, ok: bool, env: dict, elapsed: float, e
         f"- **Verdict: {'PASS' if ok else 'FAIL'}**",
         f"- Lane: {st.lane}",
         f"- Ran: {env['timestamp_utc']} on {env['host']} ({env['cpu']}, {env['cpu_count']} CPUs), "
-        f"backend {env['backend']}, {elapsed:.0f}s",
+        f"backend {env['backend']}" + (f" (device {env['device']})" if env.get("device") else "") + f", {elapsed:.0f}s",
         f"- llama.cpp pin {env['pin_commit']}, patch series {env['patch_series_digest']}, dgr {env['dgr_version']}",
         f"- dgr commit {env.get('git_commit') or 'not recorded'}" + (" (dirty tree)" if env.get("git_dirty") else ""),
     ]

@@ -23,7 +23,8 @@ def accept(
     all_: bool = typer.Option(False, "--all", help="Run every registered story in id order (each writes its folder)."),
     index: bool = typer.Option(False, "--index", help="Only regenerate the evidence/README.md index."),
     backend: str = typer.Option("cpu", "--backend", help="Backend build to use."),
-    model: Optional[Path] = typer.Option(None, "--model", help="Model GGUF (default: embedded SmolLM2)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Model GGUF or packaged model name (default: "
+                                         "the story's own, usually the embedded SmolLM2)."),
 ) -> None:
     """Run a registered acceptance story; exit 0 only when every criterion passes."""
     from .. import paths

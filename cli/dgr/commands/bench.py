@@ -83,11 +83,38 @@ def route(
     rpc: bool = typer.Option(True, "--rpc/--no-rpc",
                              help="Also measure llama.cpp's RPC split (two local rpc-servers; builds them once)."),
     out: Path = typer.Option(Path("route-bench.json"), "--out", help="Where to write the results JSON."),
+    hosts: int = typer.Option(0, "--hosts", help="Run the route over N simulated hosts (`dgr lab`, 1 core/1 thread "
+                              "each, mTLS) against one such host; 0: the local route on this machine's cores."),
+    rtt_ms: str = typer.Option("0,10", "--rtt-ms", help="With --hosts: added round trips to measure, ms (comma-separated)."),
+    sessions: str = typer.Option("1,4,8", "--sessions", help="With --hosts: concurrent session counts."),
+    long_prompt: int = typer.Option(512, "--long-prompt", help="With --hosts: the prompt of the prefill comparison."),
 ) -> None:
-    """2-shard route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads."""
+    """Route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads; --hosts N: across
+    simulated hosts."""
     from ..bench import route as rb
+    from ..errors import DgrError
     from ..gguf.models import resolve_model
     from ..route.local import parse_split
+
+    if hosts:
+        from ..lab import bench as hb
+
+        try:
+            rtts = tuple(float(x) for x in rtt_ms.split(",") if x.strip())
+            levels = tuple(int(x) for x in sessions.split(",") if x.strip())
+        except ValueError:
+            raise DgrError("--rtt-ms and --sessions take comma-separated numbers") from None
+        if not levels or min(levels) < 1 or not rtts or min(rtts) < 0 or repeats < 1:
+            raise DgrError("--sessions needs counts >= 1, --rtt-ms values >= 0, --repeats >= 1")
+        split_given = split != "0:15,15:30"
+        hcfg = hb.HostsBenchConfig(hosts=hosts, split=tuple(parse_split(split)) if split_given else None,
+                                   n_prompt=n_prompt, n_gen=n_gen, long_prompt=long_prompt, sessions=levels,
+                                   rtts_ms=rtts, repeats=repeats, rpc=rpc)
+        doc = hb.run_hosts_bench(resolve_model(model), hcfg, progress=lambda s: typer.echo(s, err=True))
+        out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        typer.echo(hb.summary(doc))
+        typer.echo(f"results written to {out}")
+        return
 
     cfg = rb.RouteBenchConfig(split=tuple(parse_split(split)), threads=threads or 0, n_prompt=n_prompt,
                               n_gen=n_gen, repeats=repeats, rpc=rpc)
@@ -149,4 +176,38 @@ def worker(
                               batched_bench=bin_dir / "llama-batched-bench", progress=lambda s: typer.echo(s, err=True))
     out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     typer.echo(wb.summary(doc))
+    typer.echo(f"results written to {out}")
+
+
+@app.command("serve")
+def serve(
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
+    split: Optional[str] = typer.Option(None, "--split", help="The 2-shard route (default: the model's layers halved)."),
+    levels: str = typer.Option("1,4,8", "--levels", help="Concurrent streaming requests per level."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every worker and llama-server "
+                                          "(default: CPU count)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per answer (generated through EOS)."),
+    repeats: int = typer.Option(2, "--repeats", help="Rotations of all lanes per level (median reported)."),
+    llama_server: bool = typer.Option(True, "--llama-server/--no-llama-server",
+                                      help="Run the llama-server lane (built on first use)."),
+    out: Path = typer.Option(Path("serve-bench.json"), "--out", help="Where to write the results JSON."),
+) -> None:
+    """dgr serve vs the route driver called directly and vs llama-server (-np = top level), one run:
+    1/4/8 concurrent streaming chat requests from the openai async client; JSON with every number."""
+    from ..errors import DgrError
+    from ..bench import serve as sb
+    from ..gguf.models import resolve_model
+    from ..route.local import parse_split
+
+    try:
+        lv = tuple(int(x) for x in levels.split(",") if x.strip())
+    except ValueError:
+        raise DgrError(f"bad --levels {levels!r}", hint="e.g. 1,4,8") from None
+    if not lv or min(lv) < 1 or repeats < 1 or max_tokens < 2:
+        raise DgrError("--levels must be positive, --repeats >= 1, --max-tokens >= 2")
+    cfg = sb.ServeBenchConfig(split=tuple(parse_split(split)) if split else (), levels=lv, threads=threads or 0,
+                              max_tokens=max_tokens, repeats=repeats, llama_server=llama_server)
+    doc = sb.run_serve_bench(resolve_model(model), cfg, progress=lambda s: typer.echo(s, err=True))
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    typer.echo(sb.summary(doc))
     typer.echo(f"results written to {out}")

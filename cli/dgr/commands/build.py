@@ -19,16 +19,31 @@ def build(
     target: Optional[List[str]] = typer.Option(None, "--target", help="Ninja target(s) (default dgr-worker)."),
     tests: bool = typer.Option(False, "--tests", help="Also build the CTest programs (dgr-tests)."),
     tools: bool = typer.Option(False, "--tools", help="Also build whole-model llama.cpp tools (llama-bench, …)."),
-    rpc: bool = typer.Option(False, "--rpc", help="Also build llama.cpp's rpc-server and an RPC llama-bench in "
+    cuda_arch: Optional[str] = typer.Option(None, "--cuda-arch", help="CUDA architectures for --backend cuda, "
+                                            "e.g. '80;89;90' (default: CUDAARCHS, else native with a GPU, else 80;89;90)."),
+    rpc: bool = typer.Option(False, "--rpc", help="Also build llama.cpp's rpc-server and RPC llama-bench, llama-batched-bench in "
                                                   "build/<backend>-rpc/ (the RPC lane of `dgr bench route`)."),
 ) -> None:
-    """Build build/<backend>/bin/dgr-worker (static llama.cpp, distribution gRPC)."""
+    """Build build/<backend>/bin/dgr-worker (static llama.cpp, distribution gRPC).
+
+    vulkan: installs glslc, libvulkan1 and mesa-vulkan-drivers with apt (as root; otherwise it
+    prints the command) and fetches newer Vulkan headers into build/vulkan-sdk (hash-checked).
+    cuda: compile with the machine's nvcc; cuBLAS comes from the toolkit or build/cuda-sdk.
+    `dgr doctor` shows what each backend has and lacks."""
+    if cuda_arch:
+        import os
+
+        os.environ["CUDAARCHS"] = cuda_arch
     targets = tuple(target) if target else build_mod.DEFAULT_TARGETS
     if tests:
         targets += build_mod.TEST_TARGETS
     if tools:
         targets += build_mod.TOOL_TARGETS
+    import time
+
+    t0 = time.monotonic()
     res = build_mod.build(backend, jobs=jobs, clean=clean, targets=targets)
-    typer.echo(f"built {', '.join(res.targets)} in {res.bin_dir}")
+    typer.echo(f"built {', '.join(res.targets)} in {res.bin_dir} ({time.monotonic() - t0:.0f} s; toolchain: "
+               f"{res.build_dir / build_mod.TOOLCHAIN_RECORD})")
     if rpc:
         typer.echo(f"built rpc-server, llama-bench (GGML_RPC) in {build_mod.build_rpc_tools(backend, jobs=jobs, clean=clean)}")

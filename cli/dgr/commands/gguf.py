@@ -120,19 +120,27 @@ def synth_cmd(
     dtype: str = typer.Option("f32", "--dtype", help="Weight type of the matrices: f32, f16 or q8_0."),
     seed: int = typer.Option(0, "--seed", help="Random seed (same seed, same bytes)."),
     n_embd: int = typer.Option(64, "--n-embd", help="Embedding width."),
+    experts: int = typer.Option(8, "--experts", help="qwen3moe: experts per layer."),
+    experts_used: int = typer.Option(2, "--experts-used", help="qwen3moe: experts each token is routed to (top-k)."),
 ) -> None:
-    """Write a tiny random-weight model with a small real tokenizer (llama.cpp loads and runs it)."""
+    """Write a tiny random-weight model with a small real tokenizer (llama.cpp loads and runs it).
+
+    qwen3 adds per-head Q/K norms; qwen3moe adds a router (ffn_gate_inp) and stacked expert
+    tensors (ffn_{gate,up,down}_exps) in every layer (the variant has no shared experts)."""
     spec = gguf_synth.SynthSpec(arch=arch, n_layer=layers, tied=tied, dtype=dtype, seed=seed,
-                                n_embd=n_embd, n_ff=3 * n_embd)
+                                n_embd=n_embd, n_ff=3 * n_embd, n_expert=experts, n_expert_used=experts_used)
     path = gguf_synth.synthesize(spec, out)
+    moe = f", {experts} experts (top-{experts_used})" if arch == "qwen3moe" else ""
     typer.echo(f"wrote {path} ({_mib(path.stat().st_size)}): {arch}, {layers} layers, n_embd {n_embd}, "
-               f"{dtype}{', tied' if tied else ''}, seed {seed}")
+               f"{dtype}{', tied' if tied else ''}{moe}, seed {seed}")
 
 
 @app.command("recipe")
 def recipe_cmd(
     file: Optional[Path] = FileArg,
     backend: str = typer.Option("cpu", "--backend", help="Backend this Shard would run on."),
+    plan: Optional[str] = typer.Option(None, "--plan", help="The route's backend plan, e.g. cpu+vulkan "
+                                       "(default: --backend alone); part of the fingerprint."),
     activation_dtype: str = typer.Option("f32", "--activation-dtype", help="Activation dtype on the wire."),
     kv_dtype: str = typer.Option("f16", "--kv-dtype", help="KV cache dtype."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -141,7 +149,7 @@ def recipe_cmd(
     from ..gguf import recipe as recipe_mod
 
     r = recipe_mod.recipe_for(resolve_model(file), backend=backend, activation_dtype=activation_dtype,
-                              kv_dtype=kv_dtype)
+                              kv_dtype=kv_dtype, backends=plan or "")
     reg = recipe_mod.load_registry()
     entry = reg.lookup(r)
     status = "unregistered" if entry is None else f"{entry.status} ({entry.name})"

@@ -67,6 +67,10 @@ def run(
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads per worker (default: CPU count)."),
     raw: bool = typer.Option(False, "--raw", help="Send prompts as-is (no chat template)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
+    backend: str = typer.Option("cpu", "--backend", help="Worker backend: one for every shard (cpu, vulkan, cuda) "
+                                "or one per shard in route order, e.g. cpu,vulkan (a mixed route)."),
+    whole_backend: Optional[str] = typer.Option(None, "--whole-backend", help="Backend of the whole-model worker "
+                                                "--parity compares with (default: the route's, or cpu when mixed)."),
     fake: bool = typer.Option(False, "--fake", hidden=True, help="Fake-model workers (tests)."),
 ) -> None:
     """Start one local worker per shard of the split, run the sessions concurrently, print metrics."""
@@ -76,16 +80,18 @@ def run(
 
     items = _prompts(prompt, prompts, sessions)
     rng = local.parse_split(split)
+    backends = local.parse_backends(backend, len(rng))
+    if whole_backend is not None:
+        local.parse_backends(whole_backend, 1)
     src = None if fake else resolve_model(model)
     if src is not None:
         n_layer = local.model_n_layer(src)
         if rng[-1][1] != n_layer:
             raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
-    log = (lambda m: typer.echo(m, err=True))
     res = route_run.run_local(src, rng, items, max_tokens=max_tokens,
                               sampling=_sampling(temperature, top_k, top_p, seed), parity=parity, fake=fake,
                               slices=slices, threads=threads, chat=not raw, on_text=_printer(len(items), as_json),
-                              log=log)
+                              backends=backends, whole_backend=whole_backend)
     if as_json:
         typer.echo(json.dumps(res.to_json(), indent=2))
     else:
@@ -110,14 +116,21 @@ def generate(
     seed: int = typer.Option(0, "--seed"),
     raw: bool = typer.Option(False, "--raw", help="No chat template."),
     as_json: bool = typer.Option(False, "--json"),
+    tls_ca: Optional[Path] = typer.Option(None, "--tls-ca", help="PEM CA of the workers' certificates (TLS to every shard)."),
+    tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM client certificate (mutual TLS; with --tls-key)."),
+    tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM client key."),
 ) -> None:
     """Generate through already running workers (`dgr worker serve …`)."""
+    from ..protocol.tls import TlsFiles
     from ..route import run as route_run
 
+    if (tls_cert or tls_key) and not tls_ca:
+        raise DgrError("--tls-cert/--tls-key need --tls-ca")
+    tls = TlsFiles(tls_ca, tls_cert, tls_key) if tls_ca else None
     items = [prompt] * max(1, sessions)
     rep = route_run.generate_remote(shard, items, max_tokens=max_tokens,
                                     sampling=_sampling(temperature, top_k, top_p, seed), chat=not raw,
-                                    on_text=_printer(len(items), as_json))
+                                    on_text=_printer(len(items), as_json), tls=tls)
     if as_json:
         typer.echo(json.dumps(rep.to_json(), indent=2))
     else:
@@ -127,3 +140,49 @@ def generate(
                        f"{len(s.tokens)} tokens, TTFT {s.ttft_s * 1e3:.0f} ms, decode {s.decode_tok_s:.1f} tok/s"))
     if not rep.ok:
         raise typer.Exit(1)
+
+
+@app.command("drift")
+def drift(
+    backend: str = typer.Option(..., "--backend", help="One backend per shard in route order, e.g. cpu,vulkan."),
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M)."),
+    split: str = typer.Option("0:15,15:30", "--split", help="Contiguous shard ranges, e.g. 0:15,15:30."),
+    reference: str = typer.Option("cpu", "--reference", help="Backend of the whole-model reference worker."),
+    tokens: int = typer.Option(64, "--tokens", help="Generated tokens compared per prompt."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt (default: the built-in prompts)."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="A file with one prompt per line."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads per worker (default: CPU count)."),
+    raw: bool = typer.Option(False, "--raw", help="Send prompts as-is (no chat template)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
+) -> None:
+    """Measure a (mixed-backend) route's numeric drift against a whole model: top-1 agreement
+    (teacher-forced), greedy agreement, max |d logprob|; and the registry status of its plan."""
+    from ..gguf.models import resolve_model
+    from ..gguf.recipe import backend_plan, load_registry, recipe_for
+    from ..route import drift as route_drift
+    from ..route import local
+
+    rng = local.parse_split(split)
+    backends = local.parse_backends(backend, len(rng))
+    local.parse_backends(reference, 1)
+    src = resolve_model(model)
+    n_layer = local.model_n_layer(src)
+    if rng[-1][1] != n_layer:
+        raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
+    items = _prompts(prompt, prompts_file, 0)
+    rep = route_drift.measure(src, rng, backends, items, n_tokens=tokens, reference_backend=reference,
+                              threads=threads, chat=not raw, log=lambda m: typer.echo(m, err=True))
+    plan = backend_plan(backends)
+    reg = load_registry()
+    entry = reg.lookup(recipe_for(src, backend=backends[0], backends=plan, progress=False))
+    certified = entry is not None and entry.status == "certified" and plan in entry.backends
+    status = (f"certified by {entry.name} ({entry.evidence}) within {dict(entry.tolerance) or 'exact parity'}"
+              if certified else f"not certified: admission refuses routes with plan {plan}")
+    if as_json:
+        typer.echo(json.dumps({**rep.to_json(), "registry": status}, indent=2))
+    else:
+        typer.echo(route_drift.summary(rep))
+        typer.echo(f"  registry: {status}")
+        if certified and entry.tolerance:
+            bad = rep.violations(dict(entry.tolerance))
+            typer.echo("  within the certified tolerance" if not bad else "  OUTSIDE the certified tolerance: " + "; ".join(bad))

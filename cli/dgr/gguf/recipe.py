@@ -1,4 +1,4 @@
-"""Runtime recipe and its compatibility fingerprint (DESIGN.md §6, docs/identity.md).
+"""Runtime recipe and its compatibility fingerprint (docs/identity.md).
 
 A :class:`RuntimeRecipe` records everything that decides the numbers a Shard produces. The
 **compatibility fingerprint** is the sha256 of a canonical text over the subset of fields that
@@ -6,9 +6,14 @@ must be equal on every Shard of one Inference Route (``FINGERPRINT_FIELDS``). Th
 computes the same value (worker/src/common/fingerprint.cpp); both check the shared vectors in
 tests/vectors/fingerprint/, written by ``python -m dgr.gguf.recipe write-vectors``.
 
-Not in the fingerprint, deliberately: ``backend`` (mixed CPU+Vulkan routes are a goal; which
-backends a recipe is certified on is the registry's business, cli/dgr/gguf/recipes.toml),
-``compute_dtype`` (a property of the backend's kernels, certified with it), ``dgr_version``
+In the fingerprint (v2): ``backends``, the route's **backend plan** (``backend_plan``: the
+backends of its Shards in route order, consecutive repeats collapsed, joined by ``+``: ``cpu``,
+``vulkan``, ``cpu+vulkan`` for a CPU head and Vulkan tail). Kernels of different backends do not
+produce the same numbers, so a Vulkan Shard never silently joins a CPU route; a mixed route is
+an explicit plan every Shard of it is started with, and the registry says which plans are
+certified (cli/dgr/gguf/recipes.toml). The Shard's own ``backend`` is recorded beside it.
+
+Not in the fingerprint, deliberately: ``compute_dtype`` (a property of the backend's kernels, certified with it), ``dgr_version``
 (a release label; wire compatibility is the boundary schema version) and the weight
 quantization (already fixed by the artifact id).
 """
@@ -25,7 +30,7 @@ from typing import Any
 
 from ..errors import DgrError
 
-FINGERPRINT_HEADER = "dgr-recipe-fingerprint/v1"
+FINGERPRINT_HEADER = "dgr-recipe-fingerprint/v2"
 BOUNDARY_SCHEMA_VERSION = 1
 DEFAULT_ACTIVATION_DTYPE = "f32"
 DEFAULT_COMPUTE_DTYPE = "f32"
@@ -37,7 +42,7 @@ BACKENDS = ("cpu", "vulkan", "cuda", "hip", "metal")
 
 # Fields that must match along a route, in canonical (sorted) order.
 FINGERPRINT_FIELDS = (
-    "activation_dtype", "arch_adapter", "arch_adapter_version", "artifact_id",
+    "activation_dtype", "arch_adapter", "arch_adapter_version", "artifact_id", "backends",
     "boundary_schema_version", "kv_dtype", "kv_layout", "patch_digest", "pin_commit",
     "tokenizer_digest",
 )
@@ -63,14 +68,21 @@ class RuntimeRecipe:
     compute_dtype: str = DEFAULT_COMPUTE_DTYPE
     kv_dtype: str = DEFAULT_KV_DTYPE
     kv_layout: str = DEFAULT_KV_LAYOUT
-    backend: str = "cpu"
+    backend: str = "cpu"                          # this Shard's backend
+    backends: str = ""                            # the route's backend plan ("" = backend alone)
     dgr_version: str = ""
     pin_commit: str = ""
     patch_digest: str = ""
     boundary_schema_version: int = BOUNDARY_SCHEMA_VERSION
 
+    @property
+    def plan(self) -> str:
+        """The route's backend plan this Shard is part of (its own backend when not set)."""
+        return self.backends or self.backend
+
     def fingerprint_fields(self) -> dict[str, str]:
-        return {name: _canon_value(name, getattr(self, name)) for name in FINGERPRINT_FIELDS}
+        return {name: _canon_value(name, self.plan if name == "backends" else getattr(self, name))
+                for name in FINGERPRINT_FIELDS}
 
     def canonical(self) -> str:
         return canonical_text(self.fingerprint_fields())
@@ -84,6 +96,7 @@ class RuntimeRecipe:
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["weight_types"] = dict(self.weight_types)
+        d["backends"] = self.plan
         d["fingerprint"] = self.fingerprint()
         return d
 
@@ -101,7 +114,7 @@ def _canon_value(name: str, value: Any) -> str:
 
 
 def canonical_text(values: dict[str, str]) -> str:
-    """``dgr-recipe-fingerprint/v1`` then one ``name=value`` line per field, in FINGERPRINT_FIELDS order."""
+    """``dgr-recipe-fingerprint/v2`` then one ``name=value`` line per field, in FINGERPRINT_FIELDS order."""
     missing = [f for f in FINGERPRINT_FIELDS if f not in values]
     extra = [k for k in values if k not in FINGERPRINT_FIELDS]
     if missing or extra:
@@ -112,6 +125,24 @@ def canonical_text(values: dict[str, str]) -> str:
 
 def fingerprint_of(values: dict[str, str]) -> str:
     return hashlib.sha256(canonical_text(values).encode("ascii")).hexdigest()
+
+
+def backend_plan(backends: "list[str] | tuple[str, ...]") -> str:
+    """The backend plan of a route whose Shards run on ``backends`` (route order): consecutive
+    repeats collapsed, joined by ``+`` (["cpu", "cpu"] -> "cpu"; ["cpu", "vulkan"] -> "cpu+vulkan")."""
+    out: list[str] = []
+    for b in backends:
+        if b not in BACKENDS:
+            raise RecipeError(f"unknown backend {b!r}", hint=f"one of {', '.join(BACKENDS)}")
+        if not out or out[-1] != b:
+            out.append(b)
+    if not out:
+        raise RecipeError("a route needs at least one backend")
+    return "+".join(out)
+
+
+def plan_backends(plan: str) -> list[str]:
+    return plan.split("+") if plan else []
 
 
 # ---- building a recipe for a local artifact ----
@@ -127,14 +158,17 @@ def local_runtime() -> tuple[str, str, str]:
 def recipe_for(path: str | Path, *, backend: str = "cpu", activation_dtype: str = DEFAULT_ACTIVATION_DTYPE,
                compute_dtype: str = DEFAULT_COMPUTE_DTYPE, kv_dtype: str = DEFAULT_KV_DTYPE,
                kv_layout: str = DEFAULT_KV_LAYOUT, runtime: tuple[str, str, str] | None = None,
-               progress: bool = True) -> RuntimeRecipe:
-    """The recipe a Shard of this GGUF (a whole artifact or a slice) would serve on this runtime."""
+               progress: bool = True, backends: str = "") -> RuntimeRecipe:
+    """The recipe a Shard of this GGUF (a whole artifact or a slice) would serve on this runtime,
+    on ``backend``, as part of a route with backend plan ``backends`` (default: ``backend``)."""
     from . import identity
     from .inspect import open_gguf
     from .slice import adapter_for, read_slice_info
 
     if backend not in BACKENDS:
         raise RecipeError(f"unknown backend {backend!r}", hint=f"one of {', '.join(BACKENDS)}")
+    if backends and backend not in plan_backends(backend_plan(plan_backends(backends))):
+        raise RecipeError(f"backend {backend} is not part of the route's backend plan {backends}")
     with open_gguf(path) as gf:
         if gf.is_slice:
             info = read_slice_info(gf)
@@ -153,7 +187,7 @@ def recipe_for(path: str | Path, *, backend: str = "cpu", activation_dtype: str 
         weight_types_digest=identity.weight_types_digest(manifest),
         weight_types=tuple(identity.weight_types_summary(manifest).items()),
         activation_dtype=activation_dtype, compute_dtype=compute_dtype, kv_dtype=kv_dtype,
-        kv_layout=kv_layout, backend=backend, dgr_version=dgr_version, pin_commit=pin_commit,
+        kv_layout=kv_layout, backend=backend, backends=backends, dgr_version=dgr_version, pin_commit=pin_commit,
         patch_digest=patch_digest, boundary_schema_version=BOUNDARY_SCHEMA_VERSION)
 
 
@@ -174,9 +208,12 @@ class RegistryEntry:
     kv_dtype: str
     kv_layout: str
     boundary_schema_version: int
-    backends: tuple[str, ...]
+    backends: tuple[str, ...]          # the backend plans certified ("cpu", "vulkan", "cpu+vulkan", …)
     evidence: str = ""
     note: str = ""
+    # What a certification of a plan that is not bit-exact against the CPU whole model allows
+    # (mixed plans): e.g. {"tokens": 64, "top1_agreement_min": 0.95, "max_abs_dlogprob": 0.5}.
+    tolerance: tuple[tuple[str, float], ...] = ()
 
     def matches(self, r: RuntimeRecipe) -> bool:
         return (self.arch_adapter, self.arch_adapter_version, self.activation_dtype, self.kv_dtype,
@@ -190,15 +227,17 @@ class Registry:
     entries: tuple[RegistryEntry, ...]
 
     def lookup(self, recipe: RuntimeRecipe) -> RegistryEntry | None:
-        for e in self.entries:
-            if e.matches(recipe):
-                return e
-        return None
+        """The entry of this recipe's class that lists its backend plan; else the first entry of
+        its class (which then does not certify the plan); None when the class is unknown."""
+        cls = [e for e in self.entries if e.matches(recipe)]
+        return next((e for e in cls if recipe.plan in e.backends), cls[0] if cls else None)
 
     def routable(self, recipe: RuntimeRecipe) -> bool:
-        """Certified for this recipe's class and backend. Dark and unknown recipes never route."""
+        """Certified for this recipe's class and backend plan, with the Shard's own backend part
+        of the plan. Dark and unknown recipes never route."""
         e = self.lookup(recipe)
-        return e is not None and e.status == "certified" and recipe.backend in e.backends
+        return (e is not None and e.status == "certified" and recipe.plan in e.backends
+                and recipe.backend in plan_backends(recipe.plan))
 
 
 def load_registry(path: Path | None = None) -> Registry:
@@ -219,7 +258,8 @@ def load_registry(path: Path | None = None) -> Registry:
                 activation_dtype=str(raw["activation_dtype"]), kv_dtype=str(raw["kv_dtype"]),
                 kv_layout=str(raw["kv_layout"]), boundary_schema_version=int(raw["boundary_schema_version"]),
                 backends=tuple(str(b) for b in raw["backends"]), evidence=str(raw.get("evidence", "")),
-                note=str(raw.get("note", "")))
+                note=str(raw.get("note", "")),
+                tolerance=tuple((str(k), float(v)) for k, v in dict(raw.get("tolerance", {})).items()))
         except (KeyError, TypeError, ValueError) as exc:
             raise DgrError(f"recipe registry {path}: entry {i} is incomplete ({exc})") from None
         if e.status not in STATUSES:
@@ -227,11 +267,53 @@ def load_registry(path: Path | None = None) -> Registry:
         if e.status == "certified" and not e.evidence:
             raise DgrError(f"recipe registry {path}: {e.name} is certified without evidence",
                            hint="certification needs the evidence folder of a real distributed forward")
+        for plan in e.backends:
+            try:
+                if backend_plan(plan_backends(plan)) != plan:
+                    raise RecipeError(plan)
+            except RecipeError:
+                raise DgrError(f"recipe registry {path}: {e.name} lists {plan!r}, not a backend plan "
+                               f"(backends of {', '.join(BACKENDS)} joined by '+')") from None
+        if e.status == "certified" and any("+" in b for b in e.backends) and not e.tolerance:
+            raise DgrError(f"recipe registry {path}: {e.name} certifies a mixed backend plan without a tolerance",
+                           hint="a mixed plan is certified within a stated drift tolerance (tolerance = {…})")
         if e.name in names:
             raise DgrError(f"recipe registry {path}: duplicate entry {e.name}")
         names.add(e.name)
         entries.append(e)
     return Registry(tuple(entries))
+
+
+def certification_problems(entry: RegistryEntry, root: Path) -> list[str]:
+    """Why ``entry``'s certification does not follow from its evidence (empty: it does). A
+    certified entry needs ``<root>/<evidence>/results.json`` with verdict pass; one with a
+    tolerance needs, for each of its plans, a drift record there within that tolerance."""
+    import json
+
+    if entry.status != "certified":
+        return []
+    res = Path(root) / entry.evidence / "results.json"
+    try:
+        doc = json.loads(res.read_text())
+    except (OSError, ValueError) as exc:
+        return [f"{entry.name}: cannot read {res}: {exc}"]
+    out = [] if doc.get("verdict") == "pass" else [f"{entry.name}: {entry.evidence} verdict is {doc.get('verdict')}"]
+    if not entry.tolerance:
+        return out
+    drift = {d.get("plan"): d for d in doc.get("metrics", {}).get("drift", [])}
+    for plan in entry.backends:
+        d = drift.get(plan)
+        if d is None:
+            out.append(f"{entry.name}: {entry.evidence} has no drift measurement of plan {plan}")
+            continue
+        for key, bound in entry.tolerance:
+            name = key[:-4] if key.endswith("_min") else key
+            v = d.get(name)
+            v = float("inf") if v == "inf" else v
+            ok = isinstance(v, (int, float)) and (v >= bound if key.endswith("_min") or key == "tokens" else v <= bound)
+            if not ok:
+                out.append(f"{entry.name}: plan {plan} measured {name} = {v}, tolerance {key} = {bound:g}")
+    return out
 
 
 # ---- shared test vectors (C++ and Python) ----
@@ -255,8 +337,11 @@ def _vector_cases() -> list[tuple[str, dict[str, str] | None, dict[str, Any]]]:
         ("other_pin", None, {"pin_commit": "1" * 40}),
         ("other_patches", None, {"patch_digest": hashlib.sha256(b"series2").hexdigest()}),
         ("arch_qwen3", None, {"arch_adapter": "qwen3"}),
+        ("backend_vulkan", None, {"backend": "vulkan"}),
+        ("plan_cpu_vulkan", None, {"backends": "cpu+vulkan"}),
+        ("plan_vulkan_cpu", None, {"backends": "vulkan+cpu"}),
         # Fields outside the fingerprint: same fingerprint as baseline.
-        ("backend_vulkan_same_fp", None, {"backend": "vulkan", "compute_dtype": "f16", "dgr_version": "9.9.9"}),
+        ("outside_fields_same_fp", None, {"compute_dtype": "f16", "dgr_version": "9.9.9"}),
     ]
     out = []
     for name, _, change in cases:
@@ -270,7 +355,8 @@ def _vector_cases() -> list[tuple[str, dict[str, str] | None, dict[str, Any]]]:
                                ("error_non_ascii", "arch_adapter", "llam\u00e4"),
                                ("error_equals", "arch_adapter", "llama=1"),
                                ("error_empty", "pin_commit", ""),
-                               ("error_too_long", "kv_layout", "x" * 129)):
+                               ("error_too_long", "kv_layout", "x" * 129),
+                               ("error_backends_space", "backends", "cpu vulkan")):
         out.append((name, {**bad, field: value}, {"expect": "error"}))
     return out
 

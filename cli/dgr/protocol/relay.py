@@ -136,17 +136,21 @@ class RelayBridge:
     gRPC call on the worker at ``target``, forwarding frames as opaque bytes."""
 
     def __init__(self, target: str, *, host: str = "127.0.0.1", port: int = 0,
-                 max_frame: int = DEFAULT_MAX_FRAME) -> None:
+                 max_frame: int = DEFAULT_MAX_FRAME, credentials: grpc.ChannelCredentials | None = None,
+                 ssl: Any = None) -> None:
+        """``credentials``: TLS to the worker; ``ssl``: an ssl.SSLContext for the relay side."""
         self.target, self.host, self.port, self.max_frame = target, host, port, max_frame
+        self.credentials, self.ssl = credentials, ssl
         self._server: asyncio.AbstractServer | None = None
         self._channel: grpc.aio.Channel | None = None
         self.connections = 0
         self.frames_forwarded = 0
 
     async def start(self) -> "RelayBridge":
-        self._channel = grpc.aio.insecure_channel(self.target, options=[
-            ("grpc.max_send_message_length", self.max_frame), ("grpc.max_receive_message_length", self.max_frame)])
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        opts = [("grpc.max_send_message_length", self.max_frame), ("grpc.max_receive_message_length", self.max_frame)]
+        self._channel = (grpc.aio.secure_channel(self.target, self.credentials, options=opts) if self.credentials
+                         else grpc.aio.insecure_channel(self.target, options=opts))
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, ssl=self.ssl)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -254,9 +258,9 @@ class _Conn:
     rr: _RecordReader
 
 
-async def _open(host: str, port: int, method: str, max_frame: int) -> _Conn:
+async def _open(host: str, port: int, method: str, max_frame: int, ssl: Any = None) -> _Conn:
     try:
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer = await asyncio.open_connection(host, port, ssl=ssl, server_hostname=host if ssl else None)
     except OSError as exc:
         raise RelayRpcError(grpc.StatusCode.UNAVAILABLE.value[0], f"relay {host}:{port} unreachable: {exc}") from None
     writer.write(_record(OPEN, method.encode()))
@@ -276,7 +280,8 @@ class RelaySessionCall:
 
     async def _ensure(self) -> _Conn:
         if self._conn is None:
-            self._conn = await _open(self.stub.host, self.stub.port, SERVICE + "Session", self.stub.max_frame)
+            self._conn = await _open(self.stub.host, self.stub.port, SERVICE + "Session", self.stub.max_frame,
+                                     self.stub.ssl)
         return self._conn
 
     async def write(self, req: pb.SessionRequest) -> None:
@@ -285,14 +290,25 @@ class RelaySessionCall:
         c = await self._ensure()
         rec = _record(MSG, req.SerializeToString(), self.stub.max_frame)
         self.bytes_sent += len(rec)
-        c.writer.write(rec)
-        await c.writer.drain()
+        try:
+            c.writer.write(rec)
+            await c.writer.drain()
+        except ConnectionError as exc:   # the relay connection went away: a status, as on grpc.aio
+            raise self._lost(exc) from None
+
+    def _lost(self, exc: BaseException) -> "RelayRpcError":
+        if self._status is None:
+            self._status = (grpc.StatusCode.UNAVAILABLE.value[0], f"relay connection lost: {exc}")
+        return RelayRpcError(*self._status)
 
     async def read(self) -> Any:
         if self._status is not None:
             return self._eof()
         c = await self._ensure()
-        rec = await c.rr.next()
+        try:
+            rec = await c.rr.next()
+        except ConnectionError as exc:
+            raise self._lost(exc) from None
         if rec is None:
             self._status = (grpc.StatusCode.UNAVAILABLE.value[0], "relay connection closed")
             return self._eof()
@@ -314,8 +330,11 @@ class RelaySessionCall:
 
     async def done_writing(self) -> None:
         if self._conn is not None and self._status is None:
-            self._conn.writer.write(_record(HALF_CLOSE))
-            await self._conn.writer.drain()
+            try:
+                self._conn.writer.write(_record(HALF_CLOSE))
+                await self._conn.writer.drain()
+            except ConnectionError as exc:
+                raise self._lost(exc) from None
 
     def cancel(self) -> bool:
         if self._conn is not None:
@@ -331,7 +350,7 @@ class _Unary:
 
     async def __call__(self, req: Any, timeout: float | None = None) -> Any:
         async def run() -> Any:
-            c = await _open(self.stub.host, self.stub.port, SERVICE + self.name, self.stub.max_frame)
+            c = await _open(self.stub.host, self.stub.port, SERVICE + self.name, self.stub.max_frame, self.stub.ssl)
             try:
                 c.writer.write(_record(MSG, req.SerializeToString(), self.stub.max_frame))
                 await c.writer.drain()
@@ -355,14 +374,17 @@ class _Unary:
             return await asyncio.wait_for(run(), timeout)
         except asyncio.TimeoutError:
             raise RelayRpcError(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "relay call timed out") from None
+        except ConnectionError as exc:
+            raise RelayRpcError(grpc.StatusCode.UNAVAILABLE.value[0], f"relay connection lost: {exc}") from None
 
 
 class RelayStub:
     """The ShardRuntimeService stub surface the route driver uses, over a byte relay."""
 
-    def __init__(self, address: str, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(self, address: str, *, max_frame: int = DEFAULT_MAX_FRAME, ssl: Any = None) -> None:
         host, _, port = address.removeprefix(RELAY_SCHEME).rpartition(":")
         self.host, self.port, self.max_frame = host, int(port), max_frame
+        self.ssl = ssl   # ssl.SSLContext: the relay byte stream is TLS (the bridge's certificate is verified)
         self.GetCapability = _Unary(self, "GetCapability", pb.GetCapabilityResponse)
         self.ReleaseSession = _Unary(self, "ReleaseSession", pb.ReleaseSessionResponse)
         self.CancelSession = _Unary(self, "CancelSession", pb.CancelSessionResponse)

@@ -1,4 +1,4 @@
-"""Admission: may this Shard serve this hop of a route? (DESIGN.md §6, docs/identity.md)
+"""Admission: may this Shard serve this hop of a route? (docs/identity.md)
 
 :func:`admit` compares a Shard's advertised capability with a route's request and returns every
 reason to reject, not just the first, so an operator sees the whole mismatch at once. The data
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ..gguf.slice import ADAPTERS
-from ..gguf.recipe import RecipeError, Registry, RuntimeRecipe
+from ..gguf.recipe import RecipeError, Registry, RuntimeRecipe, plan_backends
 
 
 class Reason(str, Enum):
@@ -150,7 +150,8 @@ def admit(cap: ShardCapability, req: RouteRequest, registry: Registry | None = N
     if fp_have and fp_want and fp_have != fp_want and not out:
         out.append(Rejection(Reason.FINGERPRINT_MISMATCH, "recipe fingerprints differ"))
 
-    # Registry: the route's recipe class must be certified, on this Shard's backend. (If the
+    # Registry: the route's recipe class must be certified for the route's backend plan, and
+    # this Shard's backend must be part of that plan. (If the
     # Shard's own recipe differs, the specific mismatches above already say how.)
     entry = registry.lookup(want)
     if entry is None:
@@ -159,10 +160,16 @@ def admit(cap: ShardCapability, req: RouteRequest, registry: Registry | None = N
                              f"{want.activation_dtype}, KV {want.kv_dtype}/{want.kv_layout}, boundary "
                              f"v{want.boundary_schema_version}) is not in the registry"))
     elif entry.status != "certified":
-        out.append(Rejection(Reason.RECIPE_DARK, f"recipe {entry.name} is registered but dark (not certified)"))
-    elif have.backend not in entry.backends:
+        why = f": {entry.note}" if entry.note else ""
+        out.append(Rejection(Reason.RECIPE_DARK, f"recipe {entry.name} is registered but dark (not certified, "
+                                                 f"not routable){why}"))
+    elif want.plan not in entry.backends:
         out.append(Rejection(Reason.BACKEND_NOT_CERTIFIED,
-                             f"recipe {entry.name} is certified on {', '.join(entry.backends)}, not {have.backend}"))
+                             f"recipe {entry.name} is certified for the backend plans {', '.join(entry.backends)}, "
+                             f"not {want.plan}"))
+    elif have.backend not in plan_backends(want.plan):
+        out.append(Rejection(Reason.BACKEND_NOT_CERTIFIED,
+                             f"shard runs on {have.backend}, which is not part of the route's backend plan {want.plan}"))
     return AdmissionDecision(_dedupe(out))
 
 

@@ -40,6 +40,7 @@ from ..errors import DgrError
 from ..shard.v1 import shard_runtime_pb2 as pb
 from ..shard.v1 import shard_runtime_pb2_grpc as pbg
 
+from ..protocol.tls import TlsFiles  # noqa: F401  (RouteDriver(tls=…))
 from ..protocol.client import Sampling  # re-exported: one Sampling class for the client and the route driver
 from .telemetry import GenerationTelemetry, NodeTiming
 
@@ -233,6 +234,7 @@ class _Gen:
         self.on_token = on_token
         self.out: list[int] = []
         self.top: list[list[tuple[int, float]]] = []
+        self.forced: list[int] | None = None   # teacher forcing (stepwise): the tokens fed back
         self.finish = "length"
 
     async def emit(self, tok: pb.SampledToken) -> bool:
@@ -263,7 +265,8 @@ class RouteDriver:
     which on a host shared with the shards is compute time. 1: one answer per token."""
 
     def __init__(self, endpoints: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S,
-                 chain: bool | None = None, tokens_per_answer: int = DEFAULT_TOKENS_PER_ANSWER) -> None:
+                 chain: bool | None = None, tokens_per_answer: int = DEFAULT_TOKENS_PER_ANSWER,
+                 tls: "TlsFiles | None" = None) -> None:
         if not endpoints:
             raise RouteError("a route needs at least one shard endpoint")
         if tokens_per_answer < 1:
@@ -272,6 +275,7 @@ class RouteDriver:
         self.timeout = timeout
         self.chain = chain
         self.tokens_per_answer = tokens_per_answer
+        self.tls = tls    # mutual TLS to every shard (and over relayed hops) when set
         self.shards: list[ShardHandle] = []
         self._ids = itertools.count(1)
         self._active: dict[str, int] = {}   # session id -> epoch of sessions in flight
@@ -284,9 +288,10 @@ class RouteDriver:
 
         for ep in self.endpoints:
             if is_relay_endpoint(ep):  # a hop through a byte relay (same frames, opaque bytes)
-                ch, stub = RelayChannel(), RelayStub(ep)
+                ch, stub = RelayChannel(), RelayStub(ep, ssl=self.tls.client_context() if self.tls else None)
             else:
-                ch = grpc.aio.insecure_channel(ep, options=CHANNEL_OPTIONS)
+                ch = (grpc.aio.secure_channel(ep, self.tls.grpc_credentials(), options=CHANNEL_OPTIONS) if self.tls
+                      else grpc.aio.insecure_channel(ep, options=CHANNEL_OPTIONS))
                 stub = pbg.ShardRuntimeServiceStub(ch)
             try:
                 cap = await stub.GetCapability(pb.GetCapabilityRequest(), timeout=self.timeout)
@@ -392,7 +397,11 @@ class RouteDriver:
     async def generate(self, prompt_tokens: Sequence[int], *, max_tokens: int = 32,
                        sampling: Sampling = Sampling(), session_id: str | None = None, epoch: int = 1,
                        on_token: Callable[[int], Awaitable[None] | None] | None = None,
-                       stop_on_eog: bool = True) -> GenerationResult:
+                       stop_on_eog: bool = True, forced_tokens: Sequence[int] | None = None) -> GenerationResult:
+        """One Route Session. ``forced_tokens`` (stepwise mode only): teacher forcing, the
+        decode step after output k feeds ``forced_tokens[k]`` instead of the sampled token, so
+        every output (and its top logprobs) is the route's prediction on that fixed context;
+        used to measure numeric drift between routes on the same token sequence."""
         sid = session_id or f"s-{uuid.uuid4().hex[:12]}"
         tel = GenerationTelemetry(request_id=f"r-{uuid.uuid4().hex[:12]}", session_id=sid, route_epoch=epoch,
                                   route=[f"{s.endpoint}[{s.start}:{s.end})" for s in self.shards],
@@ -400,9 +409,12 @@ class RouteDriver:
         if self.chain and not self.chain_supported:
             raise RouteError(f"chained mode requested but not available: {self.chain_unsupported_reason}")
         chained = self.chained
+        if forced_tokens is not None and chained:
+            raise RouteError("forced tokens need the stepwise mode (RouteDriver(chain=False))")
         streams = [_Stream(self.head, self.timeout)] if chained else [_Stream(s, self.timeout) for s in self.shards]
         self._active[sid] = epoch
         g = _Gen(max_tokens, stop_on_eog, bool(sampling.top_logprobs), on_token)
+        g.forced = list(forced_tokens) if forced_tokens is not None else None
         t0 = time.perf_counter()
         try:
             if not prompt_tokens:
@@ -489,7 +501,9 @@ class RouteDriver:
             while True:
                 if await g.emit(tok_out[0]):
                     break
-                fast_payload: int | pb.TensorBundle = tok_out[0].token_id
+                k = pos - n
+                fast_payload: int | pb.TensorBundle = (
+                    g.forced[k] if g.forced is not None and k < len(g.forced) else tok_out[0].token_id)
                 step_id = f"{tel.request_id}/d{pos}"
                 for i, st in enumerate(streams):
                     fd = pb.FastDecodeFrame(session_id=sid, route_epoch=epoch, step=st.step, position=pos,

@@ -10,13 +10,19 @@ Used by ``dgr route run``, ``dgr demo``, ``dgr bench route`` and ``dgr accept DG
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import DgrError
 from .sessions import WorkerStats
+
+if TYPE_CHECKING:
+    from .supervisor import WorkerArgs
+
+_log = logging.getLogger(__name__)
 
 COLOCATED_SPINCOUNT = "10000"
 
@@ -56,9 +62,38 @@ def kv_bytes_per_cell(model: Path, start: int, end: int, kv_dtype_bytes: int = 2
             n_embd = int(gf.hparam("embedding_length"))
             n_head = int(gf.hparam("attention.head_count"))
             n_head_kv = int(gf.hparam("attention.head_count_kv", n_head))
+            head_dim = int(gf.hparam("attention.key_length", n_embd // n_head))
     except Exception:
         return 0
-    return 2 * (end - start) * (n_embd // n_head) * n_head_kv * kv_dtype_bytes
+    return 2 * (end - start) * head_dim * n_head_kv * kv_dtype_bytes
+
+
+VULKAN_DEFAULT_DEVICE = "0"   # GGML_VK_VISIBLE_DEVICES when unset: the first Vulkan device
+
+
+def backend_env(backend: str, env: dict[str, str]) -> dict[str, str]:
+    """The environment of a worker on ``backend``: a Vulkan worker sees one device
+    (GGML_VK_VISIBLE_DEVICES, default the first; Mesa's llvmpipe on a machine without a GPU)."""
+    out = dict(env)
+    if backend == "vulkan" and "GGML_VK_VISIBLE_DEVICES" not in os.environ:
+        out.setdefault("GGML_VK_VISIBLE_DEVICES", VULKAN_DEFAULT_DEVICE)
+    return out
+
+
+def parse_backends(spec: str, n_shards: int) -> list[str]:
+    """``vulkan`` (every Shard) or ``cpu,vulkan`` (one per Shard, route order)."""
+    from ..gguf.recipe import BACKENDS
+
+    items = [b.strip() for b in spec.split(",") if b.strip()]
+    bad = [b for b in items if b not in BACKENDS]
+    if not items or bad:
+        raise DgrError(f"--backend {spec!r}: unknown backend {bad[0] if bad else '(none)'}; "
+                       f"choose from {', '.join(BACKENDS)}")
+    if len(items) == 1:
+        return items * n_shards
+    if len(items) != n_shards:
+        raise DgrError(f"--backend {spec!r} names {len(items)} backends for {n_shards} shards: give one, or one per shard")
+    return items
 
 
 class LocalRoute:
@@ -70,7 +105,8 @@ class LocalRoute:
 
     def __init__(self, model: Path | None, split: Sequence[tuple[int, int]], *, fake: bool = False,
                  slices: bool = False, threads: int | None = None, max_sessions: int = 8,
-                 ctx_per_session: int = 2048, extra_args: Sequence[str] = (), backend: str = "cpu",
+                 ctx_per_session: int = 2048, extra_args: Sequence[str] = (),
+                 backend: str | Sequence[str] = "cpu",
                  slice_dir: Path | None = None, log: Callable[[str], None] | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.model = model
@@ -81,9 +117,14 @@ class LocalRoute:
         self.max_sessions = max_sessions
         self.ctx_per_session = ctx_per_session
         self.extra_args = list(extra_args)
-        self.backend = backend
+        # one backend for every Shard, or one per Shard in route order (a mixed route)
+        self.backends = [backend] * len(self.split) if isinstance(backend, str) else list(backend)
+        if len(self.backends) != len(self.split):
+            raise DgrError(f"{len(self.backends)} backends for {len(self.split)} shards: give one, or one per shard")
+        self.backend = self.backends[0]
+        self.plan = ""
         self.slice_dir = slice_dir
-        self.log = log or (lambda _m: None)
+        self.log = log or _log.info  # a caller's own sink, else this module's logger
         self.workers: list[Any] = []
         self.files: list[Path] = []
         self.fingerprint = ""
@@ -96,24 +137,25 @@ class LocalRoute:
         if len(self.split) > 1 and "GOMP_SPINCOUNT" not in os.environ:
             self.env.setdefault("GOMP_SPINCOUNT", COLOCATED_SPINCOUNT)
 
-    def _args(self, i: int) -> list[str]:
+    def _args(self, i: int) -> "WorkerArgs":
+        from .supervisor import WorkerArgs
+
         a, b = self.split[i]
-        args = ["--layers", f"{a}:{b}", "--max-sessions", str(self.max_sessions),
-                "--ctx-per-session", str(self.ctx_per_session)]
+        common = dict(layers=(a, b), max_sessions=self.max_sessions, ctx_per_session=self.ctx_per_session,
+                      extra=tuple(self.extra_args))
         if self.fake:
-            n_layer = self.split[-1][1]
-            return ["--fake-model", "--n-layer", str(n_layer), *args, *self.extra_args]
-        args = ["--model", str(self.files[i]), *args, "--fingerprint", self.fingerprint,
-                "--artifact-id", self.artifact_id]
-        if self.threads:
-            args += ["--threads", str(self.threads)]
-        return args + self.extra_args
+            return WorkerArgs(fake_model=True, n_layer=self.split[-1][1], **common)
+        return WorkerArgs(model=self.files[i], fingerprint=self.fingerprint, artifact_id=self.artifact_id,
+                          threads=self.threads or None, **common)
 
     def _prepare_model(self) -> None:
         from ..gguf.recipe import recipe_for
 
         assert self.model is not None
-        recipe = recipe_for(self.model, backend=self.backend, progress=False)
+        from ..gguf.recipe import backend_plan
+
+        self.plan = backend_plan(self.backends)
+        recipe = recipe_for(self.model, backend=self.backend, backends=self.plan, progress=False)
         self.fingerprint, self.artifact_id = recipe.fingerprint(), recipe.artifact_id
         if not self.slices:
             self.files = [self.model] * len(self.split)
@@ -134,17 +176,17 @@ class LocalRoute:
 
         from ..upstream.build import worker_binary
 
-        binary = worker_binary(self.backend)
+        binaries = [worker_binary(b) for b in self.backends]
         if not self.fake:
             self._prepare_model()
         try:
             for i, (a, b) in enumerate(self.split):
                 try:
-                    self.workers.append(WorkerProcess.start(self._args(i), binary=binary, ready_timeout=120,
-                                                            env=self.env))
+                    self.workers.append(WorkerProcess.start(self._args(i), binary=binaries[i], ready_timeout=120,
+                                                            env=backend_env(self.backends[i], self.env)))
                 except WorkerStartError as exc:
                     raise DgrError(f"worker for layers {a}:{b} did not start: {exc}") from None
-                self.log(f"worker [{a}:{b}) pid {self.workers[-1].pid} on {self.workers[-1].target}")
+                self.log(f"worker [{a}:{b}) {self.backends[i]} pid {self.workers[-1].pid} on {self.workers[-1].target}")
         except BaseException:
             self.stop()
             raise
@@ -184,6 +226,6 @@ def ensure_worker(backend: str = "cpu", log: Callable[[str], None] | None = None
     try:
         return build_mod.worker_binary(backend)
     except DgrError:
-        (log or (lambda _m: None))(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
+        (log or _log.info)(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
         build_mod.build(backend)
         return build_mod.worker_binary(backend)

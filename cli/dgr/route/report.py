@@ -3,7 +3,7 @@ summary table (the commands print it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .llama_whole import WholeLlama
@@ -24,6 +24,8 @@ class RouteRun:
     # stock whole-model llama.cpp (llama-batched-bench at the pin), measured after the runs above
     llama: WholeLlama | None = None
     llama_error: str | None = None       # why it was asked for but not measured
+    backends: list[str] = field(default_factory=list)   # per Shard, route order
+    whole_backend: str = "cpu"
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "split": [f"{a}:{b}" for a, b in self.split],
@@ -32,7 +34,8 @@ class RouteRun:
                 "isolation": self.isolation.to_json() if self.isolation else None,
                 "route_sequential": self.route_sequential.to_json() if self.route_sequential else None,
                 "whole_sequential": self.whole_sequential.to_json() if self.whole_sequential else None,
-                "llama": self.llama.to_json() if self.llama else None, "llama_error": self.llama_error}
+                "llama": self.llama.to_json() if self.llama else None, "llama_error": self.llama_error,
+                "backends": self.backends, "whole_backend": self.whole_backend}
 
 
 def _mb(n: float) -> str:
@@ -40,7 +43,6 @@ def _mb(n: float) -> str:
 
 
 WHOLE_WORKER = "whole model on 1 dgr-worker"
-LLAMA_BENCH = "llama.cpp (llama-batched-bench)"
 TABLE_WIDTH = 100
 
 
@@ -48,7 +50,13 @@ def _llama_note(run: RouteRun) -> list[str]:
     """The footnote under the llama.cpp rows, or the line saying why there are none."""
     import textwrap
 
-    if run.llama is not None:
+    if run.llama is not None and run.llama.tool == "llama-server":
+        args = dict(zip(run.llama.command, run.llama.command[1:]))
+        text = (f"llama.cpp rows: stock llama-server at the pin, whole model, -t {args.get('-t', '?')}, "
+                f"-np {args.get('-np', '?')}, answering the same chat prompts through its OpenAI API (greedy, "
+                f"streamed, no prompt cache, stopping at end-of-generation): 1 session = each prompt alone, "
+                f"then all at once. TTFT is request to first streamed token.")
+    elif run.llama is not None:
         args = dict(zip(run.llama.command, run.llama.command[1:]))
         text = (f"llama.cpp rows: stock llama-batched-bench at the pin, whole model, -t {args.get('-t', '?')}, "
                 f"{args.get('-npp', '?')}-token prompts (the route's mean prompt length), {args.get('-ntg', '?')} "
@@ -76,20 +84,24 @@ def summary_table(run: RouteRun) -> str:
         rows.append((f"{WHOLE_WORKER}  aggregate", f"{run.whole.mean_ttft_s * 1e3:.0f}",
                      f"{run.whole.aggregate_prefill_tok_s:.0f}", f"{run.whole.aggregate_decode_tok_s:.1f}"))
     if run.llama:
+        llama_label = f"llama.cpp ({run.llama.tool})"
         for r in run.llama.rows:
             if r.sessions == 1:
-                rows.append((f"{LLAMA_BENCH} 1 session", f"{r.ttft_s * 1e3:.0f}", f"{r.prefill_tok_s:.0f}",
+                rows.append((f"{llama_label} 1 session", f"{r.ttft_s * 1e3:.0f}", f"{r.prefill_tok_s:.0f}",
                              f"{r.decode_tok_s:.1f}"))
                 continue
             # each of the B sequences: the prompt phase holds all B prompts, so per-session
             # prefill is the aggregate / B (comparable to the route's "session i" rows)
-            rows.append((f"{LLAMA_BENCH} per session ({r.sessions})", f"{r.ttft_s * 1e3:.0f}",
+            rows.append((f"{llama_label} per session ({r.sessions})", f"{r.ttft_s * 1e3:.0f}",
                          f"{r.prefill_tok_s / r.sessions:.0f}", f"{r.per_session_decode_tok_s:.1f}"))
-            rows.append((f"{LLAMA_BENCH} aggregate ({r.sessions})", f"{r.ttft_s * 1e3:.0f}",
+            rows.append((f"{llama_label} aggregate ({r.sessions})", f"{r.ttft_s * 1e3:.0f}",
                          f"{r.prefill_tok_s:.0f}", f"{r.decode_tok_s:.1f}"))
     w0 = max(len(r[0]) for r in rows)
     lines = ["  ".join([r[0].ljust(w0), *(c.rjust(13) for c in r[1:])]) for r in rows]
     lines += _llama_note(run)
+    if run.backends and set(run.backends) != {"cpu"}:
+        lines.append(f"backends: route {','.join(run.backends)}"
+                     + (f"; whole model {run.whole_backend}" if run.whole else ""))
     lines.append("")
     lines.append(f"seam bytes per decode token (per seam, protobuf frame): {run.route.seam_bytes_per_decode_token:.0f}"
                  f" ({run.route.mode} route)")
@@ -106,9 +118,9 @@ def summary_table(run: RouteRun) -> str:
                           f"{w.kv_cells_peak}/{w.kv_cells_total}", f"{w.mean_batch_rows:.2f}",
                           f"{w.mean_queue_wait_s * 1e3:.2f}"))
     if run.llama and run.llama.rows:
-        # peak RSS of the llama-batched-bench process; KV its sequences held at the largest B
+        # peak RSS of the llama.cpp process; KV its sequences held at the largest B
         top = max(run.llama.rows, key=lambda r: r.sessions)
-        wrows.append((f"llama-batched-bench ({top.sessions})", _mb(run.llama.peak_rss_bytes), _mb(top.kv_bytes),
+        wrows.append((f"{run.llama.tool} ({top.sessions})", _mb(run.llama.peak_rss_bytes), _mb(top.kv_bytes),
                       "-", "-", "-"))
     widths = [max(len(r[k]) for r in wrows) for k in range(len(wrows[0]))]
     lines += ["  ".join([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:], widths[1:]))]) for r in wrows]

@@ -12,13 +12,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .text import PieceCache, TextDecoder, chat_prompt_text
+
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
     "Give me three tips for learning to cook.",
     "Explain what a transformer layer does, in two sentences.",
 )
-CHATML = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @dataclass
@@ -316,19 +317,23 @@ def _rss(pid: int) -> int:
     return 0
 
 
-async def _is_chatml(driver: Any) -> bool:
-    try:
-        return len(await driver.tokenize("<|im_start|>", add_special=False, parse_special=True)) == 1
-    except Exception:
-        return False
-
-
 async def prompt_tokens(driver: Any, prompts: Sequence[str], *, chat: bool) -> list[list[int]]:
-    use_chat = chat and await _is_chatml(driver)
+    """Token ids of each prompt; with ``chat``, as one user message formatted by the model's own
+    chat template (the head's ApplyChatTemplate). A model without a usable template gets the
+    prompt as is."""
+    import grpc
+
     out = []
     for p in prompts:
-        text = CHATML.format(prompt=p) if use_chat else p
-        out.append(await driver.tokenize(text, add_special=True, parse_special=use_chat))
+        text, special = p, False
+        if chat:
+            try:
+                text, special = await chat_prompt_text(driver.head.stub, [("user", p)], timeout=driver.timeout), True
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
+                    raise
+                chat = False   # no template (or an older worker): every prompt as is
+        out.append(await driver.tokenize(text, add_special=True, parse_special=special))
     return out
 
 
@@ -338,16 +343,18 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
                        pids: Sequence[int] = (), on_text: Callable[[int, str], None] | None = None,
                        stream_period: float = 0.2, timeout: float = 60.0,
                        token_prompts: Sequence[Sequence[int]] | None = None,
-                       chain: bool | None = None, tokens_per_answer: int | None = None) -> RunReport:
+                       chain: bool | None = None, tokens_per_answer: int | None = None,
+                       tls: Any = None) -> RunReport:
     """Runs one Route Session per prompt, all concurrently; streams text through ``on_text``
     (session index, new text) and returns per-session and per-worker figures. ``chain``: the
     driver's mode (None: chained when the workers support it, False: stepwise, True: chained
     or fail). ``tokens_per_answer``: chained mode, tokens per answer from the head (None: the
-    driver's default; 1: every token is timed as it is made)."""
+    driver's default; 1: every token is timed as it is made). ``tls``: a
+    :class:`dgr.protocol.tls.TlsFiles` for mutual TLS to every shard."""
     from .driver import RouteDriver, Sampling
 
     kw = {"tokens_per_answer": tokens_per_answer} if tokens_per_answer else {}
-    driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain, **kw).connect()
+    driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain, tls=tls, **kw).connect()
     try:
         toks = [list(t) for t in token_prompts] if token_prompts is not None else \
             await prompt_tokens(driver, prompts, chat=chat)
@@ -356,21 +363,27 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
         if sampler:
             await sampler.start()
         got: list[list[int]] = [[] for _ in toks]
-        shown = [""] * len(toks)
+        sent = [0] * len(toks)                     # tokens already turned into text
+        decoders = [TextDecoder() for _ in toks]
+        pieces = PieceCache(driver.head.stub, timeout=driver.timeout)
         done = asyncio.Event()
 
         async def streamer() -> None:
+            """Every ``stream_period``: the new tokens' pieces (each id looked up once), decoded
+            incrementally per session."""
             while True:
                 try:
                     await asyncio.wait_for(done.wait(), stream_period)
                 except asyncio.TimeoutError:
                     pass
                 for i, g in enumerate(got):
-                    if len(g) and on_text is not None:
-                        text = (await driver.detokenize(g)).decode("utf-8", errors="ignore")
-                        if text != shown[i] and text.startswith(shown[i]):
-                            on_text(i, text[len(shown[i]):])
-                            shown[i] = text
+                    new = g[sent[i]:]
+                    if (new or done.is_set()) and on_text is not None:
+                        sent[i] += len(new)
+                        data = b"".join(await pieces.pieces(new)) if new else b""
+                        text = decoders[i].push(data, final=done.is_set())
+                        if text:
+                            on_text(i, text)
                 if done.is_set():
                     return
 

@@ -12,7 +12,6 @@ import fcntl
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,7 @@ DEFAULT_TARGETS = ("dgr-worker",)
 TEST_TARGETS = ("dgr-tests",)
 # Whole-model llama.cpp tools used as yardsticks and helpers (benchmarks, quantize, references).
 TOOL_TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-simple",
-                "llama-completion")
+                "llama-completion", "llama-server")
 BACKEND_CMAKE = {
     "cpu": [],
     "vulkan": ["-DGGML_VULKAN=ON"],
@@ -37,7 +36,6 @@ BACKEND_CMAKE = {
     "hip": ["-DGGML_HIP=ON"],
     "metal": ["-DGGML_METAL=ON"],
 }
-VULKAN_MIN_HEADER = 309  # the pinned ggml-vulkan uses VK_EXT_layer_settings (headers 1.4.309 seen to work)
 
 
 @dataclass(frozen=True)
@@ -61,12 +59,7 @@ def check_toolchain(backend: str) -> list[str]:
                        hint="apt-get install build-essential cmake ninja-build")
     flags = list(BACKEND_CMAKE[backend])
     if backend == "cuda":
-        nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
-        if nvcc is None:
-            raise DgrError("backend cuda needs the CUDA toolkit (nvcc not found on PATH or in /usr/local/cuda/bin)")
-        flags.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
-        if not os.environ.get("CUDAARCHS"):
-            flags.append("-DCMAKE_CUDA_ARCHITECTURES=native" if _has_nvidia_gpu() else "-DCMAKE_CUDA_ARCHITECTURES=80;89;90")
+        flags += _cuda_flags()
     elif backend == "hip":
         if shutil.which("hipcc") is None and not Path("/opt/rocm/bin/hipcc").exists():
             raise DgrError("backend hip needs ROCm (hipcc not found on PATH or in /opt/rocm/bin)")
@@ -78,36 +71,40 @@ def check_toolchain(backend: str) -> list[str]:
     return flags
 
 
+def cuda_architectures() -> str:
+    """CUDAARCHS, else "native" with a GPU present, else the stated default set (compile only)."""
+    from .doctor import CUDA_DEFAULT_ARCHS
+
+    return os.environ.get("CUDAARCHS") or ("native" if _has_nvidia_gpu() else CUDA_DEFAULT_ARCHS)
+
+
+def _cuda_flags() -> list[str]:
+    from . import cuda_sdk
+    from .doctor import nvcc_path
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise DgrError("backend cuda needs the CUDA toolkit (nvcc not found on PATH or in /usr/local/cuda/bin)",
+                       hint="install the CUDA toolkit; `dgr doctor` lists what is missing")
+    flags = [f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_architectures()}"]
+    if not cuda_sdk.driver_library(nvcc):
+        # no libcuda (driver) and no stub to link against: ggml-cuda without its virtual-memory
+        # pool links only the runtime, which loads the driver when it runs
+        flags.append("-DGGML_CUDA_NO_VMM=ON")
+    if shutil.which("ccache"):
+        flags.append("-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache")
+    return flags + cuda_sdk.cmake_flags(cuda_sdk.ensure(nvcc))
+
+
 def _has_nvidia_gpu() -> bool:
     return shutil.which("nvidia-smi") is not None and subprocess.run(
         ["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
 def _vulkan_flags() -> list[str]:
-    prefix = os.environ.get("DGR_VULKAN_PREFIX")
-    include_dirs = [Path(prefix) / "usr/include"] if prefix else []
-    include_dirs.append(Path("/usr/include"))
-    header = next((d / "vulkan/vulkan_core.h" for d in include_dirs if (d / "vulkan/vulkan_core.h").is_file()), None)
-    problems = []
-    if header is None:
-        problems.append("Vulkan headers (vulkan/vulkan_core.h)")
-    else:
-        m = re.search(r"#define VK_HEADER_VERSION (\d+)", header.read_text(errors="replace"))
-        ver = int(m.group(1)) if m else 0
-        if ver < VULKAN_MIN_HEADER or "VK_EXT_layer_settings" not in header.read_text(errors="replace"):
-            problems.append(f"Vulkan headers >= 1.3.{VULKAN_MIN_HEADER} with VK_EXT_layer_settings "
-                            f"({header} has VK_HEADER_VERSION {ver}); unpack newer libvulkan-dev + "
-                            "spirv-headers with dpkg -x into a prefix and set DGR_VULKAN_PREFIX")
-    if shutil.which("glslc") is None:
-        problems.append("glslc (apt-get install glslc)")
-    if not any(Path(p).exists() for p in ("/usr/lib/x86_64-linux-gnu/libvulkan.so.1", "/usr/lib/aarch64-linux-gnu/libvulkan.so.1", "/usr/lib/libvulkan.so.1")):
-        problems.append("the Vulkan loader (apt-get install libvulkan1)")
-    if problems:
-        raise DgrError("backend vulkan is missing: " + "; ".join(problems))
-    flags = []
-    if prefix:
-        flags.append(f"-DVulkan_INCLUDE_DIR={Path(prefix) / 'usr/include'}")
-    return flags
+    from . import vulkan_sdk
+
+    return vulkan_sdk.cmake_flags(vulkan_sdk.ensure())
 
 
 def _ensure_sources() -> tuple[pin_mod.Pin, Path, str]:
@@ -187,7 +184,34 @@ def _build_locked(backend: str, flags: list[str], *, jobs: int | None, clean: bo
     for notice in pin.notices:
         if (tree / notice).is_file():
             shutil.copyfile(tree / notice, bin_dir / f"llama.cpp-{notice}")
+    write_toolchain_record(backend, bdir, pin.commit, digest)
     return BuildResult(backend, bdir, bin_dir, targets)
+
+
+TOOLCHAIN_RECORD = "dgr-toolchain.json"
+
+
+def write_toolchain_record(backend: str, bdir: Path, pin_commit: str, patch_digest: str) -> Path:
+    """build/<backend>/dgr-toolchain.json: the toolchain versions this tree was built with
+    (compiler, CMake, Ninja, and per backend: glslc, Vulkan headers + their .deb hashes, loader,
+    Mesa; nvcc, cuBLAS, CUDA architectures). Evidence copies it."""
+    from .doctor import toolchain
+
+    doc = {"backend": backend, "pin_commit": pin_commit, "patch_digest": patch_digest,
+           "dgr_version": __version__, "toolchain": toolchain(backend)}
+    if backend == "cuda":
+        doc["toolchain"]["cuda_architectures"] = cuda_architectures()
+    path = bdir / TOOLCHAIN_RECORD
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def toolchain_record(backend: str) -> dict | None:
+    """The record written by the last build of ``backend`` (None when not built)."""
+    try:
+        return json.loads((paths.backend_build_dir(backend) / TOOLCHAIN_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def worker_binary(backend: str = "cpu") -> Path:
@@ -212,7 +236,7 @@ def tool_binary(name: str, backend: str = "cpu", *, build_missing: bool = True) 
 # GGML_RPC stays off in build/<backend>/ (the worker tree); the RPC tools are configured straight
 # from the patched llama.cpp tree into their own build/<backend>-rpc/ so that tree is never touched.
 RPC_SERVER = "ggml-rpc-server"   # the pinned CMake target/binary name (older upstreams: rpc-server)
-RPC_TARGETS = (RPC_SERVER, "llama-bench")
+RPC_TARGETS = (RPC_SERVER, "llama-bench", "llama-batched-bench")
 _RPC_ALIASES = {"rpc-server": RPC_SERVER}
 _RPC_CMAKE = (
     "-DGGML_RPC=ON", "-DBUILD_SHARED_LIBS=OFF",

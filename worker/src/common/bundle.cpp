@@ -14,10 +14,6 @@ namespace dgr::bundle {
 
 namespace {
 
-// gRPC status code numbers (grpc/doc/statuscodes.md).
-constexpr int kCancelled = 1, kUnknown = 2, kInvalidArgument = 3, kResourceExhausted = 8,
-              kFailedPrecondition = 9, kAborted = 10, kInternal = 13, kUnavailable = 14;
-
 bool host_little_endian() {
     const uint16_t one = 1;
     uint8_t        first;
@@ -35,12 +31,7 @@ void swap_elements(uint8_t * data, size_t size, size_t elem) {
 }
 
 ProtocolError err(pb::ErrorReason reason, std::string message, std::string tensor = {}, uint64_t limit = 0) {
-    ProtocolError e;
-    e.reason  = reason;
-    e.message = std::move(message);
-    e.tensor  = std::move(tensor);
-    e.limit   = limit;
-    return e;
+    return protocol_error(reason, std::move(message), std::move(tensor), limit);
 }
 
 ProtocolError bad(std::string message, std::string tensor = {}) {
@@ -63,39 +54,13 @@ std::string hex32(uint32_t v) {
 
 } // namespace
 
-int grpc_code_for(pb::ErrorReason reason) {
-    switch (reason) {
-        case pb::ERROR_REASON_STALE_EPOCH:
-        case pb::ERROR_REASON_CACHE_MISS:
-        case pb::ERROR_REASON_UNKNOWN_SESSION:
-        case pb::ERROR_REASON_POSITION_GAP:
-        case pb::ERROR_REASON_STEP_OUT_OF_ORDER:
-            return kAborted;
-        case pb::ERROR_REASON_FINGERPRINT_MISMATCH:
-        case pb::ERROR_REASON_ARTIFACT_MISMATCH:
-        case pb::ERROR_REASON_RANGE_MISMATCH:
-        case pb::ERROR_REASON_SESSION_RELEASED:
-        case pb::ERROR_REASON_SCHEMA_UNSUPPORTED:
-        case pb::ERROR_REASON_ROLE_MISMATCH:
-            return kFailedPrecondition;
-        case pb::ERROR_REASON_BAD_BUNDLE:
-        case pb::ERROR_REASON_TOKEN_OUT_OF_VOCAB:
-        case pb::ERROR_REASON_CHUNK_TOO_LARGE:
-        case pb::ERROR_REASON_UNSUPPORTED_COMPRESSION:
-        case pb::ERROR_REASON_BAD_REQUEST:
-            return kInvalidArgument;
-        case pb::ERROR_REASON_OVER_BUDGET:
-        case pb::ERROR_REASON_MESSAGE_TOO_LARGE:
-            return kResourceExhausted;
-        case pb::ERROR_REASON_CANCELLED:
-            return kCancelled;
-        case pb::ERROR_REASON_INTERNAL:
-            return kInternal;
-        case pb::ERROR_REASON_UNAVAILABLE:
-            return kUnavailable;
-        default:
-            return kUnknown;
-    }
+ProtocolError protocol_error(pb::ErrorReason reason, std::string message, std::string tensor, uint64_t limit) {
+    ProtocolError e;
+    e.reason  = reason;
+    e.message = std::move(message);
+    e.tensor  = std::move(tensor);
+    e.limit   = limit;
+    return e;
 }
 
 std::string ProtocolError::reason_name() const {
@@ -115,7 +80,7 @@ pb::ShardError ProtocolError::to_message(bool session_terminated) const {
     pb::ShardError m;
     m.set_reason(reason);
     m.set_grpc_code(grpc_code());
-    m.set_message(to_string());
+    m.set_message(tensor.empty() ? message : message + " (tensor '" + tensor + "')");
     m.set_session_terminated(session_terminated);
     m.set_limit(limit);
     return m;
@@ -188,10 +153,35 @@ Result Assembler::check_meta(const pb::NamedTensor & t) const {
     return std::nullopt;
 }
 
+void Assembler::expect_only(std::string name, pb::TensorDtype dtype, std::vector<uint64_t> shape) {
+    expect_          = true;
+    expected_.name  = std::move(name);
+    expected_.dtype = dtype;
+    expected_.shape = std::move(shape);
+}
+
 Result Assembler::add(const pb::TensorBundle & bundle) {
     if (compression_ != pb::COMPRESSION_UNSPECIFIED && compression_ != pb::COMPRESSION_NONE) {
         return err(pb::ERROR_REASON_UNSUPPORTED_COMPRESSION,
                    "compression " + std::to_string(compression_) + " is not supported by schema v1 receivers");
+    }
+    if (expect_) {
+        if (bundle.tensors_size() != 1 || bundle.tensors(0).name() != expected_.name) {
+            return bad("a boundary bundle carries exactly one tensor named '" + expected_.name + "'");
+        }
+        const pb::NamedTensor & t = bundle.tensors(0);
+        const bool same_shape = t.shape_size() == int(expected_.shape.size()) &&
+                                std::equal(expected_.shape.begin(), expected_.shape.end(), t.shape().begin());
+        if (t.dtype() != expected_.dtype || !same_shape) {
+            std::string want = "[";
+            for (size_t i = 0; i < expected_.shape.size(); ++i) {
+                want += (i ? ", " : "") + std::to_string(expected_.shape[i]);
+            }
+            return bad("expected " + pb::TensorDtype_Name(expected_.dtype) + " " + want + "], got " +
+                           pb::TensorDtype_Name(t.dtype()) + " " + shape_str(t.shape()) +
+                           " (rows = positions.end - positions.start)",
+                       t.name());
+        }
     }
     std::set<std::string> seen_here;
     for (const pb::NamedTensor & t : bundle.tensors()) {
@@ -355,9 +345,12 @@ void write_tensor(pb::NamedTensor * out, const std::string & name, const std::ve
     if (fragment_bytes == 0) {
         fragment_bytes = kDefaultFragmentBytes;
     }
-    std::string bytes(static_cast<const char *>(data), size);
+    const char * bytes = static_cast<const char *>(data);
+    std::string  swapped;  // big-endian hosts only: the wire is little-endian
     if (!host_little_endian()) {
-        swap_elements(reinterpret_cast<uint8_t *>(bytes.data()), bytes.size(), dtype_size(dtype));
+        swapped.assign(bytes, size);
+        swap_elements(reinterpret_cast<uint8_t *>(swapped.data()), swapped.size(), dtype_size(dtype));
+        bytes = swapped.data();
     }
     out->Clear();
     out->set_name(name);
@@ -366,15 +359,15 @@ void write_tensor(pb::NamedTensor * out, const std::string & name, const std::ve
     }
     out->set_dtype(dtype);
     out->set_byte_order(pb::BYTE_ORDER_LITTLE_ENDIAN);
-    out->set_byte_size(bytes.size());
-    const size_t n_frag = std::max<size_t>(1, (bytes.size() + fragment_bytes - 1) / fragment_bytes);
+    out->set_byte_size(size);
+    const size_t n_frag = std::max<size_t>(1, (size + fragment_bytes - 1) / fragment_bytes);
     out->set_fragment_count(uint32_t(n_frag));
-    *out->mutable_checksum() = crc_checksum(crc32(bytes.data(), bytes.size()));
+    *out->mutable_checksum() = crc_checksum(crc32(bytes, size));
     for (size_t i = 0; i < n_frag; ++i) {
         pb::TensorFragment * f = out->add_fragments();
         f->set_index(uint32_t(i));
-        const size_t off = i * fragment_bytes;
-        f->set_data(bytes.substr(off, std::min(fragment_bytes, bytes.size() - std::min(off, bytes.size()))));
+        const size_t off = std::min(i * fragment_bytes, size);
+        f->set_data(bytes + off, std::min(fragment_bytes, size - off));
     }
 }
 
@@ -388,8 +381,13 @@ pb::TensorBundle boundary_bundle(const float * rows, uint32_t n_tokens, uint32_t
 // ---- frame checks --------------------------------------------------------------------------
 
 uint32_t tokens_payload_crc(const pb::TokenSpan & tokens) {
+    return tokens_crc(tokens.token_ids().data(), size_t(tokens.token_ids_size()));
+}
+
+uint32_t tokens_crc(const int32_t * ids, size_t n) {
     uint32_t crc = 0;
-    for (int32_t id : tokens.token_ids()) {
+    for (size_t i = 0; i < n; ++i) {
+        const int32_t id = ids[i];
         const uint32_t u     = static_cast<uint32_t>(id);
         const uint8_t  le[4] = { uint8_t(u), uint8_t(u >> 8), uint8_t(u >> 16), uint8_t(u >> 24) };
         crc                  = crc32(le, 4, crc);
@@ -426,171 +424,6 @@ Result verify_checksum(const pb::Checksum & expected, uint32_t actual, const cha
         return bad(std::string(what) + " checksum " + hex32(actual) + " != " + hex32(expected.value()));
     }
     return std::nullopt;
-}
-
-Result check_sampling(const pb::SamplingParams & s) {
-    const auto bad_req = pb::ERROR_REASON_BAD_REQUEST;
-    if (s.mode() != pb::SAMPLING_MODE_UNSPECIFIED && s.mode() != pb::SAMPLING_MODE_GREEDY &&
-        s.mode() != pb::SAMPLING_MODE_STOCHASTIC) {
-        return err(bad_req, "unknown sampling mode " + std::to_string(int(s.mode())));
-    }
-    if (s.mode() == pb::SAMPLING_MODE_STOCHASTIC && !(s.temperature() > 0)) {
-        return err(bad_req, "stochastic sampling needs temperature > 0");
-    }
-    if (!(s.top_p() >= 0 && s.top_p() <= 1)) {
-        return err(bad_req, "top_p outside [0, 1]");
-    }
-    if (!(s.min_p() >= 0 && s.min_p() < 1)) {
-        return err(bad_req, "min_p outside [0, 1)");
-    }
-    return std::nullopt;
-}
-
-namespace {
-
-Result check_role(bool has_tokens, const pb::ShardIdentity & id) {
-    if (has_tokens != id.head()) {
-        return err(pb::ERROR_REASON_ROLE_MISMATCH, std::string(has_tokens ? "token ids" : "a boundary bundle") +
-                                                       " sent to a " + (id.head() ? "head" : "non-head") + " Shard");
-    }
-    return std::nullopt;
-}
-
-Result check_vocab(int32_t token, const pb::ShardIdentity & id) {
-    if (token < 0 || uint32_t(token) >= id.n_vocab()) {
-        return err(pb::ERROR_REASON_TOKEN_OUT_OF_VOCAB,
-                   "token id " + std::to_string(token) + " outside [0, " + std::to_string(id.n_vocab()) + ")");
-    }
-    return std::nullopt;
-}
-
-const char * phase_name(int phase) {
-    const std::string & n = pb::Phase_Name(static_cast<pb::Phase>(phase));
-    return n.empty() ? "PHASE_?" : n.c_str();
-}
-
-} // namespace
-
-Result check_request(const pb::SessionRequest & req, const pb::GetCapabilityResponse * cap) {
-    const auto                bad_req = pb::ERROR_REASON_BAD_REQUEST;
-    const pb::ShardIdentity * id      = cap ? &cap->identity() : nullptr;
-    switch (req.frame_case()) {
-        case pb::SessionRequest::kFastDecode: {
-            const pb::FastDecodeFrame & f = req.fast_decode();
-            if (f.session_id().empty()) {
-                return err(bad_req, "fast_decode without session_id");
-            }
-            if (f.input_case() == pb::FastDecodeFrame::INPUT_NOT_SET) {
-                return err(bad_req, "fast_decode without input");
-            }
-            if (id) {
-                const bool tokens = f.input_case() == pb::FastDecodeFrame::kTokenId;
-                if (Result r = check_role(tokens, *id)) {
-                    return r;
-                }
-                if (tokens) {
-                    return check_vocab(f.token_id(), *id);
-                }
-            }
-            return std::nullopt;
-        }
-        case pb::SessionRequest::kStep:
-            break;
-        default:
-            return err(bad_req, "no frame kind this worker knows (sent by a newer schema?)");
-    }
-    const pb::StepFrame & s = req.step();
-    if (!s.has_header()) {
-        return err(bad_req, "step frame without header");
-    }
-    const pb::FrameHeader & h  = s.header();
-    const int               lo = cap ? cap->min_schema_version() : kMinSchema;
-    const int               hi = cap ? cap->schema_version() : kMaxSchema;
-    if (h.schema_version() == pb::SCHEMA_VERSION_UNSPECIFIED || h.schema_version() < lo || h.schema_version() > hi) {
-        return err(pb::ERROR_REASON_SCHEMA_UNSUPPORTED, "schema_version " + std::to_string(int(h.schema_version())) +
-                                                            " outside [" + std::to_string(lo) + ", " +
-                                                            std::to_string(hi) + "]");
-    }
-    if (h.session_id().empty()) {
-        return err(bad_req, "header without session_id");
-    }
-    const int  phase = h.phase();
-    const bool rows_phase = phase == pb::PHASE_PREFILL || phase == pb::PHASE_DECODE;
-    if (!rows_phase && phase != pb::PHASE_TRUNCATE && phase != pb::PHASE_RELEASE) {
-        return err(bad_req, "unknown phase " + std::to_string(phase));
-    }
-    if (id) {
-        if (h.compatibility_fingerprint() != id->compatibility_fingerprint()) {
-            return err(pb::ERROR_REASON_FINGERPRINT_MISMATCH, "fingerprint '" + h.compatibility_fingerprint() +
-                                                                  "' != served '" + id->compatibility_fingerprint() +
-                                                                  "'");
-        }
-        if (h.shard_range().start() != id->range().start() || h.shard_range().end() != id->range().end()) {
-            return err(pb::ERROR_REASON_RANGE_MISMATCH,
-                       "frame names [" + std::to_string(h.shard_range().start()) + ", " +
-                           std::to_string(h.shard_range().end()) + "), this Shard serves [" +
-                           std::to_string(id->range().start()) + ", " + std::to_string(id->range().end()) + ")");
-        }
-        if (h.effective_start() >= id->range().end()) {
-            return err(pb::ERROR_REASON_RANGE_MISMATCH, "effective_start " + std::to_string(h.effective_start()) +
-                                                            " >= " + std::to_string(id->range().end()));
-        }
-    }
-    const auto input = s.input_case();
-    if (rows_phase) {
-        if (h.positions().end() <= h.positions().start()) {
-            return err(bad_req, "empty positions [" + std::to_string(h.positions().start()) + ", " +
-                                    std::to_string(h.positions().end()) + ")");
-        }
-        const uint32_t rows = h.positions().end() - h.positions().start();
-        if (input == pb::StepFrame::INPUT_NOT_SET) {
-            return err(bad_req, std::string(phase_name(phase)) + " without input");
-        }
-        if (phase == pb::PHASE_DECODE && rows != 1) {
-            return err(pb::ERROR_REASON_CHUNK_TOO_LARGE, "DECODE carries " + std::to_string(rows) + " rows, not 1",
-                       {}, 1);
-        }
-        if (cap && cap->capacity().max_prefill_chunk_tokens() && rows > cap->capacity().max_prefill_chunk_tokens()) {
-            const uint32_t lim = cap->capacity().max_prefill_chunk_tokens();
-            return err(pb::ERROR_REASON_CHUNK_TOO_LARGE,
-                       std::to_string(rows) + " rows above the chunk limit " + std::to_string(lim), {}, lim);
-        }
-        const bool tokens = input == pb::StepFrame::kTokens;
-        if (tokens && uint32_t(s.tokens().token_ids_size()) != rows) {
-            return err(bad_req, std::to_string(s.tokens().token_ids_size()) + " token ids for " +
-                                    std::to_string(rows) + " positions");
-        }
-        if (id) {
-            if (Result r = check_role(tokens, *id)) {
-                return r;
-            }
-            if (tokens) {
-                for (int32_t t : s.tokens().token_ids()) {
-                    if (Result r = check_vocab(t, *id)) {
-                        return r;
-                    }
-                }
-            }
-        }
-    } else if (input != pb::StepFrame::INPUT_NOT_SET) {
-        return err(bad_req, std::string(phase_name(phase)) + " carries no input");
-    }
-    if (h.compression() != pb::COMPRESSION_UNSPECIFIED && h.compression() != pb::COMPRESSION_NONE) {
-        return err(pb::ERROR_REASON_UNSUPPORTED_COMPRESSION,
-                   "compression " + std::to_string(int(h.compression())) + " not supported");
-    }
-    if (s.has_sampling()) {
-        if (Result r = check_sampling(s.sampling())) {
-            return r;
-        }
-    }
-    uint32_t actual = 0;
-    if (input == pb::StepFrame::kTokens) {
-        actual = tokens_payload_crc(s.tokens());
-    } else if (input == pb::StepFrame::kBundle) {
-        actual = bundle_payload_crc(s.bundle());
-    }
-    return verify_checksum(h.payload_checksum(), actual, "frame payload");
 }
 
 } // namespace dgr::bundle

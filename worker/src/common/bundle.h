@@ -1,6 +1,8 @@
 // The named-tensor bundle crossing an Activation Seam (dgr.shard.v1.TensorBundle) and the
-// stateless checks of a SessionRequest frame. Same rules as Python dgr.bundle; the rules are
-// written down in proto/dgr/shard/v1/shard_runtime.proto (NamedTensor, FrameHeader).
+// stateless checks of a SessionRequest frame: the one validator, assembler and writer of the
+// worker (the scheduler runs these; tests/vectors and worker/tests certify them). Same rules
+// as Python dgr.bundle; the rules are written down in proto/dgr/shard/v1/shard_runtime.proto
+// (NamedTensor, FrameHeader). Also the one ErrorReason -> gRPC code map.
 #pragma once
 
 #include "dgr/shard/v1/shard_runtime.pb.h"
@@ -20,6 +22,10 @@ namespace pb = ::dgr::shard::v1;
 constexpr size_t kDefaultFragmentBytes = size_t(1) << 20;
 // Most dimensions a tensor may have.
 constexpr int kMaxDims = 8;
+// Longest session id (FrameHeader.session_id: "at most 128 bytes").
+constexpr size_t kMaxSessionIdBytes = 128;
+// Most SamplingParams.top_logprobs a worker returns per token.
+constexpr uint32_t kMaxTopLogprobs = 64;
 // The boundary bundle's one tensor in schema v1.
 inline constexpr const char * kResidual = "residual";
 // Schema versions accepted without a capability: [min, max].
@@ -40,10 +46,13 @@ struct ProtocolError {
     std::string reason_name() const;
     // "ERROR_REASON_X: message (tensor 'name')"
     std::string to_string() const;
+    // The ShardError (message: "message (tensor 'name')"; the reason is its own field).
     pb::ShardError to_message(bool session_terminated = false) const;
 };
 
 using Result = std::optional<ProtocolError>; // nullopt = ok
+
+ProtocolError protocol_error(pb::ErrorReason reason, std::string message, std::string tensor = {}, uint64_t limit = 0);
 
 // Element size of a wire dtype; 0 when unknown.
 size_t dtype_size(int dtype);
@@ -70,6 +79,9 @@ class Assembler {
     // Take one frame's bundle; the first violation is returned (and the assembler should be
     // dropped). Fragments may arrive in any order, across any number of frames.
     Result add(const pb::TensorBundle & bundle);
+    // Only this one tensor may arrive (every frame's bundle carries exactly it, with this dtype
+    // and shape): a boundary bundle of `rows` x n_embd is refused at its first frame.
+    void expect_only(std::string name, pb::TensorDtype dtype, std::vector<uint64_t> shape);
     // Every fragment of every tensor seen so far has arrived (and at least one tensor).
     bool complete() const;
     // Missing fragment indices per incomplete tensor.
@@ -86,6 +98,8 @@ class Assembler {
     Result check_meta(const pb::NamedTensor & t) const;
 
     Limits               limits_;
+    bool                 expect_ = false;
+    Tensor               expected_;  // name, dtype, shape (no data)
     int                  compression_;
     std::vector<Pending> tensors_;
 };
@@ -108,6 +122,7 @@ pb::TensorBundle boundary_bundle(const float * rows, uint32_t n_tokens, uint32_t
 // FrameHeader.payload_checksum values: token ids as 4-byte little-endian; a bundle's fragment
 // data in the order listed; CRC of nothing = 0.
 uint32_t tokens_payload_crc(const pb::TokenSpan & tokens);
+uint32_t tokens_crc(const int32_t * ids, size_t n);  // the same over an array (TailOutput payload)
 uint32_t bundle_payload_crc(const pb::TensorBundle & bundle);
 pb::Checksum crc_checksum(uint32_t value);
 // BAD_BUNDLE when a set checksum does not match; nothing to check when unset.
@@ -115,9 +130,25 @@ Result verify_checksum(const pb::Checksum & expected, uint32_t actual, const cha
 
 // The sampling contract's value ranges (BAD_REQUEST).
 Result check_sampling(const pb::SamplingParams & s);
-// Stateless checks of one SessionRequest frame, in the order a worker applies them; with a
-// capability also fingerprint, range, role, vocabulary and chunk limits. Bundles are checked
-// separately by Assembler. Session-state checks (epoch, step, cache) are the worker's.
+
+// Stateless checks of one SessionRequest frame, in three stages that a worker applies in this
+// order, with its session-state checks (epoch, step, cache expectation, positions held) between
+// the header and the rows. With a capability they also check fingerprint, range, role,
+// vocabulary and chunk limits against that Shard. Bundles are checked by Assembler.
+//
+// 1. the frame kind and header: schema version, fingerprint, range, effective start,
+//    compression, phase, session id (1..128 bytes), route epoch (>= 1). `whole_range`: the
+//    Shard runs its whole range (effective_start must be unset or the range start).
+Result check_header(const pb::SessionRequest & req, const pb::GetCapabilityResponse * cap = nullptr,
+                    bool whole_range = false);
+// 2. rows: PREFILL/DECODE carry a non-empty position range, DECODE exactly one row, at most the
+//    chunk limit; TRUNCATE/RELEASE carry no input (and a payload checksum of nothing).
+Result check_rows(const pb::SessionRequest & req, const pb::GetCapabilityResponse * cap = nullptr);
+// 3. input: sampling (when `sampling_applies`: a tail, or a Shard forwarding it downstream),
+//    role (token ids to a head, a bundle otherwise), token count, vocabulary, payload checksum.
+Result check_input(const pb::SessionRequest & req, const pb::GetCapabilityResponse * cap = nullptr,
+                   bool sampling_applies = true);
+// All three stages.
 Result check_request(const pb::SessionRequest & req, const pb::GetCapabilityResponse * cap = nullptr);
 
 } // namespace dgr::bundle

@@ -43,6 +43,7 @@ std::vector<std::pair<std::string, std::string>> RecipeFingerprintFields::named_
         {"arch_adapter", arch_adapter},
         {"arch_adapter_version", std::to_string(arch_adapter_version)},
         {"artifact_id", artifact_id},
+        {"backends", backends},
         {"boundary_schema_version", std::to_string(boundary_schema_version)},
         {"kv_dtype", kv_dtype},
         {"kv_layout", kv_layout},
@@ -81,6 +82,7 @@ bool set_fingerprint_field(RecipeFingerprintFields * f, const std::string & name
     else if (name == "arch_adapter") f->arch_adapter = value;
     else if (name == "arch_adapter_version") return parse_nonneg(value, &f->arch_adapter_version);
     else if (name == "artifact_id") f->artifact_id = value;
+    else if (name == "backends") f->backends = value;
     else if (name == "boundary_schema_version") return parse_nonneg(value, &f->boundary_schema_version);
     else if (name == "kv_dtype") f->kv_dtype = value;
     else if (name == "kv_layout") f->kv_layout = value;

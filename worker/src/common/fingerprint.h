@@ -1,6 +1,6 @@
 // Recipe compatibility fingerprint: the same value as dgr.recipe.RuntimeRecipe.fingerprint()
 // (docs/identity.md). The canonical text is
-//   "dgr-recipe-fingerprint/v1\n" + "name=value\n" for each field below, in this order,
+//   "dgr-recipe-fingerprint/v2\n" + "name=value\n" for each field below, in this order,
 // and the fingerprint is its SHA-256 in lowercase hex. Values are 1-128 characters of
 // [A-Za-z0-9._:/+-]; anything else is refused (never silently normalised).
 #pragma once
@@ -12,13 +12,14 @@
 
 namespace dgr {
 
-inline constexpr const char * kFingerprintHeader = "dgr-recipe-fingerprint/v1";
+inline constexpr const char * kFingerprintHeader = "dgr-recipe-fingerprint/v2";
 
 struct RecipeFingerprintFields {
     std::string activation_dtype;      // on the wire, at a seam (e.g. "f32")
     std::string arch_adapter;          // e.g. "llama"
     int64_t arch_adapter_version = 0;
     std::string artifact_id;           // sha256 hex of the source artifact manifest
+    std::string backends;              // the route's backend plan, e.g. "cpu", "cpu+vulkan"
     int64_t boundary_schema_version = 0;
     std::string kv_dtype;              // e.g. "f16"
     std::string kv_layout;             // e.g. "llama-unified-layer-filtered"

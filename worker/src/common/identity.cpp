@@ -154,10 +154,13 @@ bool is_hex64(const std::string & s) {
 
 // dgr.gguf_slice.ADAPTERS: (architecture -> adapter name, version)
 bool adapter_for(const std::string & arch, std::string * name, int64_t * version) {
-    if (arch == "llama") {
-        *name = "llama";
-        *version = 1;
-        return true;
+    static const char * const known[] = {"llama", "gemma3", "qwen3", "qwen3moe"};
+    for (const char * k : known) {
+        if (arch == k) {
+            *name = arch;
+            *version = 1;
+            return true;
+        }
     }
     return false;
 }
@@ -447,7 +450,7 @@ bool local_recipe_for(const std::string & path, LocalRecipe * out, std::string *
     if (!adapter_for(id.architecture, &f.arch_adapter, &f.arch_adapter_version)) {
         if (error) {
             *error = path + ": architecture '" + id.architecture +
-                     "' has no dgr adapter; unsupported architectures fail closed (supported: llama)";
+                     "' has no dgr adapter; unsupported architectures fail closed (supported: llama, gemma3, qwen3, qwen3moe)";
         }
         return false;
     }
@@ -455,6 +458,7 @@ bool local_recipe_for(const std::string & path, LocalRecipe * out, std::string *
     const BuildInfo & bi = build_info();
     f.activation_dtype = "f32";
     f.artifact_id = id.artifact_id;
+    f.backends = bi.backend;           // a route of this build's backend alone
     f.boundary_schema_version = 1;
     f.kv_dtype = "f16";
     f.kv_layout = "llama-unified-layer-filtered";
@@ -484,6 +488,7 @@ bool local_recipe_for(const std::string & path, LocalRecipe * out, std::string *
     add("kv_dtype", f.kv_dtype);
     add("kv_layout", f.kv_layout);
     add("backend", bi.backend);
+    add("backends", f.backends);
     add("dgr_version", bi.dgr_version);
     add("pin_commit", f.pin_commit);
     add("patch_digest", f.patch_digest);

@@ -44,7 +44,7 @@ struct DecodeBatch {
     void clear() { tokens.clear(); embd.clear(); pos.clear(); seq.clear(); output.clear(); }
 };
 
-// llama_decode results, mapped as STYLE.md asks.
+// llama_decode results, mapped to the protocol's status codes (docs/worker.md).
 enum class BackendStatus { ok, resource_exhausted, aborted, invalid_argument, internal };
 
 class ModelBackend {
@@ -72,6 +72,8 @@ public:
     virtual std::string detokenize(const std::vector<int32_t> & tokens, bool remove_special,
                                    bool unparse_special) = 0;
     virtual bool is_eog(int32_t token) const = 0;
+    // The chat template (GGUF tokenizer.chat_template or a built-in name); empty: none.
+    virtual std::string chat_template() const { return {}; }
 
 protected:
     virtual BackendInfo & mutable_info() = 0;

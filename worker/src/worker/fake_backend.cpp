@@ -1,5 +1,7 @@
 #include "worker/fake_backend.h"
 
+#include "common/checksum.h"
+
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -7,16 +9,6 @@
 #include <thread>
 
 namespace dgr::worker {
-
-namespace {
-uint64_t fnv1a(uint64_t h, uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-        h ^= (v >> (8 * i)) & 0xff;
-        h *= 1099511628211ULL;
-    }
-    return h;
-}
-}  // namespace
 
 FakeBackend::FakeBackend(const FakeModelOptions & o) : delay_ms_(o.decode_delay_ms) {
     info_.architecture = "fake";
@@ -31,8 +23,13 @@ FakeBackend::FakeBackend(const FakeModelOptions & o) : delay_ms_(o.decode_delay_
     info_.max_batch_tokens = o.max_batch_tokens;
     info_.n_seq_max = o.n_seq_max;
     info_.kv_bytes = (uint64_t) o.kv_cells * 4 * o.n_embd * (info_.layer_end - info_.layer_start);  // see serve.cpp
-    uint64_t h = 1469598103934665603ULL;
-    for (uint64_t v : {(uint64_t) o.n_layer, (uint64_t) o.n_embd, (uint64_t) o.n_vocab}) h = fnv1a(h, v);
+    uint64_t h = kFnv1aOffset;
+    for (uint64_t v : {(uint64_t) o.n_layer, (uint64_t) o.n_embd, (uint64_t) o.n_vocab}) {
+        const unsigned char le[8] = {(unsigned char) v,         (unsigned char) (v >> 8),  (unsigned char) (v >> 16),
+                                     (unsigned char) (v >> 24), (unsigned char) (v >> 32), (unsigned char) (v >> 40),
+                                     (unsigned char) (v >> 48), (unsigned char) (v >> 56)};
+        h = fnv1a64(le, sizeof le, h);
+    }
     char buf[64];
     std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long) h);
     info_.artifact_id = std::string("fake-artifact-") + buf;

@@ -40,6 +40,7 @@ public:
     std::string detokenize(const std::vector<int32_t> & tokens, bool remove_special,
                            bool unparse_special) override;
     bool is_eog(int32_t token) const override { return token == kEog; }
+    std::string chat_template() const override { return "chatml"; }  // llama.cpp built-in
 
     static constexpr int32_t kBos = 256;
     static constexpr int32_t kEog = 257;

@@ -1,5 +1,7 @@
 #include "worker/llama_backend.h"
 
+#include "common/checksum.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -12,10 +14,6 @@ std::string hex64(uint64_t v) {
     char b[24];
     std::snprintf(b, sizeof b, "%016llx", (unsigned long long) v);
     return b;
-}
-uint64_t fnv(uint64_t h, const std::string & s) {
-    for (unsigned char c : s) { h ^= c; h *= 1099511628211ULL; }
-    return h;
 }
 std::string meta(const llama_model * m, const char * key) {
     char buf[256];
@@ -97,15 +95,16 @@ std::unique_ptr<LlamaBackend> LlamaBackend::create(const LlamaBackendOptions & o
     in.scratch_bytes = mem.scratch;
     struct stat st{};
     ::stat(o.path.c_str(), &st);
-    uint64_t h = 1469598103934665603ULL;
-    h = fnv(h, in.architecture);
-    h = fnv(h, std::to_string(in.n_layer) + "/" + std::to_string(in.n_embd) + "/" + std::to_string(in.n_vocab) + "/" +
-                   std::to_string((long long) st.st_size));
+    uint64_t h = kFnv1aOffset;
+    h = fnv1a64_text(in.architecture, h);
+    h = fnv1a64_text(std::to_string(in.n_layer) + "/" + std::to_string(in.n_embd) + "/" + std::to_string(in.n_vocab) + "/" +
+                    std::to_string((long long) st.st_size),
+                h);
     char desc[256];
     llama_model_desc(m.get(), desc, sizeof desc);
-    h = fnv(h, desc);
+    h = fnv1a64_text(desc, h);
     in.artifact_id = o.artifact_id.empty() ? "unverified-" + hex64(h) : o.artifact_id;
-    in.fingerprint = o.fingerprint.empty() ? "unverified-" + hex64(fnv(h, "recipe")) : o.fingerprint;
+    in.fingerprint = o.fingerprint.empty() ? "unverified-" + hex64(fnv1a64_text("recipe", h)) : o.fingerprint;
     in.recipe_json = std::string("{\"architecture\":\"") + in.architecture + "\",\"model\":\"" + desc +
                      "\",\"identity\":\"" + (o.fingerprint.empty() ? "unverified" : "given") + "\"}";
     return b;

@@ -1,18 +1,17 @@
 #include "worker/metrics.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
+#include <prometheus/collectable.h>
+#include <prometheus/exposer.h>
+#include <prometheus/text_serializer.h>
 
-#include <cmath>
 #include <cstdio>
-#include <cstring>
+#include <exception>
+#include <limits>
 #include <sstream>
 
 namespace dgr::worker {
+
+namespace pm = prometheus;
 
 void Histogram::observe(double v) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -23,23 +22,19 @@ void Histogram::observe(double v) {
     count_++;
 }
 
-static std::string fmt_le(double b) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%g", b);
-    return buf;
-}
-
-void Histogram::append(const std::string & name, std::vector<Sample> * out) const {
+pm::ClientMetric Histogram::snapshot() const {
     std::lock_guard<std::mutex> lk(mu_);
+    pm::ClientMetric m;
     uint64_t cum = 0;
     for (size_t i = 0; i < bounds_.size(); ++i) {
         cum += counts_[i];
-        out->push_back({name + "_bucket", {{"le", fmt_le(bounds_[i])}}, (double) cum});
+        m.histogram.bucket.push_back({cum, bounds_[i]});
     }
     cum += counts_.back();
-    out->push_back({name + "_bucket", {{"le", "+Inf"}}, (double) cum});
-    out->push_back({name + "_sum", {}, sum_});
-    out->push_back({name + "_count", {}, (double) count_});
+    m.histogram.bucket.push_back({cum, std::numeric_limits<double>::infinity()});
+    m.histogram.sample_sum = sum_;
+    m.histogram.sample_count = count_;
+    return m;
 }
 
 Metrics::Metrics()
@@ -47,154 +42,174 @@ Metrics::Metrics()
       batch_occupancy({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048}),
       queue_wait({0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5}) {}
 
-std::vector<Sample> Metrics::samples(const Gauges & g) const {
-    std::vector<Sample> s;
-    s.push_back({"dgr_active_sessions", {}, (double) g.active_sessions});
-    s.push_back({"dgr_max_sessions", {}, (double) g.max_sessions});
-    s.push_back({"dgr_queue_depth", {}, (double) g.queued_steps});
-    s.push_back({"dgr_kv_cells_used", {}, (double) g.kv_cells_used});
-    s.push_back({"dgr_kv_cells_total", {}, (double) g.kv_cells_total});
-    s.push_back({"dgr_memory_bytes", {{"part", "weights"}}, (double) g.weight_bytes});
-    s.push_back({"dgr_memory_bytes", {{"part", "kv"}}, (double) g.kv_bytes});
-    s.push_back({"dgr_memory_bytes", {{"part", "scratch"}}, (double) g.scratch_bytes});
-    s.push_back({"dgr_memory_budget_bytes", {}, (double) g.memory_budget_bytes});
-    s.push_back({"dgr_prefill_tokens_total", {}, (double) prefill_tokens.load()});
-    s.push_back({"dgr_decode_tokens_total", {}, (double) decode_tokens.load()});
-    s.push_back({"dgr_decode_busy_seconds_total", {}, busy_seconds.load()});
-    s.push_back({"dgr_decode_only_busy_seconds_total", {}, decode_only_busy_seconds.load()});
-    s.push_back({"dgr_decode_only_batches_total", {}, (double) decode_only_batches.load()});
-    s.push_back({"dgr_decode_only_rows_total", {}, (double) decode_only_rows.load()});
-    s.push_back({"dgr_batches_total", {}, (double) batches.load()});
-    s.push_back({"dgr_batch_rows_total", {}, (double) batch_rows.load()});
-    s.push_back({"dgr_steps_total", {}, (double) steps.load()});
-    s.push_back({"dgr_replayed_steps_total", {}, (double) replayed_steps.load()});
-    s.push_back({"dgr_step_errors_total", {}, (double) step_errors.load()});
-    s.push_back({"dgr_sessions_opened_total", {}, (double) sessions_opened.load()});
-    s.push_back({"dgr_sessions_released_total", {}, (double) sessions_released.load()});
-    s.push_back({"dgr_sessions_evicted_total", {}, (double) sessions_evicted.load()});
-    s.push_back({"dgr_sessions_cancelled_total", {}, (double) sessions_cancelled.load()});
-    s.push_back({"dgr_rejected_admissions_total", {{"reason", "sessions"}}, (double) rejected_sessions.load()});
-    s.push_back({"dgr_rejected_admissions_total", {{"reason", "queue"}}, (double) rejected_queue.load()});
-    s.push_back({"dgr_rejected_admissions_total", {{"reason", "kv"}}, (double) rejected_kv.load()});
-    s.push_back({"dgr_chain_frames_sent_total", {{"phase", "prefill"}}, (double) chain_frames_prefill.load()});
-    s.push_back({"dgr_chain_frames_sent_total", {{"phase", "decode"}}, (double) chain_frames_decode.load()});
-    s.push_back({"dgr_chain_frame_bytes_sent_total", {{"phase", "prefill"}}, (double) chain_bytes_prefill.load()});
-    s.push_back({"dgr_chain_frame_bytes_sent_total", {{"phase", "decode"}}, (double) chain_bytes_decode.load()});
-    s.push_back({"dgr_chain_hop_seconds_total", {{"phase", "prefill"}}, chain_hop_seconds_prefill.load()});
-    s.push_back({"dgr_chain_hop_seconds_total", {{"phase", "decode"}}, chain_hop_seconds_decode.load()});
-    s.push_back({"dgr_chain_replies_total", {{"phase", "prefill"}}, (double) chain_replies_prefill.load()});
-    s.push_back({"dgr_chain_replies_total", {{"phase", "decode"}}, (double) chain_replies_decode.load()});
-    s.push_back({"dgr_generated_tokens_total", {}, (double) generated_tokens.load()});
-    step_latency.append("dgr_step_latency_seconds", &s);
-    batch_occupancy.append("dgr_batch_occupancy_sessions", &s);
-    queue_wait.append("dgr_queue_wait_seconds", &s);
-    return s;
+namespace {
+
+using Labels = std::vector<pm::ClientMetric::Label>;
+
+pm::ClientMetric value_metric(pm::MetricType type, double v, Labels labels = {}) {
+    pm::ClientMetric m;
+    m.label = std::move(labels);
+    if (type == pm::MetricType::Counter) {
+        m.counter.value = v;
+    } else {
+        m.gauge.value = v;
+    }
+    return m;
 }
 
-std::string Metrics::prometheus_text(const std::vector<Sample> & samples) {
-    std::ostringstream o;
-    std::string last_family;
-    for (const auto & s : samples) {
-        std::string family = s.name;
-        for (const char * suf : {"_bucket", "_sum", "_count"}) {
-            const size_t n = std::strlen(suf);
-            if (family.size() > n && family.compare(family.size() - n, n, suf) == 0 &&
-                (s.name.find("latency") != std::string::npos || s.name.find("occupancy") != std::string::npos ||
-                 s.name.find("queue_wait") != std::string::npos)) {
-                family = family.substr(0, family.size() - n);
-                break;
+// One family; `series` = (labels, value) pairs.
+pm::MetricFamily family(const char * name, pm::MetricType type, const char * help,
+                        std::vector<std::pair<Labels, double>> series) {
+    pm::MetricFamily f;
+    f.name = name;
+    f.type = type;
+    f.help = help;
+    for (auto & [labels, v] : series) f.metric.push_back(value_metric(type, v, std::move(labels)));
+    return f;
+}
+
+pm::MetricFamily gauge(const char * name, const char * help, double v) {
+    return family(name, pm::MetricType::Gauge, help, {{{}, v}});
+}
+
+pm::MetricFamily counter(const char * name, const char * help, double v) {
+    return family(name, pm::MetricType::Counter, help, {{{}, v}});
+}
+
+pm::MetricFamily histogram(const char * name, const char * help, const Histogram & h) {
+    pm::MetricFamily f;
+    f.name = name;
+    f.type = pm::MetricType::Histogram;
+    f.help = help;
+    f.metric.push_back(h.snapshot());
+    return f;
+}
+
+std::string fmt_le(double b) {
+    if (b == std::numeric_limits<double>::infinity()) return "+Inf";
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", b);
+    return buf;
+}
+
+}  // namespace
+
+std::vector<pm::MetricFamily> Metrics::families(const Gauges & g) const {
+    using T = pm::MetricType;
+    auto d = [](const std::atomic<uint64_t> & a) { return (double) a.load(); };
+    std::vector<pm::MetricFamily> f;
+    f.push_back(gauge("dgr_active_sessions", "Open Sessions (Hot KV State) on this worker.", g.active_sessions));
+    f.push_back(gauge("dgr_max_sessions", "Most concurrent Sessions allowed.", g.max_sessions));
+    f.push_back(gauge("dgr_queue_depth", "Frames received and not yet answered.", g.queued_steps));
+    f.push_back(gauge("dgr_kv_cells_used", "KV cells held by open Sessions.", (double) g.kv_cells_used));
+    f.push_back(gauge("dgr_kv_cells_total", "KV cells of the budget.", (double) g.kv_cells_total));
+    f.push_back(family("dgr_memory_bytes", T::Gauge, "Memory held, by part (llama.cpp breakdown).",
+                       {{{{"part", "weights"}}, (double) g.weight_bytes},
+                        {{{"part", "kv"}}, (double) g.kv_bytes},
+                        {{{"part", "scratch"}}, (double) g.scratch_bytes}}));
+    f.push_back(gauge("dgr_memory_budget_bytes", "--memory-budget-mb in bytes (0: none).", (double) g.memory_budget_bytes));
+    f.push_back(counter("dgr_prefill_tokens_total", "Prompt rows computed.", d(prefill_tokens)));
+    f.push_back(counter("dgr_decode_tokens_total", "Decode rows computed.", d(decode_tokens)));
+    f.push_back(counter("dgr_decode_busy_seconds_total", "Seconds inside decode calls.", busy_seconds.load()));
+    f.push_back(counter("dgr_decode_only_busy_seconds_total", "Seconds inside decode calls without prompt rows.",
+                        decode_only_busy_seconds.load()));
+    f.push_back(counter("dgr_decode_only_batches_total", "Decode calls without prompt rows.", d(decode_only_batches)));
+    f.push_back(counter("dgr_decode_only_rows_total", "Rows of decode calls without prompt rows.", d(decode_only_rows)));
+    f.push_back(counter("dgr_batches_total", "Decode calls.", d(batches)));
+    f.push_back(counter("dgr_batch_rows_total", "Rows over all decode calls.", d(batch_rows)));
+    f.push_back(counter("dgr_steps_total", "Steps answered.", d(steps)));
+    f.push_back(counter("dgr_replayed_steps_total", "Resent steps answered from the stored response.", d(replayed_steps)));
+    f.push_back(counter("dgr_step_errors_total", "Steps answered with a ShardError.", d(step_errors)));
+    f.push_back(counter("dgr_sessions_opened_total", "Sessions opened.", d(sessions_opened)));
+    f.push_back(counter("dgr_sessions_released_total", "Sessions released.", d(sessions_released)));
+    f.push_back(counter("dgr_sessions_evicted_total", "Sessions evicted (TTL or LRU).", d(sessions_evicted)));
+    f.push_back(counter("dgr_sessions_cancelled_total", "Sessions cancelled.", d(sessions_cancelled)));
+    f.push_back(family("dgr_rejected_admissions_total", T::Counter, "Work refused, by budget.",
+                       {{{{"reason", "sessions"}}, d(rejected_sessions)},
+                        {{{"reason", "queue"}}, d(rejected_queue)},
+                        {{{"reason", "kv"}}, d(rejected_kv)}}));
+    f.push_back(family("dgr_chain_frames_sent_total", T::Counter, "Frames sent to the downstream Shard, by phase.",
+                       {{{{"phase", "prefill"}}, d(chain_frames_prefill)}, {{{"phase", "decode"}}, d(chain_frames_decode)}}));
+    f.push_back(family("dgr_chain_frame_bytes_sent_total", T::Counter,
+                       "Serialized bytes of the frames sent to the downstream Shard, by phase.",
+                       {{{{"phase", "prefill"}}, d(chain_bytes_prefill)}, {{{"phase", "decode"}}, d(chain_bytes_decode)}}));
+    f.push_back(family("dgr_chain_hop_seconds_total", T::Counter,
+                       "Seconds from a frame sent to the downstream Shard to its answer back here, by phase.",
+                       {{{{"phase", "prefill"}}, chain_hop_seconds_prefill.load()},
+                        {{{"phase", "decode"}}, chain_hop_seconds_decode.load()}}));
+    f.push_back(family("dgr_chain_replies_total", T::Counter, "Answers from the downstream Shard, by phase.",
+                       {{{{"phase", "prefill"}}, d(chain_replies_prefill)}, {{{"phase", "decode"}}, d(chain_replies_decode)}}));
+    f.push_back(counter("dgr_generated_tokens_total", "Tokens fed back by server-side generation.", d(generated_tokens)));
+    f.push_back(histogram("dgr_step_latency_seconds", "Frame received to answer handed to gRPC.", step_latency));
+    f.push_back(histogram("dgr_batch_occupancy_sessions", "Steps per decode call.", batch_occupancy));
+    f.push_back(histogram("dgr_queue_wait_seconds", "Admitted to batched.", queue_wait));
+    return f;
+}
+
+std::vector<Sample> Metrics::samples(const std::vector<pm::MetricFamily> & families) {
+    std::vector<Sample> out;
+    for (const pm::MetricFamily & f : families) {
+        for (const pm::ClientMetric & m : f.metric) {
+            std::map<std::string, std::string> labels;
+            for (const auto & l : m.label) labels[l.name] = l.value;
+            switch (f.type) {
+                case pm::MetricType::Counter: out.push_back({f.name, labels, m.counter.value}); break;
+                case pm::MetricType::Gauge: out.push_back({f.name, labels, m.gauge.value}); break;
+                case pm::MetricType::Histogram:
+                    for (const auto & b : m.histogram.bucket) {
+                        auto bl = labels;
+                        bl["le"] = fmt_le(b.upper_bound);
+                        out.push_back({f.name + "_bucket", bl, (double) b.cumulative_count});
+                    }
+                    out.push_back({f.name + "_sum", labels, m.histogram.sample_sum});
+                    out.push_back({f.name + "_count", labels, (double) m.histogram.sample_count});
+                    break;
+                default: out.push_back({f.name, labels, m.untyped.value}); break;
             }
         }
-        if (family != last_family) {
-            const bool hist = family != s.name;
-            const bool counter = family.size() > 6 && family.compare(family.size() - 6, 6, "_total") == 0;
-            o << "# TYPE " << family << ' ' << (hist ? "histogram" : counter ? "counter" : "gauge") << '\n';
-            last_family = family;
-        }
-        o << s.name;
-        if (!s.labels.empty()) {
-            o << '{';
-            bool first = true;
-            for (const auto & kv : s.labels) {
-                if (!first) o << ',';
-                first = false;
-                o << kv.first << "=\"" << kv.second << '"';
-            }
-            o << '}';
-        }
-        char buf[64];
-        std::snprintf(buf, sizeof buf, " %.17g\n", s.value);
-        o << buf;
     }
+    return out;
+}
+
+std::string Metrics::prometheus_text(const std::vector<pm::MetricFamily> & families) {
+    std::ostringstream o;
+    pm::TextSerializer().Serialize(o, families);
     return o.str();
 }
 
+class MetricsHttpServer::Source final : public pm::Collectable {
+public:
+    explicit Source(std::function<std::vector<pm::MetricFamily>()> f) : collect_(std::move(f)) {}
+    std::vector<pm::MetricFamily> Collect() const override { return collect_(); }
+private:
+    std::function<std::vector<pm::MetricFamily>()> collect_;
+};
+
+MetricsHttpServer::MetricsHttpServer() = default;
 MetricsHttpServer::~MetricsHttpServer() { stop(); }
 
-bool MetricsHttpServer::start(const std::string & addr, std::function<std::string()> render, std::string * error) {
-    render_ = std::move(render);
-    const size_t colon = addr.rfind(':');
-    if (colon == std::string::npos) { *error = "--metrics-listen wants HOST:PORT"; return false; }
-    std::string host = addr.substr(0, colon);
-    const std::string port = addr.substr(colon + 1);
-    if (host.size() > 1 && host.front() == '[') host = host.substr(1, host.size() - 2);
-    addrinfo hints{}, * res = nullptr;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE;
-    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || !res) { *error = "cannot resolve " + addr; return false; }
-    fd_ = socket(res->ai_family, SOCK_STREAM, 0);
-    int one = 1;
-    setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (fd_ < 0 || bind(fd_, res->ai_addr, res->ai_addrlen) != 0 || listen(fd_, 16) != 0) {
-        *error = std::string("cannot listen on ") + addr + ": " + std::strerror(errno);
-        freeaddrinfo(res);
-        if (fd_ >= 0) close(fd_);
-        fd_ = -1;
+bool MetricsHttpServer::start(const std::string & addr, std::function<std::vector<pm::MetricFamily>()> collect,
+                              std::string * error) {
+    if (addr.rfind(':') == std::string::npos) {
+        *error = "--metrics-listen wants HOST:PORT";
         return false;
     }
-    freeaddrinfo(res);
-    sockaddr_storage ss{};
-    socklen_t sl = sizeof ss;
-    getsockname(fd_, (sockaddr *) &ss, &sl);
-    port_ = ntohs(ss.ss_family == AF_INET6 ? ((sockaddr_in6 *) &ss)->sin6_port : ((sockaddr_in *) &ss)->sin_port);
-    thread_ = std::thread([this] { loop(); });
+    source_ = std::make_shared<Source>(std::move(collect));
+    try {
+        exposer_ = std::make_unique<pm::Exposer>(addr, 1);
+    } catch (const std::exception & e) {
+        *error = "cannot listen on " + addr + ": " + e.what();
+        return false;
+    }
+    exposer_->RegisterCollectable(source_);
+    const std::vector<int> ports = exposer_->GetListeningPorts();
+    port_ = ports.empty() ? 0 : ports.front();
     return true;
 }
 
 void MetricsHttpServer::stop() {
-    stop_ = true;
-    if (thread_.joinable()) thread_.join();
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
-}
-
-void MetricsHttpServer::loop() {
-    while (!stop_) {
-        pollfd p{fd_, POLLIN, 0};
-        if (poll(&p, 1, 200) <= 0) continue;
-        int c = accept(fd_, nullptr, nullptr);
-        if (c < 0) continue;
-        timeval tv{2, 0};
-        setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-        char buf[2048];
-        ssize_t n = recv(c, buf, sizeof buf - 1, 0);
-        std::string req = n > 0 ? std::string(buf, (size_t) n) : "";
-        std::string resp;
-        if (req.rfind("GET /metrics", 0) == 0) {
-            const std::string body = render_();
-            resp = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: " +
-                   std::to_string(body.size()) + "\r\n\r\n" + body;
-        } else {
-            resp = "HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n";
-        }
-        size_t off = 0;
-        while (off < resp.size()) {
-            ssize_t w = send(c, resp.data() + off, resp.size() - off, MSG_NOSIGNAL);
-            if (w <= 0) break;
-            off += (size_t) w;
-        }
-        close(c);
-    }
+    exposer_.reset();
+    source_.reset();
 }
 
 }  // namespace dgr::worker

@@ -1,15 +1,24 @@
 // Worker metrics (Prometheus naming: dgr_ prefix, base units, _total for counters, no session
-// or request ids as labels), served by GetMetrics and as Prometheus text on --metrics-listen.
+// or request ids as labels). One list of families (name, type, help, series) feeds both
+// GetMetrics (flattened samples) and the Prometheus exposition on --metrics-listen, which
+// prometheus-cpp writes (# HELP / # TYPE, escaping, histogram series) and serves (its pull
+// Exposer over civetweb).
 #pragma once
+
+#include <prometheus/metric_family.h>
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
+
+namespace prometheus {
+class Exposer;
+}
 
 namespace dgr::worker {
 
@@ -23,8 +32,7 @@ class Histogram {
 public:
     explicit Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
     void observe(double v);
-    // Prometheus series: name_bucket{le=...}, name_sum, name_count
-    void append(const std::string & name, std::vector<Sample> * out) const;
+    prometheus::ClientMetric snapshot() const;  // cumulative buckets, +Inf last
 private:
     mutable std::mutex mu_;
     std::vector<double> bounds_;
@@ -85,25 +93,28 @@ public:
     Histogram batch_occupancy;  // rows per decode call
     Histogram queue_wait;       // seconds a step waited before its batch
 
-    std::vector<Sample> samples(const Gauges & g) const;
-    static std::string prometheus_text(const std::vector<Sample> & samples);
+    std::vector<prometheus::MetricFamily> families(const Gauges & g) const;
+    // GetMetrics: every series as one sample (histograms as _bucket{le}, _sum, _count).
+    static std::vector<Sample> samples(const std::vector<prometheus::MetricFamily> & families);
+    // The Prometheus text exposition format of `families`.
+    static std::string prometheus_text(const std::vector<prometheus::MetricFamily> & families);
 };
 
-// Minimal HTTP/1.0 listener: GET /metrics (anything else 404). One connection at a time.
+// GET /metrics on HOST:PORT (prometheus-cpp's Exposer), rendering `collect` per scrape.
 class MetricsHttpServer {
 public:
+    MetricsHttpServer();
     ~MetricsHttpServer();
-    // addr "host:port"; returns false with *error on failure.
-    bool start(const std::string & addr, std::function<std::string()> render, std::string * error);
+    // addr "host:port" (port 0: a free one); false with *error on failure.
+    bool start(const std::string & addr, std::function<std::vector<prometheus::MetricFamily>()> collect,
+               std::string * error);
     void stop();
     int port() const { return port_; }
 private:
-    void loop();
-    int fd_ = -1;
+    class Source;
+    std::shared_ptr<Source> source_;
+    std::unique_ptr<prometheus::Exposer> exposer_;
     int port_ = 0;
-    std::atomic<bool> stop_{false};
-    std::thread thread_;
-    std::function<std::string()> render_;
 };
 
 }  // namespace dgr::worker

@@ -6,14 +6,6 @@
 
 namespace dgr::worker {
 
-std::string validate_sampling(const SamplingConfig & c) {
-    if (c.stochastic && !(c.temperature > 0.0f)) return "temperature must be > 0 for SAMPLING_MODE_STOCHASTIC";
-    if (c.top_p < 0.0f || c.top_p > 1.0f) return "top_p must be in (0, 1] or 0";
-    if (c.min_p < 0.0f || c.min_p >= 1.0f) return "min_p must be in [0, 1)";
-    if (c.top_logprobs > 64) return "top_logprobs must be <= 64";
-    return "";
-}
-
 double SamplingRng::uniform() {
     uint64_t z = (state_ += 0x9E3779B97F4A7C15ULL);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;

@@ -9,6 +9,7 @@
 
 namespace dgr::worker {
 
+// Built from a SamplingParams that bundle::check_sampling accepted (the one validator).
 struct SamplingConfig {
     bool stochastic = false;
     float temperature = 1.0f;
@@ -20,9 +21,6 @@ struct SamplingConfig {
     bool ignore_eog = false;
     std::vector<int32_t> stop_token_ids;
 };
-
-// Returns an empty string when valid, else what is wrong.
-std::string validate_sampling(const SamplingConfig & c);
 
 // splitmix64-based generator: portable, so a seed gives the same tokens on every platform.
 class SamplingRng {

@@ -8,12 +8,21 @@
 // fit. Because max_sessions + max_prefill_chunk_tokens <= max_batch_tokens is enforced at
 // startup, the oldest pending prefill chunk always fits next to all decode rows: decode is never
 // delayed by prefill for more than the one batch in flight, and prefill never starves.
+//
+// The class is one unit of state with its methods split by concern over several files:
+// scheduler.cpp (events, loop, release/cancel/stop, session lifecycle), frame_intake.cpp (a
+// frame: validation with common/bundle.h, session-state checks, admission), batch_runner.cpp
+// (batch formation, decode, answers), chain_link.cpp (forwarding to the downstream Shard) and
+// generation.cpp (server-side generation). The session table is its own class
+// (session_table.h).
 #pragma once
 
 #include "worker/backend.h"
 #include "worker/downstream.h"
+#include "worker/events.h"
 #include "worker/metrics.h"
 #include "worker/sampling.h"
+#include "worker/session_table.h"
 #include "worker/stream_sink.h"
 
 #include <atomic>
@@ -21,13 +30,10 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
-#include <list>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
 namespace dgr::worker {
@@ -48,7 +54,9 @@ struct SchedulerOptions {
     uint64_t memory_budget_bytes = 0;  // --memory-budget-mb (0: none); weights + scratch + KV fit in it
 };
 
-using Clock = std::chrono::steady_clock;
+// What a worker serves (GetCapability): identity from the backend, limits from the scheduler's
+// (adjusted) options. The scheduler checks frames against the same message.
+pb::GetCapabilityResponse capability_of(const BackendInfo & in, const SchedulerOptions & o);
 
 class Scheduler {
 public:
@@ -75,53 +83,15 @@ public:
 
     Gauges gauges() const;
     const SchedulerOptions & options() const { return opts_; }
+    const pb::GetCapabilityResponse & capability() const { return cap_; }
 
 private:
-    struct Tombstone { uint64_t epoch; int kind; };  // kind: 0 released, 1 evicted, 2 cancelled
-    struct Partial;  // a fragmented step being assembled
-    struct Session {
-        std::string id;
-        uint64_t epoch = 0;
-        int32_t seq = -1;
-        uint32_t positions = 0;
-        int64_t last_step = -1;
-        bool has_stored = false;
-        pb::SessionResponse stored;
-        uint32_t effective_start = 0;
-        SamplingConfig sampling;
-        SamplingRng rng;
-        std::shared_ptr<StreamSink> sink;
-        Clock::time_point last_used;
-        bool busy = false;  // a step is queued or in the batch
-        bool decoding = false;  // its last completed step was a DECODE (a next one is likely)
-        uint32_t reserved = 0;  // KV cells reserved by the queued step
-        std::unique_ptr<Partial> partial;
-        uint64_t generation = 0;
-        // chained route: this worker sends its boundary output to the next Shard itself
-        std::shared_ptr<DownstreamLink> down;
-        pb::ChainHop down_hop;
-        std::vector<pb::ChainHop> down_rest;  // carried by the opening forwarded frame
-        uint64_t down_step = 0;
-        bool down_opened = false;
-        bool down_colocated = false;          // every hop is on this host (loopback): shares our cores
-        std::string down_failed;              // the link ended: the next frame gets this error
-        std::unique_ptr<pb::SamplingParams> fwd_sampling;  // goes with the next forwarded StepFrame
-        bool awaiting = false;                // a forwarded step waits for the route's answer
-        pb::ResponseHeader pending_header;    // ... answered with this header
-        bool pending_internal = false;
-        Clock::time_point pending_t0;
-        Clock::time_point down_sent_t0;       // the forwarded frame left for the next Shard (hop latency)
-        bool down_sent_decode = false;
-        // server-side generation (StepFrame.generate)
-        bool generating = false;
-        uint32_t gen_left = 0;                // responses still to give, the one in flight included
-        bool gen_continue = false;
-        uint32_t gen_per_answer = 1;          // GenerateParams.tokens_per_answer (>= 1)
-    };
+    // One queued step of a session (a client frame, or an internal step of server-side
+    // generation).
     struct Work {
         std::string session_id;
-        uint64_t generation;
-        bool decode;
+        uint64_t generation = 0;
+        bool decode = false;
         std::vector<int32_t> tokens;
         std::vector<float> rows;
         uint32_t pos0 = 0;
@@ -132,60 +102,73 @@ private:
         Clock::time_point t_ready;
         bool internal = false;  // fed back by server-side generation (no client frame behind it)
     };
-    struct Event {
-        enum Kind { frame, closed, release, cancel, stop, down_reply, down_end } kind;
-        std::shared_ptr<StreamSink> sink;
-        std::unique_ptr<pb::SessionRequest> req;
-        Clock::time_point t0;
-        bool cancelled = false;
-        std::string session_id;
-        uint64_t epoch = 0;
-        std::function<void(pb::ReleaseSessionResponse)> release_done;
-        std::function<void(pb::CancelSessionResponse)> cancel_done;
-        std::unique_ptr<pb::SessionResponse> resp;  // down_reply
-        grpc::Status status;                        // down_end
-    };
+    struct Intake;  // frame_intake.cpp: one frame's fields and response header
 
-    void post_unless_stopped(Event ev);  // downstream events after stop() are dropped
+    // ---- scheduler.cpp: events, loop, session lifecycle ----
+    bool post(Event ev);  // false: stopped (the event was not queued)
     void loop();
     bool dispatch(std::deque<Event> & evs);  // false: stop
+    void on(ClosedEvent & ev);
+    void on(ReleaseEvent & ev);
+    void on(CancelEvent & ev);
+    void stop_now(const StopEvent & ev, std::deque<Event> & evs, size_t next);
     // sessions whose next DECODE row is likely to arrive soon: plain ones (a client round trip
     // away) and chained generating ones whose route runs on this host (a downstream compute away)
     struct Expected { uint32_t plain = 0, colocated_chain = 0; };
     Expected expected_decoders() const;
-    void handle_frame(Event & ev);
-    void handle_closed(Event & ev);
     // `internal`: the error answers server-side generation, not a queued frame (the stream
     // is not asked for its next frame and the queue count is untouched)
     void answer_error(StreamSink & sink, const pb::ResponseHeader & hdr, pb::ShardError err,
                       Clock::time_point t0, pb::CacheResult cache = pb::CACHE_RESULT_UNSPECIFIED,
                       bool internal = false);
-    void handle_down_reply(Event & ev);
-    void handle_down_end(Event & ev);
-    // sends a completed step's boundary rows to the session's downstream Shard
-    void forward(Session & s, const Work & w, pb::SessionResponse & r);
-    // server-side generation: whether this answer is held to go out with the next ones
-    // (GenerateParams.tokens_per_answer) rather than at once
-    static bool holds_answer(const Session & s, bool internal, bool finished);
-    // server-side generation: after answering `token`, queue the next DECODE row (or stop)
-    void continue_generation(Session & s, const pb::ResponseHeader & last, int32_t token, bool finished);
-    // "downstream HOST:PORT [A, B)": how errors of a chained session name the next Shard
-    static std::string down_label(const Session & s);
     // a client frame of the session is received and not answered yet
     bool has_unanswered_frame(const Session & s) const;
-    void run_batch();
-    void finish_work(Work & w, Session & s, int32_t row);
-    // drops the session's state; returns freed KV cells
-    uint64_t drop_session(const std::string & id, int tomb_kind);
+    // drops the session's state (queued work, KV, downstream link); returns freed KV cells
+    uint64_t drop_session(const std::string & id, EndKind kind);
     bool make_room(uint64_t cells, bool need_session, const std::string & requester);
     void sweep_ttl(Clock::time_point now);
-    void remember(const std::string & id, uint64_t epoch, int kind);
     void publish_gauges();
+
+    // ---- frame_intake.cpp: one frame ----
+    void on(FrameEvent & ev);
+    // session-state checks (epoch, tombstones, replays, step order, cache expectation);
+    // false: answered. *opening: the frame opens a (new epoch of the) session.
+    bool check_session_state(FrameEvent & ev, Intake & in, Session * s, bool * opening);
+    // PREFILL/DECODE input: token ids (head) or the boundary rows (assembled over frames);
+    // false: answered (or a partial step waits for its next fragment).
+    bool take_input(FrameEvent & ev, Intake & in, Session * s, bool opening, Work & w);
+    void phase_without_input(FrameEvent & ev, Intake & in, Session & s);
+
+    // ---- batch_runner.cpp: batches ----
+    void run_batch();
+    void fail_batch(std::vector<std::unique_ptr<Work>> & items, std::vector<Session *> & sess, BackendStatus st,
+                    const std::string & err);
+    // the answer of a completed step (tail: the sampled token; else the boundary rows)
+    pb::SessionResponse answer_of(Work & w, Session & s, int32_t first_row, int32_t last_row, int32_t * sampled,
+                                  bool * finished);
+
+    // ---- chain_link.cpp: chained routes ----
+    // checks StepFrame.downstream of an opening frame; an error when it is not a valid route
+    bundle::Result check_hops(const pb::StepFrame & sf) const;
+    void open_chain(Session & s, const pb::StepFrame & sf);
+    // sends a completed step's boundary rows to the session's downstream Shard
+    void forward(Session & s, const Work & w, pb::SessionResponse & r);
+    void on(DownReplyEvent & ev);
+    void on(DownEndEvent & ev);
+    // "downstream HOST:PORT [A, B)": how errors of a chained session name the next Shard
+    static std::string down_label(const Session & s);
+
+    // ---- generation.cpp: server-side generation ----
+    // whether this answer is held to go out with the next ones (GenerateParams.tokens_per_answer)
+    static bool holds_answer(const Session & s, bool internal, bool finished);
+    // after answering `token`, queue the next DECODE row (or stop)
+    void continue_generation(Session & s, const pb::ResponseHeader & last, int32_t token, bool finished);
 
     ModelBackend & backend_;
     Metrics & metrics_;
     SchedulerOptions opts_;
     const BackendInfo info_;
+    pb::GetCapabilityResponse cap_;  // after opts_ is final
     ChainPeers peers_;
 
     // inbox (guarded)
@@ -197,21 +180,14 @@ private:
     bool stopped_ = false;  // guarded by mu_: events are then answered inline
 
     // scheduler-thread state
-    std::unordered_map<std::string, std::unique_ptr<Session>> sessions_;
-    std::unordered_map<std::string, Tombstone> tombstones_;
-    std::deque<std::string> tomb_order_;
-    std::vector<int32_t> free_seqs_;
+    SessionTable table_;
     std::deque<std::unique_ptr<Work>> decode_q_;
     std::deque<std::unique_ptr<Work>> prefill_q_;
-    uint64_t kv_used_ = 0;      // positions held by all sessions
-    uint64_t kv_reserved_ = 0;  // cells reserved by queued steps
-    uint64_t next_generation_ = 1;
     double last_decode_s_ = 0.0;  // EWMA of decode-only batch calls
     Clock::time_point last_sweep_;
 
     std::atomic<uint32_t> active_{0};
     std::atomic<uint64_t> kv_used_pub_{0};
-    std::atomic<uint32_t> pending_pub_{0};
     std::thread thread_;
     bool started_ = false;
 };

@@ -3,10 +3,12 @@
 #include "common/identity.h"
 #include "version.h"
 #include "worker/fake_backend.h"
+#include "worker/kv_budget.h"
 #include "worker/llama_backend.h"
 #include "worker/metrics.h"
 #include "worker/scheduler.h"
 #include "worker/service.h"
+#include "worker/serve_options.h"
 
 #include "llama.h"
 
@@ -32,231 +34,10 @@
 
 namespace dgr::worker {
 
-namespace {
-
-struct ServeOptions {
-    bool fake = false;
-    std::string model;
-    bool has_layers = false;
-    uint32_t layer_start = 0, layer_end = 0;
-    uint32_t n_layer = 8, n_embd = 8, n_vocab = 320;  // fake model shape
-    uint32_t fake_delay_ms = 0;
-    std::string listen = "127.0.0.1:50151";
-    bool allow_remote = false;
-    bool kv_unified = false;
-    std::string tls_cert, tls_key, tls_client_ca;
-    int32_t threads = 0;
-    int32_t n_gpu_layers = -1;
-    uint32_t max_sessions = 16;
-    uint32_t ctx_per_session = 2048;
-    uint64_t kv_cells = 0;
-    double kv_budget_mb = 0;
-    double memory_budget_mb = 0;
-    uint32_t queue_limit = 64;
-    uint32_t max_batch_tokens = 512;
-    uint32_t max_prefill_chunk = 256;
-    uint64_t max_message_bytes = 64ull << 20;
-    double session_ttl_s = 600, evict_idle_s = 30, drain_timeout_s = 10;
-    std::string metrics_listen;
-    std::string fingerprint, artifact_id, recipe_json;
-    std::string chain_peers = "127.0.0.1,localhost,::1";
-    std::string chain_tls_ca;
-    uint32_t io_nice = 10;
-};
-
-void usage() {
-    std::printf(
-        "usage: dgr-worker serve (--fake-model | --model FILE) [options]\n"
-        "  --fake-model              deterministic arithmetic model (tests; no GGUF)\n"
-        "  --model FILE              GGUF file (whole model, or a slice with the range patches)\n"
-        "  --layers A:B              layer range served (default: all)\n"
-        "  --n-layer N --n-embd E --n-vocab V   fake model shape (default 8, 8, 320)\n"
-        "  --fake-delay-ms N         fake model: sleep N ms per decode call (tests)\n"
-        "  --listen HOST:PORT        default 127.0.0.1:50151; port 0 picks a free port\n"
-        "  --allow-remote            allow a non-loopback --listen without TLS\n"
-        "  --tls-cert F --tls-key F  serve TLS; --tls-client-ca F: require client certs (mTLS)\n"
-        "  --threads N               compute threads (llama.cpp)\n"
-        "  --n-gpu-layers N          layers offloaded to an accelerator (llama.cpp default: all)\n"
-        "  --max-sessions N          concurrent sessions (llama sequences), default 16\n"
-        "  --ctx-per-session N       most positions one session may hold, default 2048\n"
-        "  --kv-cells N              KV cells shared by all sessions (default max-sessions*ctx-per-session, capped 65536)\n"
-        "  --kv-budget-mb M          KV budget in MiB (converted to cells for the model)\n"
-        "  --memory-budget-mb M      everything the shard holds: weights + compute scratch + KV;\n"
-        "                            the KV cells are cut to what remains (refuses to start if nothing)\n"
-        "  --kv-unified              llama: one KV cell pool shared by all sessions (default: one\n"
-        "                            stream per session, kv cells / max sessions each, exact batching)\n"
-        "  --queue-limit K           frames received and not yet answered, default 64\n"
-        "  --max-batch-tokens N      rows per decode call, default 512\n"
-        "  --max-prefill-chunk N     rows per PREFILL step, default 256\n"
-        "  --max-message-bytes N     gRPC message limit, default 64 MiB\n"
-        "  --session-ttl-s S         evict sessions idle this long, default 600\n"
-        "  --evict-idle-s S          under pressure, LRU sessions idle this long may be evicted, default 30\n"
-        "  --drain-timeout-s S       SIGTERM: wait this long for sessions to end, default 10\n"
-        "  --metrics-listen HOST:PORT  Prometheus text on GET /metrics\n"
-        "  --fingerprint HEX --artifact-id HEX --recipe-json JSON  identity to serve (dgr.recipe;\n"
-        "                            default: computed from the file, common/identity.h)\n"
-        "  --chain-peers H1,H2       hosts a chained session may forward to (StepFrame.downstream);\n"
-        "                            '*' any; default 127.0.0.1,localhost,::1\n"
-        "  --io-nice N               nice value (0-19) of the gRPC and other non-compute threads, so that\n"
-        "                            they yield the cores to llama_decode; 0: off; default 10\n"
-        "  --chain-tls-ca F          verify downstream workers with this CA (TLS; the worker's\n"
-        "                            --tls-cert/--tls-key is presented as client identity)\n");
-}
-
-bool parse_u64(const char * s, uint64_t * out) {
-    char * end = nullptr;
-    errno = 0;
-    const unsigned long long v = std::strtoull(s, &end, 10);
-    if (errno || !end || *end || s[0] == '-') return false;
-    *out = v;
-    return true;
-}
-
-bool is_loopback(const std::string & listen) {
-    const size_t colon = listen.rfind(':');
-    std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
-    if (host.size() > 1 && host.front() == '[') host = host.substr(1, host.size() - 2);
-    return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
-}
-
-std::string read_file(const std::string & path, bool * ok) {
-    std::ifstream f(path, std::ios::binary);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    *ok = (bool) f;
-    return ss.str();
-}
-
-int parse(int argc, char ** argv, ServeOptions * o) {
-    for (int i = 0; i < argc; ++i) {
-        const std::string a = argv[i];
-        auto val = [&]() -> const char * {
-            if (i + 1 >= argc) {
-                std::fprintf(stderr, "dgr-worker: error: %s needs a value\n", a.c_str());
-                return nullptr;
-            }
-            return argv[++i];
-        };
-        auto num = [&](uint64_t * out) -> bool {
-            const char * v = val();
-            if (!v) return false;
-            if (!parse_u64(v, out)) {
-                std::fprintf(stderr, "dgr-worker: error: %s wants a non-negative integer, got '%s'\n", a.c_str(), v);
-                return false;
-            }
-            return true;
-        };
-        auto num32 = [&](uint32_t * out) -> bool {
-            uint64_t v;
-            if (!num(&v)) return false;
-            *out = (uint32_t) v;
-            return true;
-        };
-        auto dbl = [&](double * out) -> bool {
-            const char * v = val();
-            if (!v) return false;
-            char * end = nullptr;
-            *out = std::strtod(v, &end);
-            if (!end || *end || *out < 0) {
-                std::fprintf(stderr, "dgr-worker: error: %s wants a non-negative number\n", a.c_str());
-                return false;
-            }
-            return true;
-        };
-        auto str = [&](std::string * out) -> bool {
-            const char * v = val();
-            if (!v) return false;
-            *out = v;
-            return true;
-        };
-        bool ok = true;
-        uint64_t u = 0;
-        if (a == "--fake-model") o->fake = true;
-        else if (a == "--model") ok = str(&o->model);
-        else if (a == "--layers") {
-            std::string v;
-            ok = str(&v);
-            unsigned s = 0, e = 0;
-            if (ok && std::sscanf(v.c_str(), "%u:%u", &s, &e) == 2 && s < e) {
-                o->has_layers = true;
-                o->layer_start = s;
-                o->layer_end = e;
-            } else if (ok) {
-                std::fprintf(stderr, "dgr-worker: error: --layers wants A:B with A < B, got '%s'\n", v.c_str());
-                ok = false;
-            }
-        }
-        else if (a == "--n-layer") ok = num32(&o->n_layer);
-        else if (a == "--n-embd") ok = num32(&o->n_embd);
-        else if (a == "--n-vocab") ok = num32(&o->n_vocab);
-        else if (a == "--fake-delay-ms") ok = num32(&o->fake_delay_ms);
-        else if (a == "--listen") ok = str(&o->listen);
-        else if (a == "--allow-remote") o->allow_remote = true;
-        else if (a == "--kv-unified") o->kv_unified = true;
-        else if (a == "--tls-cert") ok = str(&o->tls_cert);
-        else if (a == "--tls-key") ok = str(&o->tls_key);
-        else if (a == "--tls-client-ca") ok = str(&o->tls_client_ca);
-        else if (a == "--threads") { ok = num(&u); o->threads = (int32_t) u; }
-        else if (a == "--n-gpu-layers") { ok = num(&u); o->n_gpu_layers = (int32_t) u; }
-        else if (a == "--max-sessions") ok = num32(&o->max_sessions);
-        else if (a == "--ctx-per-session") ok = num32(&o->ctx_per_session);
-        else if (a == "--kv-cells") ok = num(&o->kv_cells);
-        else if (a == "--kv-budget-mb") ok = dbl(&o->kv_budget_mb);
-        else if (a == "--memory-budget-mb") ok = dbl(&o->memory_budget_mb);
-        else if (a == "--queue-limit") ok = num32(&o->queue_limit);
-        else if (a == "--max-batch-tokens") ok = num32(&o->max_batch_tokens);
-        else if (a == "--max-prefill-chunk") ok = num32(&o->max_prefill_chunk);
-        else if (a == "--max-message-bytes") ok = num(&o->max_message_bytes);
-        else if (a == "--session-ttl-s") ok = dbl(&o->session_ttl_s);
-        else if (a == "--evict-idle-s") ok = dbl(&o->evict_idle_s);
-        else if (a == "--drain-timeout-s") ok = dbl(&o->drain_timeout_s);
-        else if (a == "--metrics-listen") ok = str(&o->metrics_listen);
-        else if (a == "--fingerprint") ok = str(&o->fingerprint);
-        else if (a == "--artifact-id") ok = str(&o->artifact_id);
-        else if (a == "--recipe-json") ok = str(&o->recipe_json);
-        else if (a == "--chain-peers") ok = str(&o->chain_peers);
-        else if (a == "--chain-tls-ca") ok = str(&o->chain_tls_ca);
-        else if (a == "--io-nice") { ok = num32(&o->io_nice); if (ok && o->io_nice > 19) { std::fprintf(stderr, "dgr-worker: error: --io-nice wants 0..19\n"); return 2; } }
-        else if (a == "--help" || a == "-h") { usage(); return 0; }
-        else {
-            std::fprintf(stderr, "dgr-worker: error: unknown serve option '%s'\n", a.c_str());
-            usage();
-            return 2;
-        }
-        if (!ok) return 2;
-    }
-    if (o->fake == !o->model.empty()) {
-        std::fprintf(stderr, "dgr-worker: error: give exactly one of --fake-model or --model FILE\n");
-        return 2;
-    }
-    if (o->max_sessions == 0 || o->max_sessions > 256 || o->queue_limit == 0 || o->max_batch_tokens == 0 ||
-        o->max_prefill_chunk == 0 || o->ctx_per_session == 0) {
-        std::fprintf(stderr, "dgr-worker: error: --max-sessions (1..256), --queue-limit, --max-batch-tokens, "
-                             "--max-prefill-chunk and --ctx-per-session must be positive\n");
-        return 2;
-    }
-    const bool tls = !o->tls_cert.empty() || !o->tls_key.empty();
-    if (tls && (o->tls_cert.empty() || o->tls_key.empty())) {
-        std::fprintf(stderr, "dgr-worker: error: TLS needs both --tls-cert and --tls-key\n");
-        return 2;
-    }
-    if (!o->tls_client_ca.empty() && !tls) {
-        std::fprintf(stderr, "dgr-worker: error: --tls-client-ca (mTLS) needs --tls-cert and --tls-key\n");
-        return 2;
-    }
-    if (!is_loopback(o->listen) && !tls && !o->allow_remote) {
-        std::fprintf(stderr, "dgr-worker: error: refusing to listen on non-loopback '%s' without TLS; "
-                             "give --tls-cert/--tls-key or --allow-remote\n", o->listen.c_str());
-        return 2;
-    }
-    return -1;
-}
-
-}  // namespace
 
 int serve_main(int argc, char ** argv) {
     ServeOptions o;
-    const int rc = parse(argc, argv, &o);
+    const int rc = parse_serve_options(argc, argv, &o);
     if (rc >= 0) return rc;
 
     // Signals are taken by one watcher thread (sigwait); block them before any thread starts.
@@ -266,7 +47,7 @@ int serve_main(int argc, char ** argv) {
     sigaddset(&sigs, SIGINT);
     pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
-    uint64_t kv_cells = o.kv_cells ? o.kv_cells : std::min<uint64_t>((uint64_t) o.max_sessions * o.ctx_per_session, 65536);
+    uint64_t kv_cells = o.kv_cells ? o.kv_cells : default_kv_cells(o.max_sessions, o.ctx_per_session);
     std::unique_ptr<ModelBackend> backend;
     std::string err;
     if (o.fake) {
@@ -280,11 +61,8 @@ int serve_main(int argc, char ** argv) {
         }
         f.n_embd = o.n_embd;
         f.n_vocab = o.n_vocab;
-        if (o.kv_budget_mb > 0 && !o.kv_cells) {
-            // fake KV: n_embd floats per owned layer per cell
-            const double cell = 4.0 * f.n_embd * (f.layer_end - f.layer_start);
-            kv_cells = (uint64_t) (o.kv_budget_mb * 1048576.0 / cell);
-        }
+        const uint64_t cell = fake_bytes_per_cell(f.n_embd, f.layer_start, f.layer_end);
+        if (o.kv_budget_mb > 0 && !o.kv_cells) kv_cells = cells_for_mib(o.kv_budget_mb, cell);
         f.kv_cells = (uint32_t) kv_cells;
         f.n_seq_max = o.max_sessions;
         f.max_batch_tokens = o.max_batch_tokens;
@@ -292,8 +70,7 @@ int serve_main(int argc, char ** argv) {
         backend = std::make_unique<FakeBackend>(f);
         const uint64_t budget = (uint64_t) (o.memory_budget_mb * 1048576.0);
         if (budget && backend->info().kv_bytes > budget) {
-            const double cell = 4.0 * f.n_embd * (f.layer_end - f.layer_start);
-            kv_cells = (uint64_t) ((double) budget / cell);
+            kv_cells = budget / cell;
             f.kv_cells = (uint32_t) kv_cells;
             backend = std::make_unique<FakeBackend>(f);
         }
@@ -325,14 +102,13 @@ int serve_main(int argc, char ** argv) {
                 std::fprintf(stderr, "dgr-worker: error: %s\n", err.c_str());
                 return 1;
             }
-            kv_cells = (uint64_t) (o.kv_budget_mb * 1048576.0 / (double) per_cell);
+            kv_cells = cells_for_mib(o.kv_budget_mb, per_cell);
         }
         if (!o.kv_unified) {
-            // one stream per session: every session gets the same share
-            uint64_t per = o.kv_cells || o.kv_budget_mb > 0 ? kv_cells / o.max_sessions : o.ctx_per_session;
-            per = (per + 255) / 256 * 256;  // llama.cpp pads each stream to 256 cells
-            o.ctx_per_session = (uint32_t) std::min<uint64_t>(o.ctx_per_session, per);
-            kv_cells = per * o.max_sessions;
+            const StreamShare share = per_session_streams(kv_cells, o.kv_cells || o.kv_budget_mb > 0, o.max_sessions,
+                                                          o.ctx_per_session);
+            o.ctx_per_session = share.ctx_per_session;
+            kv_cells = share.kv_cells;
         }
         LlamaBackendOptions l;
         l.kv_unified = o.kv_unified;
@@ -355,34 +131,28 @@ int serve_main(int argc, char ** argv) {
         const uint64_t budget = (uint64_t) (o.memory_budget_mb * 1048576.0);
         for (int round = 0; budget && round < 3; ++round) {
             const BackendInfo & in = backend->info();
-            const uint64_t fixed = in.weight_bytes + in.scratch_bytes;
             const double mib = 1.0 / 1048576.0;
-            if (fixed >= budget) {
+            const MemoryFit fit = fit_memory_budget(budget, in, o.kv_unified, o.max_sessions, o.ctx_per_session);
+            if (fit.outcome == MemoryFit::no_room) {
                 std::fprintf(stderr,
                              "dgr-worker: error: the weights (%.1f MiB) and compute scratch (%.1f MiB) of layers [%u, %u) "
                              "leave nothing of --memory-budget-mb %.1f for the KV cache\n",
                              in.weight_bytes * mib, in.scratch_bytes * mib, in.layer_start, in.layer_end, o.memory_budget_mb);
                 return 2;
             }
-            if (fixed + in.kv_bytes <= budget) break;
-            const uint64_t per_cell = std::max<uint64_t>(1, in.kv_bytes / std::max<uint64_t>(1, in.kv_cells));
-            uint64_t cells = (budget - fixed) / per_cell;
-            if (!o.kv_unified) {
-                const uint64_t per = cells / o.max_sessions / 256 * 256;  // llama.cpp: 256-cell streams
-                if (per == 0) {
-                    std::fprintf(stderr,
-                                 "dgr-worker: error: --memory-budget-mb %.1f leaves %.1f MiB for the KV cache: fewer than 256 "
-                                 "cells per session for %u sessions; lower --max-sessions or raise the budget\n",
-                                 o.memory_budget_mb, (budget - fixed) * mib, o.max_sessions);
-                    return 2;
-                }
-                o.ctx_per_session = (uint32_t) std::min<uint64_t>(o.ctx_per_session, per);
-                cells = per * o.max_sessions;
+            if (fit.outcome == MemoryFit::fits) break;
+            if (fit.outcome == MemoryFit::under_a_stream) {
+                std::fprintf(stderr,
+                             "dgr-worker: error: --memory-budget-mb %.1f leaves %.1f MiB for the KV cache: fewer than 256 "
+                             "cells per session for %u sessions; lower --max-sessions or raise the budget\n",
+                             o.memory_budget_mb, fit.left_bytes * mib, o.max_sessions);
+                return 2;
             }
+            o.ctx_per_session = fit.ctx_per_session;
             std::fprintf(stderr, "dgr-worker: memory budget %.1f MiB: weights %.1f + scratch %.1f MiB; KV cut to %llu cells\n",
-                         o.memory_budget_mb, in.weight_bytes * mib, in.scratch_bytes * mib, (unsigned long long) cells);
-            kv_cells = cells;
-            l.kv_cells = (uint32_t) cells;
+                         o.memory_budget_mb, in.weight_bytes * mib, in.scratch_bytes * mib, (unsigned long long) fit.kv_cells);
+            kv_cells = fit.kv_cells;
+            l.kv_cells = (uint32_t) fit.kv_cells;
             backend.reset();
             backend = LlamaBackend::create(l, &err);
             if (!backend) {
@@ -501,7 +271,7 @@ int serve_main(int argc, char ** argv) {
             server->Shutdown();
             return 2;
         }
-        if (!http.start(o.metrics_listen, [&service] { return service.prometheus_text(); }, &err)) {
+        if (!http.start(o.metrics_listen, [&service] { return service.prometheus_families(); }, &err)) {
             std::fprintf(stderr, "dgr-worker: error: %s\n", err.c_str());
             scheduler.stop(grpc::Status(grpc::StatusCode::UNAVAILABLE, "startup failed"));
             server->Shutdown();

@@ -322,37 +322,7 @@ grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> * ShardService:
 
 grpc::ServerUnaryReactor * ShardService::GetCapability(grpc::CallbackServerContext * ctx, const pb::GetCapabilityRequest *,
                                                        pb::GetCapabilityResponse * resp) {
-    const BackendInfo & in = backend_.info();
-    const SchedulerOptions & o = scheduler_.options();
-    resp->set_schema_version(pb::SCHEMA_VERSION_V1);
-    resp->set_min_schema_version(pb::SCHEMA_VERSION_V1);
-    auto * id = resp->mutable_identity();
-    id->set_artifact_id(in.artifact_id);
-    id->set_recipe_json(in.recipe_json);
-    id->set_compatibility_fingerprint(in.fingerprint);
-    id->mutable_range()->set_start(in.layer_start);
-    id->mutable_range()->set_end(in.layer_end);
-    id->set_n_layer(in.n_layer);
-    id->set_head(in.head);
-    id->set_tail(in.tail);
-    id->set_n_embd(in.n_embd);
-    id->set_n_vocab(in.n_vocab);
-    id->set_architecture(in.architecture);
-    auto * c = resp->mutable_capacity();
-    c->set_max_sessions(o.max_sessions);
-    c->set_kv_cells(o.kv_cells);
-    c->set_max_session_positions(o.max_session_positions);
-    c->set_max_batch_tokens(o.max_batch_tokens);
-    c->set_max_prefill_chunk_tokens(o.max_prefill_chunk_tokens);
-    c->set_max_message_bytes(o.max_message_bytes);
-    c->set_max_fragment_bytes(o.max_fragment_bytes);
-    c->add_compressions(pb::COMPRESSION_NONE);
-    c->set_server_generation(true);
-    c->set_chain_forwarding(true);
-    c->set_weight_bytes(in.weight_bytes);
-    c->set_kv_bytes(in.kv_bytes);
-    c->set_scratch_bytes(in.scratch_bytes);
-    c->set_memory_budget_bytes(o.memory_budget_bytes);
+    *resp = scheduler_.capability();
     auto * r = resp->mutable_runtime();
     r->set_dgr_version(rt_.dgr_version);
     r->set_llama_commit(rt_.llama_commit);
@@ -385,21 +355,20 @@ grpc::ServerUnaryReactor * ShardService::CancelSession(grpc::CallbackServerConte
     return reactor;
 }
 
-static std::vector<Sample> all_samples(const Metrics & m, const Scheduler & s) {
-    std::vector<Sample> v = m.samples(s.gauges());
-    return v;
+std::vector<prometheus::MetricFamily> ShardService::metric_families() const {
+    metrics_.rejected_queue = SessionReactor::rejected_queue_.load();
+    return metrics_.families(scheduler_.gauges());
 }
 
 grpc::ServerUnaryReactor * ShardService::GetMetrics(grpc::CallbackServerContext * ctx, const pb::GetMetricsRequest *,
                                                     pb::GetMetricsResponse * resp) {
-    metrics_.rejected_queue = SessionReactor::rejected_queue_.load();
     const Gauges g = scheduler_.gauges();
     auto * l = resp->mutable_load();
     l->set_active_sessions(g.active_sessions);
     l->set_kv_cells_used(g.kv_cells_used);
     l->set_kv_cells_total(g.kv_cells_total);
     l->set_queued_steps(g.queued_steps);
-    for (const auto & s : all_samples(metrics_, scheduler_)) {
+    for (const auto & s : Metrics::samples(metric_families())) {
         auto * ms = resp->add_samples();
         ms->set_name(s.name);
         for (const auto & kv : s.labels) (*ms->mutable_labels())[kv.first] = kv.second;
@@ -410,12 +379,18 @@ grpc::ServerUnaryReactor * ShardService::GetMetrics(grpc::CallbackServerContext 
     return reactor;
 }
 
-std::string ShardService::prometheus_text() const {
-    metrics_.rejected_queue = SessionReactor::rejected_queue_.load();
-    std::string text = Metrics::prometheus_text(all_samples(metrics_, scheduler_));
-    text += "# TYPE dgr_worker_info gauge\ndgr_worker_info{version=\"" + rt_.dgr_version + "\",backend=\"" + rt_.backend +
-            "\",llama_commit=\"" + rt_.llama_commit + "\"} 1\n";
-    return text;
+std::vector<prometheus::MetricFamily> ShardService::prometheus_families() const {
+    std::vector<prometheus::MetricFamily> f = metric_families();
+    prometheus::MetricFamily info;
+    info.name = "dgr_worker_info";
+    info.help = "Build of this worker (always 1).";
+    info.type = prometheus::MetricType::Gauge;
+    prometheus::ClientMetric m;
+    m.label = {{"backend", rt_.backend}, {"llama_commit", rt_.llama_commit}, {"version", rt_.dgr_version}};
+    m.gauge.value = 1;
+    info.metric.push_back(std::move(m));
+    f.push_back(std::move(info));
+    return f;
 }
 
 grpc::ServerUnaryReactor * ShardService::Tokenize(grpc::CallbackServerContext * ctx, const pb::TokenizeRequest * req,

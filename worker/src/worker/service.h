@@ -12,6 +12,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace dgr::worker {
 
@@ -40,11 +41,16 @@ public:
                                         pb::TokenizeResponse * resp) override;
     grpc::ServerUnaryReactor * Detokenize(grpc::CallbackServerContext * ctx, const pb::DetokenizeRequest * req,
                                           pb::DetokenizeResponse * resp) override;
+    grpc::ServerUnaryReactor * ApplyChatTemplate(grpc::CallbackServerContext * ctx,  // chat_template.cpp
+                                                 const pb::ApplyChatTemplateRequest * req,
+                                                 pb::ApplyChatTemplateResponse * resp) override;
 
     // Draining: unary RPCs that would add work answer UNAVAILABLE (sessions: see Scheduler).
     void set_draining() { draining_ = true; }
 
-    std::string prometheus_text() const;
+    // Every metric family; with dgr_worker_info{version,backend,llama_commit} for Prometheus.
+    std::vector<prometheus::MetricFamily> metric_families() const;
+    std::vector<prometheus::MetricFamily> prometheus_families() const;
 
 private:
     ModelBackend & backend_;

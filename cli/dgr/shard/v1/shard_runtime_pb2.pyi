@@ -627,3 +627,27 @@ class DetokenizeResponse(_message.Message):
     text: bytes
     pieces: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, text: _Optional[bytes] = ..., pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ApplyChatTemplateRequest(_message.Message):
+    __slots__ = ("messages", "add_assistant")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_ASSISTANT_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_assistant: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_assistant: _Optional[bool] = ...) -> None: ...
+
+class ApplyChatTemplateResponse(_message.Message):
+    __slots__ = ("text", "template_source")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    template_source: str
+    def __init__(self, text: _Optional[str] = ..., template_source: _Optional[str] = ...) -> None: ...

@@ -71,6 +71,11 @@ class ShardRuntimeServiceStub:
                 request_serializer=dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.ApplyChatTemplate = channel.unary_unary(
+                '/dgr.shard.v1.ShardRuntimeService/ApplyChatTemplate',
+                request_serializer=dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.ApplyChatTemplateRequest.SerializeToString,
+                response_deserializer=dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.ApplyChatTemplateResponse.FromString,
+                _registered_method=True)
 
 
 class ShardRuntimeServiceServicer:
@@ -133,6 +138,15 @@ class ShardRuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyChatTemplate(self, request, context):
+        """Chat messages -> prompt text with the model's own chat template (GGUF
+        tokenizer.chat_template, applied by llama.cpp's template engine). A model without a
+        template, or with one llama.cpp does not recognise, fails with ERROR_REASON_BAD_REQUEST.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardRuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +184,11 @@ def add_ShardRuntimeServiceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.DetokenizeRequest.FromString,
                     response_serializer=dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'ApplyChatTemplate': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyChatTemplate,
+                    request_deserializer=dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.ApplyChatTemplateRequest.FromString,
+                    response_serializer=dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.ApplyChatTemplateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -362,6 +381,33 @@ class ShardRuntimeService:
             '/dgr.shard.v1.ShardRuntimeService/Detokenize',
             dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.DetokenizeRequest.SerializeToString,
             dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyChatTemplate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dgr.shard.v1.ShardRuntimeService/ApplyChatTemplate',
+            dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.ApplyChatTemplateRequest.SerializeToString,
+            dgr_dot_shard_dot_v1_dot_shard__runtime__pb2.ApplyChatTemplateResponse.FromString,
             options,
             channel_credentials,
             insecure,

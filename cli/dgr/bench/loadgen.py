@@ -1,0 +1,239 @@
+"""An OpenAI-API load generator and a llama-server process, shared by ``dgr bench serve`` and
+``dgr demo`` (whose llama.cpp rows come from llama-server serving the same prompts).
+
+:func:`run_level` sends N streaming chat requests at once with the official ``openai`` async
+client and records, per request, the time to its first content chunk, each chunk's arrival and
+the token counts the server reports (``stream_options.include_usage``). :class:`LevelResult`
+derives the figures every lane reports the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from dgr.errors import DgrError
+
+START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class RequestResult:
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float                  # request sent -> first content
+    first_s: float                 # first content, since the level started
+    last_s: float                  # last content, since the level started
+    text: str = ""
+    error: str | None = None
+
+
+@dataclass
+class LevelResult:
+    lane: str
+    concurrency: int
+    requests: list[RequestResult]
+    wall_s: float
+    cpu_s: dict[str, float] = field(default_factory=dict)   # process name -> CPU seconds in this level
+    gateway_ttft_mean_s: float | None = None   # dgr serve lanes: TTFT as the gateway measured it
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.requests) and all(r.error is None for r in self.requests)
+
+    @property
+    def aggregate_decode_tok_s(self) -> float:
+        """Tokens after each request's first, over the window from the earliest first token to
+        the latest last token (the route report's definition)."""
+        ok = [r for r in self.requests if r.error is None]
+        if not ok:
+            return 0.0
+        n = sum(max(0, r.completion_tokens - 1) for r in ok)
+        window = max(r.last_s for r in ok) - min(r.first_s for r in ok)
+        return n / window if window > 0 else 0.0
+
+    @property
+    def ttft_p50_s(self) -> float:
+        ok = [r.ttft_s for r in self.requests if r.error is None]
+        return statistics.median(ok) if ok else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lane": self.lane, "concurrency": self.concurrency, "ok": self.ok, "wall_s": self.wall_s,
+                "aggregate_decode_tok_s": self.aggregate_decode_tok_s, "ttft_p50_s": self.ttft_p50_s,
+                "ttft_s": [r.ttft_s for r in self.requests],
+                "prompt_tokens": [r.prompt_tokens for r in self.requests],
+                "completion_tokens": [r.completion_tokens for r in self.requests],
+                "errors": [r.error for r in self.requests if r.error], "cpu_s": self.cpu_s,
+                "gateway_ttft_mean_s": self.gateway_ttft_mean_s}
+
+
+async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_tokens: int, api_key: str = "none",
+                    lane: str = "", timeout: float = 600.0, stop_at_eos: bool = False) -> LevelResult:
+    """All ``prompts`` at once, one streaming greedy chat request each, no prompt cache (every
+    server prefills afresh); unless ``stop_at_eos``, ``ignore_eos`` makes every answer
+    ``max_tokens`` long."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout)
+    t0 = time.perf_counter()
+
+    async def one(p: str) -> RequestResult:
+        sent = time.perf_counter()
+        first = last = None
+        usage = None
+        parts: list[str] = []
+        try:
+            stream = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": not stop_at_eos, "cache_prompt": False})
+            async for ch in stream:
+                if ch.usage is not None:
+                    usage = ch.usage
+                if ch.choices and ch.choices[0].delta.content:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    parts.append(ch.choices[0].delta.content)
+        except Exception as exc:  # noqa: BLE001 - recorded per request
+            return RequestResult(0, 0, 0.0, 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
+        if first is None:
+            return RequestResult(0, 0, 0.0, 0.0, 0.0, error="no content streamed")
+        return RequestResult(usage.prompt_tokens if usage else 0,
+                             usage.completion_tokens if usage else max_tokens,
+                             first - sent, first - t0, last - t0, "".join(parts))
+
+    try:
+        res = await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await client.close()
+    return LevelResult(lane, len(prompts), list(res), time.perf_counter() - t0)
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (and its reaped children), seconds."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+class LlamaServer:
+    """Stock ``llama-server`` at the pin on 127.0.0.1 (whole model, its OpenAI API)."""
+
+    def __init__(self, model: Path, *, threads: int, parallel: int, ctx_per_slot: int = 1024,
+                 backend: str = "cpu", port: int | None = None) -> None:
+        from dgr.upstream.build import tool_binary
+        from dgr.serve.server import free_port
+
+        self.exe = tool_binary("llama-server", backend)
+        self.port = port or free_port()
+        self.cmd = [str(self.exe), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
+                    "-c", str(parallel * ctx_per_slot), "-b", "512", "-ub", "512", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--no-webui"]
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.TemporaryFile("w+")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else 0
+
+    def start(self) -> "LlamaServer":
+        import httpx
+
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        end = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                self._log.seek(0)
+                raise DgrError(f"llama-server exited ({self.proc.returncode}): {self._log.read()[-400:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise DgrError(f"llama-server did not become ready within {START_TIMEOUT_S:.0f}s")
+
+    def peak_rss_bytes(self) -> int:
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> "LlamaServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def measure_llama_server(model: Path, prompts: Sequence[str], *, threads: int, max_tokens: int,
+                         sessions: Sequence[int] = (1, 4), backend: str = "cpu",
+                         kv_bytes_per_cell: int = 0) -> tuple[list[str], list[dict[str, Any]], int, float]:
+    """Stock llama-server (whole model, ``-np`` = the largest session count) answering the same
+    chat prompts, greedy, stopping at end-of-generation like a route session. Per session
+    count B: B=1 runs each prompt alone in turn (means), larger B sends B prompts at once.
+    Returns (command, rows, peak RSS bytes, wall seconds); each row has the demo table's
+    figures: sessions, ttft_s (mean), prefill_tok_s and decode_tok_s (aggregate),
+    per_session_decode_tok_s, kv_bytes (positions held at the end x bytes per cell)."""
+
+    async def level(url: str, ps: Sequence[str]) -> LevelResult:
+        return await run_level(url, "llama", ps, max_tokens=max_tokens, lane="llama_server", stop_at_eos=True)
+
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    with LlamaServer(model, threads=threads, parallel=max(sessions), backend=backend) as srv:
+        asyncio.run(level(srv.url + "/v1", list(prompts[:1])))     # warm-up
+        for b in sessions:
+            if b == 1:
+                runs = [asyncio.run(level(srv.url + "/v1", [p])) for p in prompts]
+            else:
+                runs = [asyncio.run(level(srv.url + "/v1", [prompts[i % len(prompts)] for i in range(b)]))]
+            reqs = [r for lv in runs for r in lv.requests]
+            bad = [r.error for r in reqs if r.error]
+            if bad:
+                raise DgrError(f"llama-server request failed: {bad[0]}")
+            ttft = statistics.mean(r.ttft_s for r in reqs)
+            dec = statistics.mean(lv.aggregate_decode_tok_s for lv in runs)
+            prefill = statistics.mean(sum(r.prompt_tokens for r in lv.requests) / max(r.ttft_s for r in lv.requests)
+                                      for lv in runs)
+            held = max(sum(r.prompt_tokens + r.completion_tokens for r in lv.requests) for lv in runs)
+            rows.append({"sessions": b, "ttft_s": ttft, "prefill_tok_s": prefill, "decode_tok_s": dec,
+                         "per_session_decode_tok_s": dec / b, "kv_bytes": held * kv_bytes_per_cell})
+        rss = srv.peak_rss_bytes()
+        cmd = srv.cmd
+    return cmd, rows, rss, time.perf_counter() - t0
+
+
+def level_json(levels: Sequence[LevelResult]) -> list[dict[str, Any]]:
+    return [lv.to_json() for lv in levels]
+
+
+__all__ = ["LevelResult", "LlamaServer", "RequestResult", "asdict", "level_json", "proc_cpu_s", "run_level"]

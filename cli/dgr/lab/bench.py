@@ -1,0 +1,408 @@
+"""`dgr bench route --hosts N`: a route over N simulated hosts (1 core, 1 thread each) against
+one such host, in one run (ratios measured side by side, each repeat kept).
+
+Per added round trip (default 0 and 10 ms, through the lab's link shaping), a lab of N hosts is
+brought up and torn down; in it, interleaved per repeat:
+
+- the route: one dgr-worker per shard on h1..hN (slice files, mTLS on every hop, chained mode:
+  the driver streams to the head only), 1 / 4 / 8 concurrent sessions of ``n_prompt`` synthetic
+  tokens then ``n_gen`` generated, and one ``long_prompt``-token prefill;
+- the whole model on one dgr-worker on h1 (same driver, same sessions);
+- stock llama.cpp on h1 at the same thread count (no network): ``llama-bench`` (pp n_prompt and
+  long_prompt, tg n_gen at depth n_prompt) and ``llama-batched-bench`` (B = each session count);
+  measured in the first lab (without added latency) and used as the one-host yardstick for both;
+- llama.cpp RPC (2 hosts): an ``rpc-server`` on h2 holding the second half of the layers and the
+  output, ``llama-bench``/``llama-batched-bench --rpc`` on h1 holding the first half (tools from
+  build/<backend>-rpc, ``dgr build --rpc``); skipped with the reason when not built.
+
+Where the time goes, per run: each stage's busy share (time inside llama_decode / wall), decode
+compute per batch and rows per batch, hand-off time per step (step time minus the stages'
+compute), mean queue wait, seam bytes per decode token per hop, and the link proxy's counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import shlex
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import DgrError
+
+SCHEMA = "dgr.bench.route_hosts/1"
+COUNTERS = ("dgr_decode_busy_seconds_total", "dgr_decode_only_busy_seconds_total", "dgr_decode_only_batches_total",
+            "dgr_decode_only_rows_total", "dgr_queue_wait_seconds_sum", "dgr_queue_wait_seconds_count")
+
+
+@dataclass(frozen=True)
+class HostsBenchConfig:
+    hosts: int = 2
+    split: tuple[tuple[int, int], ...] | None = None   # default: even over the hosts
+    n_prompt: int = 128
+    n_gen: int = 64
+    long_prompt: int = 512
+    sessions: tuple[int, ...] = (1, 4, 8)
+    rtts_ms: tuple[float, ...] = (0.0, 10.0)
+    repeats: int = 3
+    rpc: bool = True
+    backend: str = "cpu"
+    lab_name: str = "bench"
+
+
+def even_split(n_layer: int, hosts: int) -> list[tuple[int, int]]:
+    cuts = [round(i * n_layer / hosts) for i in range(hosts + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    x, out = seed * 2654435761 % (1 << 32), []
+    for _ in range(n):
+        x = (1103515245 * x + 12345) % (1 << 31)
+        out.append(200 + x % 29800)
+    return out
+
+
+def _counters(targets: list[str], creds: Any) -> list[dict[str, float]]:
+    from ..protocol.client import WorkerClient
+
+    out = []
+    for ep in targets:
+        with WorkerClient(ep, timeout=10, credentials=creds) as c:
+            s: dict[str, float] = {}
+            for m in c.metrics().samples:
+                if not m.labels or m.name.endswith(("_sum", "_count")):
+                    s[m.name] = s.get(m.name, 0.0) + m.value
+        out.append({k: s.get(k, 0.0) for k in COUNTERS})
+    return out
+
+
+def _where(before: list[dict[str, float]], after: list[dict[str, float]], wall: float,
+           decode_tok_s: float) -> dict[str, Any]:
+    """Per stage: busy share, decode compute per batch, rows per batch, queue wait; per step:
+    the stages' compute and the hand-offs (step time minus compute)."""
+    stages = []
+    for b, a in zip(before, after):
+        d = {k: a[k] - b[k] for k in COUNTERS}
+        n = d["dgr_decode_only_batches_total"]
+        stages.append({"busy_share": d["dgr_decode_busy_seconds_total"] / wall if wall > 0 else 0.0,
+                       "decode_compute_ms_per_batch": 1e3 * d["dgr_decode_only_busy_seconds_total"] / n if n else 0.0,
+                       "rows_per_batch": d["dgr_decode_only_rows_total"] / n if n else 0.0,
+                       "mean_queue_wait_ms": 1e3 * d["dgr_queue_wait_seconds_sum"] / d["dgr_queue_wait_seconds_count"]
+                       if d["dgr_queue_wait_seconds_count"] else 0.0})
+    rows = stages[0]["rows_per_batch"] if stages else 0.0
+    step_ms = 1e3 * rows / decode_tok_s if decode_tok_s > 0 and rows else 0.0
+    compute = sum(s["decode_compute_ms_per_batch"] for s in stages)
+    return {"stages": stages, "step_ms": step_ms, "compute_ms_per_step": compute,
+            "handoff_ms_per_step": step_ms - compute if step_ms else 0.0}
+
+
+def measure(endpoints: list[str], direct: list[str], tls: Any, *, n_prompt: int, n_gen: int, sessions: int,
+            seed: int) -> dict[str, Any]:
+    """One run: ``sessions`` concurrent sessions through ``endpoints`` (the route or one worker)."""
+    from ..route.driver import Sampling
+    from ..route.sessions import run_sessions
+
+    creds = tls.grpc_credentials()
+    prompts = [_prompt(n_prompt, seed + i) for i in range(sessions)]
+    m0 = _counters(direct, creds)
+    t0 = time.perf_counter()
+    rep = asyncio.run(run_sessions(endpoints, [""] * sessions, token_prompts=prompts, max_tokens=n_gen,
+                                   sampling=Sampling(ignore_eog=True), stop_on_eog=False, label="bench", tls=tls,
+                                   timeout=120.0))
+    wall = time.perf_counter() - t0
+    if not rep.ok:
+        raise DgrError("a benchmark session failed: " + "; ".join(s.error or "" for s in rep.sessions if s.error))
+    m1 = _counters(direct, creds)
+    s0 = rep.sessions[0]
+    decode = s0.decode_tok_s if sessions == 1 else (rep.concurrent_decode_tok_s or rep.aggregate_decode_tok_s)
+    return {"sessions": sessions, "mode": rep.mode, "n_prompt": n_prompt, "n_gen": n_gen,
+            "prefill_tok_s": s0.prefill_tok_s if sessions == 1 else rep.aggregate_prefill_tok_s,
+            "decode_tok_s": decode, "aggregate_decode_window_tok_s": rep.aggregate_decode_tok_s,
+            "ttft_s": rep.mean_ttft_s, "seam_bytes_per_decode_token": rep.seam_bytes_per_decode_token,
+            "wall_s": wall, "where": _where(m0, m1, wall, decode)}
+
+
+# ---- stock llama.cpp on one host -----------------------------------------------------------
+
+def _tool(name: str, backend: str, rpc: bool = False) -> Path:
+    from ..upstream.build import rpc_tool_binary, tool_binary
+
+    return rpc_tool_binary(name, backend, build_missing=False) if rpc else tool_binary(name, backend)
+
+
+def llama_bench(lab: Any, host: str, exe: Path, model: Path, *, threads: int, n_prompt: int, long_prompt: int,
+                n_gen: int, extra: list[str] = ()) -> dict[str, Any]:
+    base = [str(exe), "-m", str(model), "-t", str(threads), "-r", "1", "-o", "json", *extra]
+    cmds = [base + ["-p", f"{n_prompt},{long_prompt}", "-n", "0"], base + ["-p", "0", "-n", str(n_gen), "-d", str(n_prompt)]]
+    rows = []
+    for cmd in cmds:
+        p = lab.run(host, cmd)
+        if p.returncode != 0:
+            raise DgrError(f"llama-bench failed in {host}: {p.stderr.strip()[-300:]}")
+        rows.extend(json.loads(p.stdout))
+    pp = {r["n_prompt"]: r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0}
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
+    return {"command": " ; ".join(shlex.join(c) for c in cmds), "pp_tok_s": pp.get(n_prompt),
+            "pp_long_tok_s": pp.get(long_prompt), "tg_tok_s": tg}
+
+
+def batched_bench(lab: Any, host: str, exe: Path, model: Path, *, threads: int, n_prompt: int, n_gen: int,
+                  npl: tuple[int, ...], extra: list[str] = ()) -> dict[str, Any]:
+    ctx = max(2048, (n_prompt + n_gen) * max(npl) + 64)
+    cmd = [str(exe), "-m", str(model), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(n_prompt),
+           "-ntg", str(n_gen), "-npl", ",".join(map(str, npl)), "-t", str(threads), "--output-format", "jsonl", *extra]
+    p = lab.run(host, cmd)
+    if p.returncode != 0:
+        raise DgrError(f"llama-batched-bench failed in {host}: {p.stderr.strip()[-300:]}")
+    rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    return {"command": shlex.join(cmd), "by_batch": {str(r["pl"]): {"pp_tok_s": r["speed_pp"], "tg_tok_s": r["speed_tg"]}
+                                                     for r in rows}}
+
+
+class RpcServer:
+    """llama.cpp's rpc-server in a lab host (CPU device only), reachable through the lab's link."""
+
+    def __init__(self, lab: Any, host: str, backend: str, threads: int) -> None:
+        self.lab, self.host, self.threads = lab, host, threads
+        self.exe = _tool("rpc-server", backend, rpc=True)
+        self.proc = None
+        self.endpoint = ""
+
+    def __enter__(self) -> "RpcServer":
+        import socket
+
+        h = self.lab.host(self.host)
+        port = 50052
+        self.proc = self.lab.spawn(h, [str(self.exe), "-H", h.ip, "-p", str(port), "-t", str(self.threads),
+                                       "-d", "CPU"], log_name="rpc-server")
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise DgrError(f"rpc-server in {self.host} exited ({self.proc.returncode})")
+            try:
+                with socket.create_connection((h.ip, port), timeout=0.5):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise DgrError(f"rpc-server in {self.host} did not accept connections within 60 s")
+        self.endpoint = self.lab.expose(h, port)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from . import system as sx
+
+        if self.proc is not None:
+            sx.stop_pids([self.proc.pid])
+            self.proc.wait(5)
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+def _med(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else 0.0
+
+
+def run_hosts_bench(model: Path, cfg: HostsBenchConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    from ..gguf.inspect import open_gguf
+    from .hosts import Lab, LabConfig
+    from .route import LabRoute
+
+    say = progress or (lambda _m: None)
+    if cfg.hosts < 2:
+        raise DgrError("--hosts must be >= 2 for a route across hosts")
+    with open_gguf(model) as gf:
+        n_layer, n_embd = int(gf.n_layer), int(gf.hparam("embedding_length"))
+    split = list(cfg.split) if cfg.split else even_split(n_layer, cfg.hosts)
+    if len(split) != cfg.hosts or split[-1][1] != n_layer:
+        raise DgrError(f"the split needs {cfg.hosts} shards ending at layer {n_layer}")
+    lb_exe, bb_exe = _tool("llama-bench", cfg.backend), _tool("llama-batched-bench", cfg.backend)
+    rpc_reason = None
+    if cfg.rpc and cfg.hosts != 2:
+        rpc_reason = "the llama.cpp RPC yardstick is measured for 2 hosts"
+    elif cfg.rpc:
+        try:
+            rpc_exes = {n: _tool(n, cfg.backend, rpc=True) for n in ("rpc-server", "llama-bench", "llama-batched-bench")}
+        except DgrError as exc:
+            rpc_reason = f"llama.cpp RPC tools not built ({exc.one_line()}); run `dgr build --rpc`"
+    else:
+        rpc_reason = "--no-rpc"
+    multi = tuple(c for c in cfg.sessions if c > 1)
+    max_s = max(cfg.sessions)
+    ctx = max(cfg.n_prompt + cfg.n_gen, cfg.long_prompt + 8) + 16
+    doc: dict[str, Any] = {
+        "schema": SCHEMA, "model": str(model), "model_bytes": model.stat().st_size, "n_layer": n_layer,
+        "n_embd": n_embd, "hosts": cfg.hosts, "split": [f"{a}:{b}" for a, b in split], "threads_per_host": 1,
+        "cores_per_host": 1, "n_prompt": cfg.n_prompt, "n_gen": cfg.n_gen, "long_prompt": cfg.long_prompt,
+        "sessions": list(cfg.sessions), "repeats": cfg.repeats, "rtts_ms": list(cfg.rtts_ms),
+        "machine": {"arch": platform.machine(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
+        "seam_bytes_limit": 2 * n_embd * 4 + 256, "by_rtt": {}, "one_host": {"llama_bench": [], "batched_bench": []},
+        "rpc_skipped": rpc_reason,
+    }
+    for rtt in cfg.rtts_ms:
+        key = f"{rtt:g}"
+        res: dict[str, Any] = {"route": {str(c): [] for c in cfg.sessions}, "whole_worker": {str(c): [] for c in cfg.sessions},
+                               "route_long_prefill": [], "whole_long_prefill": [], "rpc": []}
+        lcfg = LabConfig(hosts=cfg.hosts, name=cfg.lab_name, cores_per_host=1, threads=1, rtt_ms=rtt)
+        say(f"lab: {cfg.hosts} hosts, 1 core/1 thread each, added RTT {rtt:g} ms")
+        with Lab.up(lcfg, log=say) as lab:
+            res["lab"] = {k: lab.state[k] for k in ("subnet", "gateway", "shaping", "cgroup_mode", "hosts")}
+            route = LabRoute(lab, model, split, slices=True, memory_budget=False, max_sessions=max_s,
+                             ctx_per_session=ctx, backend=cfg.backend, log=say)
+            whole = LabRoute(lab, model, [(0, n_layer)], placement=["h1"], slices=False, memory_budget=False,
+                             max_sessions=max_s, ctx_per_session=ctx, backend=cfg.backend, log=say)
+            with route, whole:
+                res["route_placement"], res["whole_placement"] = route.describe(), whole.describe()
+                rd, wd = [p.direct for p in route.placed], [p.direct for p in whole.placed]
+                tls = route.tls
+                measure(route.endpoints, rd, tls, n_prompt=16, n_gen=4, sessions=1, seed=999)    # warm-up
+                measure(whole.endpoints, wd, tls, n_prompt=16, n_gen=4, sessions=1, seed=999)
+                rpc_srv = RpcServer(lab, "h2", cfg.backend, 1) if rpc_reason is None else None
+                if rpc_srv:
+                    rpc_srv.__enter__()
+                try:
+                    for rep in range(cfg.repeats):
+                        if rtt == cfg.rtts_ms[0]:
+                            say(f"[rtt {key} ms] repeat {rep + 1}/{cfg.repeats}: llama-bench, llama-batched-bench on h1")
+                            doc["one_host"]["llama_bench"].append(llama_bench(
+                                lab, "h1", lb_exe, model, threads=1, n_prompt=cfg.n_prompt,
+                                long_prompt=cfg.long_prompt, n_gen=cfg.n_gen))
+                            doc["one_host"]["batched_bench"].append(batched_bench(
+                                lab, "h1", bb_exe, model, threads=1, n_prompt=cfg.n_prompt, n_gen=cfg.n_gen,
+                                npl=multi))
+                        for c in cfg.sessions:
+                            say(f"[rtt {key} ms] repeat {rep + 1}/{cfg.repeats}: {c} session(s): route, whole worker")
+                            res["route"][str(c)].append(measure(route.endpoints, rd, tls, n_prompt=cfg.n_prompt,
+                                                                n_gen=cfg.n_gen, sessions=c, seed=rep * 100))
+                            res["whole_worker"][str(c)].append(measure(whole.endpoints, wd, tls, n_prompt=cfg.n_prompt,
+                                                                       n_gen=cfg.n_gen, sessions=c, seed=rep * 100))
+                        say(f"[rtt {key} ms] repeat {rep + 1}/{cfg.repeats}: {cfg.long_prompt}-token prefill")
+                        res["route_long_prefill"].append(measure(route.endpoints, rd, tls, n_prompt=cfg.long_prompt,
+                                                                 n_gen=2, sessions=1, seed=7 + rep))
+                        res["whole_long_prefill"].append(measure(whole.endpoints, wd, tls, n_prompt=cfg.long_prompt,
+                                                                 n_gen=2, sessions=1, seed=7 + rep))
+                        if rpc_srv:
+                            say(f"[rtt {key} ms] repeat {rep + 1}/{cfg.repeats}: llama.cpp RPC (h1 + rpc-server on h2)")
+                            ngl = str(n_layer - split[1][0] + 1)
+                            extra = ["--rpc", rpc_srv.endpoint, "-ngl", ngl]
+                            res["rpc"].append({
+                                "llama_bench": llama_bench(lab, "h1", rpc_exes["llama-bench"], model, threads=1,
+                                                           n_prompt=cfg.n_prompt, long_prompt=cfg.long_prompt,
+                                                           n_gen=cfg.n_gen, extra=extra),
+                                "batched_bench": batched_bench(lab, "h1", rpc_exes["llama-batched-bench"], model,
+                                                               threads=1, n_prompt=cfg.n_prompt, n_gen=cfg.n_gen,
+                                                               npl=multi, extra=extra)})
+                finally:
+                    if rpc_srv:
+                        rpc_srv.__exit__()
+                res["proxies"] = lab.proxy_stats()
+        doc["by_rtt"][key] = res
+    doc["machine"]["load_avg_end"] = os.getloadavg()
+    doc["targets"] = targets(doc)
+    return doc
+
+
+# ---- targets (issue: 2 hosts x 1 core) -------------------------------------------------------
+
+def _pair(a: list[float], b: list[float]) -> list[float]:
+    return [x / y for x, y in zip(a, b) if y]
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target: the ratio per repeat (paired in time), its median, the least passing value,
+    met or missed."""
+    out: list[dict[str, Any]] = []
+    lb, bb = doc["one_host"]["llama_bench"], doc["one_host"]["batched_bench"]
+    r0 = doc["by_rtt"].get("0")
+    r10 = doc["by_rtt"].get("10")
+
+    def add(name: str, per_repeat: list[float], least: float, note: str = "") -> None:
+        out.append({"target": name, "per_repeat": per_repeat, "median": _med(per_repeat), "least": least,
+                    "met": bool(per_repeat) and _med(per_repeat) >= least, "note": note})
+
+    def dec(res: dict[str, Any], c: int, kind: str = "route") -> list[float]:
+        return [r["decode_tok_s"] for r in res[kind].get(str(c), [])]
+
+    def bbv(c: int, runs: list[dict[str, Any]] = bb) -> list[float]:
+        return [b["by_batch"].get(str(c), {}).get("tg_tok_s", 0.0) for b in runs]
+
+    if r0:
+        add("8 sessions, no added latency: route aggregate decode >= 1.6x llama-batched-bench B=8 on one host",
+            _pair(dec(r0, 8), bbv(8)), 1.6)
+        add("4 sessions, no added latency: route aggregate decode >= 1.4x llama-batched-bench B=4 on one host",
+            _pair(dec(r0, 4), bbv(4)), 1.4)
+        add("1 session, no added latency: route decode >= 0.97x llama-bench tg on one host",
+            _pair(dec(r0, 1), [x["tg_tok_s"] for x in lb]), 0.97)
+        add(f"prefill of a {doc['long_prompt']}-token prompt on {doc['hosts']} hosts >= 1.5x one host (llama-bench pp)",
+            _pair([r["prefill_tok_s"] for r in r0["route_long_prefill"]], [x["pp_long_tok_s"] for x in lb]), 1.5)
+    if r10:
+        bound = [1.0 / (1.0 / x["tg_tok_s"] + 0.010) for x in lb]
+        add("10 ms RTT: 1-session decode >= 0.9x 1/(t_compute + RTT)", _pair(dec(r10, 1), bound), 0.9,
+            "t_compute = 1 / llama-bench tg on one host")
+        add("10 ms RTT: 8-session aggregate decode >= 1.3x one host (llama-batched-bench B=8)",
+            _pair(dec(r10, 8), bbv(8)), 1.3)
+    for key, res in (("0", r0), ("10", r10)):
+        if not res or not res["rpc"]:
+            continue
+        rpc_bb = [x["batched_bench"] for x in res["rpc"]]
+        rpc_tg = [x["llama_bench"]["tg_tok_s"] for x in res["rpc"]]
+        add(f"{key} ms added RTT: 8 sessions >= 1.5x llama.cpp RPC aggregate (llama-batched-bench --rpc B=8)",
+            _pair(dec(res, 8), bbv(8, rpc_bb)), 1.5)
+        add(f"{key} ms added RTT: 1 session >= {'0.97' if key == '0' else '1.0'}x llama.cpp RPC (llama-bench --rpc tg)",
+            _pair(dec(res, 1), rpc_tg), 0.97 if key == "0" else 1.0)
+    if r0:
+        seam = [r["seam_bytes_per_decode_token"] for r in r0["route"].get("1", [])]
+        out.append({"target": "seam bytes per decode token per hop <= 2*n_embd*4 + 256", "per_repeat": seam,
+                    "median": _med(seam), "least": None, "limit": doc["seam_bytes_limit"],
+                    "met": bool(seam) and all(0 < s <= doc["seam_bytes_limit"] for s in seam), "note": ""})
+    return out
+
+
+def summary(doc: dict[str, Any]) -> str:
+    lines = [f"model {Path(doc['model']).name}, {doc['hosts']} hosts x 1 core/1 thread, split {','.join(doc['split'])}, "
+             f"pp{doc['n_prompt']} tg{doc['n_gen']}, {doc['repeats']} repeats (medians; every repeat in the JSON)"]
+    lb, bb = doc["one_host"]["llama_bench"], doc["one_host"]["batched_bench"]
+    if lb:
+        lines.append(f"one host: llama-bench pp{doc['n_prompt']} {_med([x['pp_tok_s'] for x in lb]):.1f}, "
+                     f"pp{doc['long_prompt']} {_med([x['pp_long_tok_s'] for x in lb]):.1f}, "
+                     f"tg{doc['n_gen']} {_med([x['tg_tok_s'] for x in lb]):.1f} tok/s; llama-batched-bench "
+                     + ", ".join(f"B={k} {_med([b['by_batch'][k]['tg_tok_s'] for b in bb]):.1f}" for k in bb[0]["by_batch"]))
+    for key, res in doc["by_rtt"].items():
+        lines.append(f"added RTT {key} ms ({res['lab']['shaping']['delay_mechanism']}):")
+        for kind in ("route", "whole_worker"):
+            parts = []
+            for c, runs in res[kind].items():
+                w = runs[0]["where"] if runs else {}
+                parts.append(f"{c}s {_med([r['decode_tok_s'] for r in runs]):.1f}")
+            lines.append(f"  {kind.replace('_', ' ')} decode tok/s: " + ", ".join(parts))
+        for c, runs in res["route"].items():
+            ws = [r["where"] for r in runs]
+            if not ws or not ws[0]["stages"]:
+                continue
+            n = len(ws[0]["stages"])
+            lines.append(f"  route {c} session(s): busy share " + "/".join(
+                f"{_med([w['stages'][i]['busy_share'] for w in ws]):.2f}" for i in range(n))
+                + f", step {_med([w['step_ms'] for w in ws]):.2f} ms = compute "
+                + " + ".join(f"{_med([w['stages'][i]['decode_compute_ms_per_batch'] for w in ws]):.2f}" for i in range(n))
+                + f" + hand-offs {_med([w['handoff_ms_per_step'] for w in ws]):.2f} ms, queue "
+                + "/".join(f"{_med([w['stages'][i]['mean_queue_wait_ms'] for w in ws]):.2f}" for i in range(n)) + " ms")
+        lines.append(f"  {doc['long_prompt']}-token prefill tok/s: route "
+                     f"{_med([r['prefill_tok_s'] for r in res['route_long_prefill']]):.1f}, whole worker "
+                     f"{_med([r['prefill_tok_s'] for r in res['whole_long_prefill']]):.1f}")
+        if res["rpc"]:
+            lines.append("  llama.cpp RPC: tg " + f"{_med([x['llama_bench']['tg_tok_s'] for x in res['rpc']]):.1f}, "
+                         + ", ".join(f"B={k} {_med([x['batched_bench']['by_batch'][k]['tg_tok_s'] for x in res['rpc']]):.1f}"
+                                     for k in res["rpc"][0]["batched_bench"]["by_batch"]))
+    if doc.get("rpc_skipped"):
+        lines.append(f"llama.cpp RPC: not measured ({doc['rpc_skipped']})")
+    for t in doc["targets"]:
+        lines.append(f"{'MET ' if t['met'] else 'MISS'} {t['target']}: median {t['median']:.2f} (repeats "
+                     + " / ".join(f"{x:.2f}" for x in t["per_repeat"]) + ")")
+    return "\n".join(lines)

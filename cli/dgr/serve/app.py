@@ -1,0 +1,288 @@
+"""The HTTP application: OpenAI-compatible endpoints, the console, health and metrics.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(streaming as server-sent events, or one JSON answer), ``GET /health``, ``GET /metrics``
+(Prometheus text), ``GET /`` (the console) and ``GET /api/route`` (the route view it polls).
+Errors have OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+FastAPI (on Starlette) gives request validation from typed models and streaming responses;
+uvicorn serves it (:mod:`dgr.serve.server`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from importlib import resources
+from typing import Any, AsyncIterator, Literal, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
+from pydantic import BaseModel, ConfigDict, Field
+
+from .engine import Engine, GatewayError, Generation, Params
+from .metrics import GatewayMetrics
+from .routeview import RouteView
+
+MAX_STOP = 4
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="allow")   # unknown OpenAI fields are accepted and ignored
+
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    n: Optional[int] = Field(None, ge=1, le=1)
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None
+    ignore_eos: bool = False       # llama-server's extension: generate through end-of-generation tokens
+
+    def params(self) -> Params:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP:
+            raise GatewayError(400, f"at most {MAX_STOP} stop sequences, got {len(stop)}", param="stop")
+        return Params(max_tokens=self.max_completion_tokens or self.max_tokens,
+                      temperature=1.0 if self.temperature is None else self.temperature,
+                      top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=stop,
+                      ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text":
+                raise GatewayError(400, f"content part type {p.get('type')!r} is not supported (text only)",
+                                   param="messages")
+            parts.append(str(p.get("text", "")))
+        return "".join(parts)
+
+
+class ChatRequest(_Req):
+    messages: list[_Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Req):
+    prompt: Union[str, list[str], list[int]]
+    echo: bool = False
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is always closed when the response ends, also when
+    the client disconnected (closing it cancels the request's route session)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError):
+            pass
+        finally:
+            await self.body_iterator.aclose()   # type: ignore[attr-defined]
+
+
+def _error(exc: GatewayError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}},
+                        status_code=exc.status, headers=headers)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteView | None = None) -> FastAPI:
+    """The gateway application over a connected :class:`Engine`."""
+    app = FastAPI(title="dgr gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = GatewayMetrics(engine)
+    view = route_view or RouteView(engine.driver)
+    app.state.engine, app.state.metrics, app.state.view = engine, metrics, view
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_req: Request, exc: GatewayError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        e = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        return _error(GatewayError(400, f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid request')}",
+                                   param=loc[0] if loc else None, code="invalid_value"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Any:
+        if api_key and request.url.path.startswith(("/v1/", "/api/")):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return _error(GatewayError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                           kind="invalid_request_error", code="invalid_api_key"))
+        return await call_next(request)
+
+    def check_model(name: str) -> None:
+        if name != engine.model_id:
+            raise GatewayError(404, f"the model {name!r} does not exist; this gateway serves {engine.model_id!r}",
+                               code="model_not_found", param="model")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": engine.model_id, "shards": len(engine.driver.shards),
+                "running": engine.admission.running, "queued": engine.admission.waiting}
+
+    @app.get("/metrics")
+    async def prom() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": engine.created,
+                                            "owned_by": "dgr"}]}
+
+    @app.get("/api/route")
+    async def route() -> dict[str, Any]:
+        return await view.snapshot(engine)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def console() -> HTMLResponse:
+        html = resources.files("dgr.serve").joinpath("static/console.html").read_text(encoding="utf-8")
+        return HTMLResponse(html)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request) -> Any:
+        check_model(req.model)
+        params = req.params()
+        ids = await engine.chat_prompt([(m.role if m.role != "developer" else "system", m.text())
+                                        for m in req.messages])
+        gen = engine.generation(ids, params)
+        return await _respond(request, gen, req, chat=True)
+
+    @app.post("/v1/completions")
+    async def complete(req: CompletionRequest, request: Request) -> Any:
+        check_model(req.model)
+        params = req.params()
+        p = req.prompt
+        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            ids = [int(x) for x in p]
+        elif isinstance(p, list):
+            if len(p) != 1:
+                raise GatewayError(400, "one prompt per request (a list of several prompts is not supported)",
+                                   param="prompt")
+            ids = await engine.tokenize(str(p[0]))
+        else:
+            ids = await engine.tokenize(p)
+        if not ids:
+            raise GatewayError(400, "the prompt is empty", param="prompt")
+        gen = engine.generation(ids, params)
+        return await _respond(request, gen, req, chat=False, echo=p if req.echo and isinstance(p, str) else "")
+
+    async def _respond(request: Request, gen: Generation, req: _Req, *, chat: bool, echo: str = "") -> Any:
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        metrics.started()
+        if req.stream:
+            it = gen.deltas()
+            try:   # the first delta before answering 200: admission and prompt errors stay HTTP errors
+                first = await it.__anext__()
+            except StopAsyncIteration:
+                first = None
+            except GatewayError as exc:
+                metrics.finished(gen, exc.status)
+                raise
+            return _EventStream(_stream(it, first, gen, rid, created, obj + ".chunk" if chat else obj, chat,
+                                             req.include_usage, echo),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        collect = asyncio.ensure_future(gen.collect())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not collect.done():   # the client went away: cancel its session
+            collect.cancel()
+            try:
+                await collect
+            except BaseException:  # noqa: BLE001
+                pass
+            metrics.finished(gen, 499)
+            return PlainTextResponse("", status_code=499)
+        try:
+            text = collect.result()
+        except GatewayError as exc:
+            metrics.finished(gen, exc.status)
+            raise
+        metrics.finished(gen, 200)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = echo + text
+        return {"id": rid, "object": obj, "created": created, "model": engine.model_id,
+                "choices": [choice], "usage": gen.usage.to_json()}
+
+    async def _stream(it: AsyncIterator[Any], first: Any, gen: Generation, rid: str, created: int, obj: str,
+                      chat: bool, include_usage: bool, echo: str) -> AsyncIterator[bytes]:
+        status = 499   # unless it completes
+        try:
+            def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+                c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+                if chat:
+                    c["delta"] = ({"role": "assistant", "content": text or ""} if role else
+                                  ({"content": text} if text else {}))
+                else:
+                    c["text"] = text or ""
+                out = {"id": rid, "object": obj, "created": created, "model": engine.model_id, "choices": [c]}
+                if include_usage:
+                    out["usage"] = None
+                return out
+
+            if chat:
+                yield _sse(chunk("", None, role=True))
+            elif echo:
+                yield _sse(chunk(echo, None))
+            d = first
+            while d is not None:
+                if d.text or d.finish_reason:
+                    yield _sse(chunk(d.text, d.finish_reason))
+                try:
+                    d = await it.__anext__()
+                except StopAsyncIteration:
+                    d = None
+            if include_usage:
+                yield _sse({"id": rid, "object": obj, "created": created, "model": engine.model_id, "choices": [],
+                            "usage": gen.usage.to_json()})
+            yield b"data: [DONE]\n\n"
+            status = 200
+        except GatewayError as exc:   # after the 200: the error travels as an event
+            status = exc.status
+            yield _sse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}})
+        finally:
+            await it.aclose()
+            metrics.finished(gen, status)
+
+    return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client of a (fully read) request disconnects."""
+    while True:
+        msg = await request.receive()
+        if msg.get("type") == "http.disconnect":
+            return

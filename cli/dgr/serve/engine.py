@@ -1,0 +1,320 @@
+"""One route session per HTTP request: prompt formatting, admission, incremental text.
+
+The :class:`Engine` owns a connected route driver. A request becomes a :class:`Generation`:
+its prompt is formatted with the model's own chat template (the head worker's
+``ApplyChatTemplate``) and tokenized by the head; the driver runs the session (many sessions
+share the workers' batches); each sampled token's piece is looked up once per token id
+(``Detokenize`` with ``include_pieces``, cached) and decoded incrementally (a UTF-8 sequence
+split across tokens waits for its last byte). Stop strings are matched on the text; text that
+might start a stop string is held back until it cannot. Closing a generation early (client gone,
+stop string hit) cancels its session on every shard, which frees its KV.
+
+No HTTP here: :mod:`dgr.serve.app` maps :class:`GatewayError` to OpenAI-shaped responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+import grpc
+
+from dgr.errors import DgrError
+
+from dgr.route.driver import RouteDriver, RouteSessionError, Sampling
+from dgr.route.text import PieceCache, TextDecoder, chat_prompt_text
+
+CANCEL_WAIT_S = 5.0          # a cancelled session's generate() returns well within this
+RETRY_AFTER_S = 1            # Retry-After of an over-capacity answer
+
+
+class GatewayError(DgrError):
+    """A request the gateway answers with an error (``status``: HTTP status; ``kind``/``code``:
+    the OpenAI error type and code)."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.retry_after = retry_after
+
+
+@dataclass
+class Params:
+    """What one request asks of a generation (already validated)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def sampling(self) -> Sampling:
+        if self.temperature <= 0:
+            return Sampling(ignore_eog=self.ignore_eos)
+        seed = self.seed if self.seed is not None else random.randrange(1, 2**31)
+        return Sampling(temperature=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, seed=seed,
+                        ignore_eog=self.ignore_eos)
+
+
+@dataclass
+class Delta:
+    """New text of a generation (``text`` may be empty on the final delta)."""
+
+    text: str
+    finish_reason: str | None = None   # set on the last delta: "stop" or "length"
+
+
+class Admission:
+    """At most ``slots`` sessions run; up to ``queue`` more wait (first come, first served);
+    beyond that a request is refused with 429. Release never awaits, so a cancelled request
+    cannot leak its slot."""
+
+    def __init__(self, slots: int, queue: int) -> None:
+        self.slots, self.queue = slots, queue
+        self.running = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for f in self._waiters if not f.done())
+
+    async def acquire(self) -> None:
+        if self.running < self.slots and not self.waiting:
+            self.running += 1
+            return
+        if self.waiting >= self.queue:
+            raise GatewayError(429, f"over capacity: {self.running} requests running, {self.waiting} queued "
+                               f"(limits {self.slots} and {self.queue}); retry later",
+                               kind="rate_limit_exceeded", code="over_capacity", retry_after=RETRY_AFTER_S)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut          # release() hands its slot over (running stays counted)
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()
+            else:
+                self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.running -= 1
+
+
+class _TextStream:
+    """Token pieces -> text, with stop strings held back until they cannot match."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.decoder = TextDecoder()
+        self.pending = ""        # decoded, not yet sent (may start a stop string)
+        self.text = ""           # sent so far
+        self.stopped = False
+
+    def push(self, data: bytes, final: bool = False) -> str:
+        """Adds bytes; returns the text that can be sent now."""
+        if self.stopped:
+            return ""
+        self.pending += self.decoder.push(data, final)
+        if self.stop:
+            hit = min(((i, s) for s in self.stop if (i := self.pending.find(s)) >= 0), default=None)
+            if hit is not None:
+                out = self.pending[:hit[0]]
+                self.pending, self.stopped = "", True
+                self.text += out
+                return out
+            if not final:
+                # keep the longest tail that is a prefix of some stop string
+                keep = 0
+                for s in self.stop:
+                    for k in range(min(len(s) - 1, len(self.pending)), keep, -1):
+                        if self.pending.endswith(s[:k]):
+                            keep = k
+                            break
+                out = self.pending[:len(self.pending) - keep]
+                self.pending = self.pending[len(out):]
+                self.text += out
+                return out
+        out, self.pending = self.pending, ""
+        self.text += out
+        return out
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class Generation:
+    """One request's route session; iterate :meth:`deltas`, then read ``usage``/``ttft_s``."""
+
+    _DONE = object()
+
+    def __init__(self, engine: "Engine", prompt_ids: list[int], params: Params) -> None:
+        self.engine = engine
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.session_id = f"gw-{uuid.uuid4().hex[:16]}"
+        self.usage = Usage(prompt_tokens=len(prompt_ids))
+        self.ttft_s: float | None = None
+        self.t0 = time.perf_counter()
+        self.finish_reason: str | None = None
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        eng = self.engine
+        left = eng.max_positions - len(self.prompt_ids)
+        if left < 1:
+            raise GatewayError(400, f"the prompt is {len(self.prompt_ids)} tokens; the route holds at most "
+                               f"{eng.max_positions} positions per session", code="context_length_exceeded",
+                               param="messages")
+        max_tokens = self.params.max_tokens or left
+        if max_tokens > left:
+            raise GatewayError(400, f"max_tokens {max_tokens} + {len(self.prompt_ids)} prompt tokens exceed the "
+                               f"{eng.max_positions} positions a session may hold", code="context_length_exceeded",
+                               param="max_tokens")
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        text = _TextStream(self.params.stop)
+        await eng.admission.acquire()
+        try:
+            task = asyncio.create_task(eng.driver.generate(
+                self.prompt_ids, max_tokens=max_tokens, sampling=self.params.sampling(),
+                session_id=self.session_id, on_token=q.put_nowait))
+        except BaseException:
+            eng.admission.release()
+            raise
+        task.add_done_callback(lambda _t: q.put_nowait(self._DONE))
+        eng.active[self.session_id] = self
+        try:
+            done = False
+            while not done:
+                toks = [await q.get()]
+                while not q.empty():
+                    toks.append(q.get_nowait())
+                if toks[-1] is self._DONE:
+                    toks.pop()
+                    done = True
+                if toks:
+                    if self.ttft_s is None:
+                        self.ttft_s = time.perf_counter() - self.t0
+                    self.usage.completion_tokens += len(toks)
+                    out = text.push(b"".join(await eng.pieces(toks)))
+                    if text.stopped:
+                        self.finish_reason = "stop"
+                        yield Delta(out, "stop")
+                        return
+                    if out:
+                        yield Delta(out)
+            res = task.result()
+            if res.error is not None:
+                raise _session_error(res.error)
+            out = text.push(b"", final=True)
+            self.finish_reason = "length" if res.finish_reason == "length" and not text.stopped else "stop"
+            yield Delta(out, self.finish_reason)
+        finally:
+            eng.active.pop(self.session_id, None)
+            # ends the session on every shard (when still running) and then frees the slot; in
+            # its own task, so that it completes even when this request is being cancelled
+            cleanup = asyncio.ensure_future(eng.finish(self.session_id, task))
+            try:
+                await asyncio.shield(cleanup)
+            except asyncio.CancelledError:
+                pass
+
+    async def collect(self) -> str:
+        parts = [d.text async for d in self.deltas()]
+        return "".join(parts)
+
+
+def _session_error(exc: RouteSessionError) -> GatewayError:
+    reason = exc.reason.removeprefix("ERROR_REASON_")
+    if reason in ("OVER_BUDGET", "RESOURCE_EXHAUSTED"):
+        return GatewayError(429, f"over capacity on shard {exc.shard_endpoint}: {exc.detail}",
+                            kind="rate_limit_exceeded", code="over_capacity", retry_after=RETRY_AFTER_S)
+    if reason in ("TOKEN_OUT_OF_VOCAB", "BAD_REQUEST", "CHUNK_TOO_LARGE", "INVALID_ARGUMENT"):
+        return GatewayError(400, f"the route refused the prompt: {exc.detail}", param="prompt", code="invalid_value")
+    if reason == "CANCELLED":
+        return GatewayError(499, "the request was cancelled", kind="cancelled", code="cancelled")
+    return GatewayError(502, f"route failure: {exc}", kind="server_error", code="route_error")
+
+
+class Engine:
+    """The gateway's view of one route: a connected driver plus what requests need of it."""
+
+    def __init__(self, driver: RouteDriver, *, model_id: str, slots: int | None = None, queue: int = 64) -> None:
+        self.driver = driver
+        self.model_id = model_id
+        caps = [s.capability.capacity for s in driver.shards]
+        self.max_positions = min(c.max_session_positions or 2048 for c in caps)
+        self.worker_slots = min(c.max_sessions or 1 for c in caps)
+        self.admission = Admission(slots or self.worker_slots, queue)
+        self.created = int(time.time())
+        self.active: dict[str, Generation] = {}
+        self._pieces = PieceCache(driver.head.stub, timeout=driver.timeout)
+
+    @classmethod
+    async def connect(cls, endpoints: Sequence[str], *, model_id: str | None = None, slots: int | None = None,
+                      queue: int = 64, timeout: float = 60.0) -> "Engine":
+        driver = await RouteDriver(list(endpoints), timeout=timeout).connect()
+        ident = driver.shards[0].capability.identity
+        eng = cls(driver, model_id=model_id or ident.artifact_id or "dgr", slots=slots, queue=queue)
+        await eng._pieces.prefetch(ident.n_vocab)
+        return eng
+
+    async def close(self) -> None:
+        await self.driver.close()
+
+    @property
+    def head(self) -> Any:
+        return self.driver.head.stub
+
+    async def pieces(self, toks: Sequence[int]) -> list[bytes]:
+        """Each token's text bytes (a token id's piece never changes: looked up once)."""
+        return await self._pieces.pieces(toks)
+
+    async def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        try:
+            text = await chat_prompt_text(self.head, messages, timeout=self.driver.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise GatewayError(400, f"cannot format the messages: {exc.details()}", param="messages") from None
+        return await self.tokenize(text, special=True)
+
+    async def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        try:
+            return await self.driver.tokenize(text, add_special=True, parse_special=special)
+        except grpc.aio.AioRpcError as exc:
+            raise GatewayError(400, f"cannot tokenize the prompt: {exc.details()}", param="prompt") from None
+
+    def generation(self, prompt_ids: list[int], params: Params) -> Generation:
+        return Generation(self, prompt_ids, params)
+
+    async def finish(self, session_id: str, task: "asyncio.Task[Any]") -> None:
+        """Ends a request's session: cancels it on every shard when still running (bounded
+        wait), then frees its admission slot."""
+        try:
+            if not task.done():
+                try:
+                    await self.driver.cancel(session_id)
+                    await asyncio.wait_for(asyncio.shield(task), CANCEL_WAIT_S)
+                except BaseException:   # noqa: BLE001 - cleanup: the task must not outlive the request
+                    task.cancel()
+            if task.done() and not task.cancelled():
+                task.exception()        # retrieved (a failure was already reported or is moot)
+        finally:
+            self.admission.release()

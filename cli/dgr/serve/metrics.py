@@ -1,0 +1,44 @@
+"""The gateway's own Prometheus metrics (``GET /metrics``), with prometheus_client.
+
+Requests by status, tokens in and out, time to first token, and the admission state (running,
+queued). The workers' own metrics stay on the workers (``dgr worker serve --metrics-port``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()   # no *_created series: counters are read as rates
+
+
+class GatewayMetrics:
+    def __init__(self, engine: Any) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("dgr_gateway_requests", "HTTP generation requests by final status",
+                                ["status"], registry=r)
+        self.prompt_tokens = Counter("dgr_gateway_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter("dgr_gateway_completion_tokens", "Tokens generated for finished requests",
+                                         registry=r)
+        self.ttft = Histogram("dgr_gateway_time_to_first_token_seconds", "Request arrival to its first token",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
+        running = Gauge("dgr_gateway_running_requests", "Requests holding a route session", registry=r)
+        running.set_function(lambda: engine.admission.running)
+        queued = Gauge("dgr_gateway_queued_requests", "Requests waiting for a session slot", registry=r)
+        queued.set_function(lambda: engine.admission.waiting)
+        self.in_flight = Gauge("dgr_gateway_in_flight_requests", "Generation requests being answered", registry=r)
+
+    def started(self) -> None:
+        self.in_flight.inc()
+
+    def finished(self, gen: Any, status: int) -> None:
+        self.in_flight.dec()
+        self.requests.labels(status=str(status)).inc()
+        self.prompt_tokens.inc(gen.usage.prompt_tokens)
+        self.completion_tokens.inc(gen.usage.completion_tokens)
+        if gen.ttft_s is not None:
+            self.ttft.observe(gen.ttft_s)
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,182 @@
+"""Serving: a route (local workers it starts, or running shards), the app, uvicorn.
+
+:class:`Gateway` is also what tests and ``dgr bench serve`` use: it starts uvicorn on a free
+port in a background thread with its own event loop, and stops it cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from dgr.errors import DgrError
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class ServeOptions:
+    host: str = LOOPBACK
+    port: int = 8080
+    api_key: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    model_id: str | None = None
+    slots: int | None = None          # concurrent requests (default: the workers' session slots)
+    queue: int = 64                   # requests waiting for a slot before 429
+    timeout: float = 60.0
+
+    def check(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise DgrError("--tls-cert and --tls-key go together")
+        for p in (self.tls_cert, self.tls_key):
+            if p is not None and not p.is_file():
+                raise DgrError(f"{p} does not exist")
+        if not is_loopback(self.host) and not self.api_key:
+            raise DgrError(f"--host {self.host} exposes the gateway beyond this machine without an API key",
+                           hint="give --api-key (and --tls-cert/--tls-key), or serve on 127.0.0.1")
+        if not is_loopback(self.host) and not self.tls_cert:
+            raise DgrError(f"--host {self.host} exposes the gateway beyond this machine without TLS",
+                           hint="give --tls-cert and --tls-key, or serve on 127.0.0.1")
+        if self.slots is not None and self.slots < 1:
+            raise DgrError("--max-concurrent must be >= 1")
+        if self.queue < 0:
+            raise DgrError("--queue must be >= 0")
+        if not 0 <= self.port <= 65535:
+            raise DgrError(f"--port {self.port} is not a TCP port")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _config(app: Any, opts: ServeOptions, log_level: str) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(app, host=opts.host, port=opts.port, log_level=log_level, access_log=False,
+                          ssl_certfile=str(opts.tls_cert) if opts.tls_cert else None,
+                          ssl_keyfile=str(opts.tls_key) if opts.tls_key else None,
+                          timeout_graceful_shutdown=5, lifespan="off")
+
+
+async def serve_route(endpoints: Sequence[str], opts: ServeOptions, *, log_level: str = "warning",
+                      on_ready: Callable[[str], None] | None = None) -> None:
+    """Connects to the route and serves until interrupted."""
+    import uvicorn
+
+    from .app import create_app
+    from .engine import Engine
+
+    opts.check()
+    engine = await Engine.connect(endpoints, model_id=opts.model_id, slots=opts.slots, queue=opts.queue,
+                                  timeout=opts.timeout)
+    try:
+        app = create_app(engine, api_key=opts.api_key)
+        server = uvicorn.Server(_config(app, opts, log_level))
+        if on_ready is not None:
+            async def announce() -> None:
+                while not server.started:
+                    if server.should_exit:
+                        return
+                    await asyncio.sleep(0.05)
+                on_ready(url(opts))
+            asyncio.ensure_future(announce())
+        await server.serve()
+        if not server.started:
+            raise DgrError(f"cannot listen on {opts.host}:{opts.port} (in use, or not an address of this machine)")
+    finally:
+        await engine.close()
+
+
+def url(opts: ServeOptions) -> str:
+    scheme = "https" if opts.tls_cert else "http"
+    host = f"[{opts.host}]" if ":" in opts.host else opts.host
+    return f"{scheme}://{host}:{opts.port}"
+
+
+class Gateway:
+    """A gateway on a free loopback port, in a background thread (tests, benchmarks)."""
+
+    def __init__(self, endpoints: Sequence[str], **kw: Any) -> None:
+        self.endpoints = list(endpoints)
+        self.opts = ServeOptions(port=kw.pop("port", 0) or free_port(), **kw)
+        self.engine: Any = None
+        self._server: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return url(self.opts)
+
+    def start(self, timeout: float = 30.0) -> "Gateway":
+        self._thread = threading.Thread(target=self._run, name="dgr-gateway", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise DgrError(f"the gateway did not start within {timeout:.0f}s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _run(self) -> None:
+        import uvicorn
+
+        from .app import create_app
+        from .engine import Engine
+
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            try:
+                self.opts.check()
+                self.engine = await Engine.connect(self.endpoints, model_id=self.opts.model_id, slots=self.opts.slots,
+                                                   queue=self.opts.queue, timeout=self.opts.timeout)
+                self._server = uvicorn.Server(_config(create_app(self.engine, api_key=self.opts.api_key),
+                                                      self.opts, "warning"))
+                self._server.install_signal_handlers = lambda: None   # not the main thread
+                serving = asyncio.ensure_future(self._server.serve())
+                while not self._server.started and not serving.done():
+                    await asyncio.sleep(0.02)
+                if serving.done():
+                    serving.result()
+                    raise DgrError(f"the gateway could not listen on {self.opts.host}:{self.opts.port}")
+            except BaseException as exc:  # noqa: BLE001 - reported to start()
+                self._error = exc
+                self._ready.set()
+                return
+            self._ready.set()
+            try:
+                await serving
+            finally:
+                await self.engine.close()
+
+        asyncio.run(main())
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(15)
+
+    def __enter__(self) -> "Gateway":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,69 @@
+"""`dgr bench serve`'s arithmetic on synthetic lane results (no processes): aggregate decode and
+TTFT per lane, the ratios against their targets, and where the CPU time went."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openai")
+
+from dgr.bench import serve as sb  # noqa: E402
+from dgr.bench.loadgen import LevelResult, RequestResult  # noqa: E402
+
+
+def _level(lane: str, n: int, *, ttft: float, tok_s_each: float, tokens: int = 65, cpu=None) -> LevelResult:
+    reqs = []
+    for i in range(n):
+        first = ttft + 0.001 * i
+        reqs.append(RequestResult(30, tokens, ttft, first, first + (tokens - 1) / tok_s_each))
+    return LevelResult(lane, n, reqs, 2.0, cpu or {})
+
+
+def test_aggregate_decode_counts_tokens_after_the_first_over_the_common_window():
+    lv = _level("x", 4, ttft=0.05, tok_s_each=20.0)
+    # 4 x 64 tokens over [0.05, 0.053 + 3.2]
+    assert lv.aggregate_decode_tok_s == pytest.approx(4 * 64 / (3.2 + 0.003))
+    assert lv.ttft_p50_s == pytest.approx(0.05)
+    lv.requests[0].error = "boom"
+    assert not lv.ok
+
+
+class _Srv:
+    cmd = ["llama-server", "-np", "8"]
+
+
+def _doc(gw_decode: float, gw_ttft: float, whole_decode: float, whole_ttft: float):
+    runs = {}
+    for level in (1, 4):
+        runs[("driver_split", level)] = [_level("driver_split", level, ttft=0.050, tok_s_each=20.0,
+                                                cpu={"bench_client": 0.4, "split_worker_0": 2.0})]
+        runs[("gateway_split", level)] = [_level("gateway_split", level, ttft=gw_ttft, tok_s_each=gw_decode,
+                                                 cpu={"gateway_split": 0.3, "bench_client": 0.2})]
+        runs[("gateway_whole", level)] = [_level("gateway_whole", level, ttft=whole_ttft, tok_s_each=whole_decode)]
+        runs[("llama_server", level)] = [_level("llama_server", level, ttft=0.040, tok_s_each=21.0)]
+    cfg = sb.ServeBenchConfig(levels=(1, 4), max_tokens=65, repeats=1)
+    return sb._document(Path("/m.gguf"), cfg, [(0, 15), (15, 30)], 2, runs, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0), 10.0,
+                        _Srv(), 1000)
+
+
+def test_targets_met_and_missed_are_reported_per_level():
+    ok = _doc(gw_decode=19.8, gw_ttft=0.053, whole_decode=24.5, whole_ttft=0.042)
+    assert ok["all_met"], ok["checks"]
+    lv = ok["results"][1]
+    assert lv["comparisons"]["gateway_vs_driver_decode"] == pytest.approx(0.99, abs=0.005)
+    assert lv["comparisons"]["gateway_vs_driver_ttft_overhead_s"] == pytest.approx(0.003)
+    assert lv["comparisons"]["whole_vs_llama_server_ttft_ratio"] == pytest.approx(1.05)
+    bad = _doc(gw_decode=18.0, gw_ttft=0.060, whole_decode=24.5, whole_ttft=0.050)
+    missed = {(c["concurrency"], c["check"]) for c in bad["checks"] if not c["met"]}
+    assert (4, "gateway_vs_driver_decode") in missed and (1, "gateway_vs_driver_ttft_overhead_s") in missed
+    assert (4, "whole_vs_llama_server_ttft_ratio") in missed            # 50 ms vs 40 ms: 25 % off
+    assert (4, "whole_vs_llama_server_decode") not in missed
+    assert not bad["all_met"]
+    # where the time went: the gateway's process and the HTTP client next to the driver's CPU
+    where = bad["results"][0]["where_time_goes"]
+    assert where["gateway_split"]["gateway_process_cpu_s"] == 0.3 and where["driver_split"]["driver_cpu_s"] == 0.4
+    json.dumps(bad)                                # the document is plain JSON
+    assert "MISSED" in sb.summary(bad) and "gateway_split" in sb.summary(bad)

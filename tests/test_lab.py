@@ -1,0 +1,264 @@
+"""`dgr lab`: simulated hosts. The `lab` tests create namespaces, links and cgroups (root) and
+skip with the machine's reason where that is refused; the others need nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dgr.errors import DgrError
+from dgr.lab import system as sx
+from dgr.lab.hosts import Lab, LabConfig
+from dgr.lab.pki import describe, make_pki
+from dgr.lab.proxy import Link, LinkSpec
+
+_REASON = None
+
+
+def lab_reason() -> str | None:
+    global _REASON
+    if _REASON is None:
+        _REASON = sx.preflight() or ""
+    return _REASON or None
+
+
+@pytest.fixture
+def lab_build(tmp_path, monkeypatch):
+    """Labs of this test keep their state under tmp_path (never the checkout's build/lab)."""
+    monkeypatch.setenv("DGR_BUILD_DIR", str(tmp_path / "build"))
+    reason = lab_reason()
+    if reason:
+        pytest.skip(reason)
+    return tmp_path / "build" / "lab"
+
+
+def leftovers(name: str) -> list[str]:
+    out = [n for n in sx.netns_list() if n.startswith(f"{sx.NETNS_PREFIX}{name}-")]
+    out += [n for n in sx.links_with_prefix(f"{sx.LINK_PREFIX}{name}")]
+    for root in (sx.CGROUP_ROOT / "cpuset", sx.CGROUP_ROOT / "memory", sx.CGROUP_ROOT):
+        out += [str(p) for p in root.glob(f"{sx.CGROUP_PREFIX}{name}-*")]
+    return out
+
+
+# ---- no privileges needed ---------------------------------------------------------------------
+
+def test_config_validation():
+    for bad in (LabConfig(name="Bad!"), LabConfig(hosts=0), LabConfig(loss=1.0), LabConfig(rtt_ms=-1),
+                LabConfig(hosts=2, cpus=["0"]), LabConfig(shaper="tc")):
+        with pytest.raises(DgrError):
+            bad.validate()
+
+
+def test_pki_host_and_client_certs(tmp_path):
+    pki = make_pki(tmp_path, {"h1": ["198.18.3.2"], "h2": ["198.18.3.3"]})
+    h1 = describe(pki.hosts["h1"].cert)
+    assert h1["san_ips"] == ["198.18.3.2"]
+    assert set(h1["extended_key_usage"]) == {"serverAuth", "clientAuth"}   # server, and client on the chain hop
+    cl = describe(pki.client_cert)
+    assert cl["extended_key_usage"] == ["clientAuth"] and cl["san_ips"] == []
+    assert oct(pki.hosts["h1"].key.stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(DgrError):
+        make_pki(tmp_path / "x", {"h1": ["not-an-ip"]})
+
+
+async def _echo_server() -> tuple[asyncio.AbstractServer, int]:
+    async def echo(r, w):
+        while data := await r.read(4096):
+            w.write(data)
+            await w.drain()
+        w.close()
+    srv = await asyncio.start_server(echo, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+def test_proxy_keeps_order_under_jitter_and_loss():
+    async def main():
+        srv, port = await _echo_server()
+        link = Link(LinkSpec(delay_ms=2, jitter_ms=2, loss=0.3, rto_ms=5), seed=1)
+        psrv = await asyncio.start_server(lambda r, w: link.handle(r, w, ("127.0.0.1", port)), "127.0.0.1", 0)
+        pport = psrv.sockets[0].getsockname()[1]
+        r, w = await asyncio.open_connection("127.0.0.1", pport)
+        sent = b"".join(i.to_bytes(4, "big") for i in range(2000))
+        got = bytearray()
+        for k in range(0, len(sent), 800):
+            w.write(sent[k:k + 800])
+            await w.drain()
+            await asyncio.sleep(0)
+        while len(got) < len(sent):
+            got += await asyncio.wait_for(r.read(65536), 10)
+        w.close()
+        psrv.close()
+        srv.close()
+        return bytes(got), link.counters
+    got, c = asyncio.run(main())
+    assert got == b"".join(i.to_bytes(4, "big") for i in range(2000))
+    assert c.lost_chunks > 0 and c.bytes_up == c.bytes_down == 8000
+
+
+def test_proxy_delay_and_blackhole():
+    async def main():
+        srv, port = await _echo_server()
+        link = Link(LinkSpec(delay_ms=20))
+        psrv = await asyncio.start_server(lambda r, w: link.handle(r, w, ("127.0.0.1", port)), "127.0.0.1", 0)
+        r, w = await asyncio.open_connection("127.0.0.1", psrv.sockets[0].getsockname()[1])
+        t0 = time.monotonic()
+        w.write(b"ping")
+        assert await asyncio.wait_for(r.readexactly(4), 5) == b"ping"
+        rtt = time.monotonic() - t0
+        link.blackhole(True)
+        w.write(b"held")
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(r.readexactly(4), 0.3)
+        link.blackhole(False)
+        assert await asyncio.wait_for(r.readexactly(4), 5) == b"held"
+        w.close()
+        psrv.close()
+        srv.close()
+        return rtt
+    assert asyncio.run(main()) >= 0.040      # 20 ms each way: never faster than the link
+
+
+def test_lab_refusal_is_one_clear_line(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from dgr.main import app
+
+    monkeypatch.setenv("DGR_BUILD_DIR", str(tmp_path))
+    monkeypatch.setattr(sx, "preflight", lambda: "this machine refuses network namespaces: Operation not permitted")
+    res = CliRunner().invoke(app, ["lab", "up", "--hosts", "2", "--name", "rf"])
+    assert res.exit_code != 0
+    assert isinstance(res.exception, sx.LabRefused) and "refuses network namespaces" in str(res.exception)
+    assert not (tmp_path / "lab" / "rf.json").exists()
+
+
+# ---- the lab lane: root, namespaces -------------------------------------------------------------
+
+@pytest.mark.lab
+def test_up_confines_shapes_and_down_leaves_nothing(lab_build):
+    lab = Lab.up(LabConfig(hosts=2, name="pt1", memory_mb=128, rate_mbit=500, rtt_ms=20))
+    try:
+        h1, h2 = lab.hosts
+        assert h1.ip != h2.ip and all(x.ip.startswith("198.1") for x in (h1, h2))
+        p = lab.run("h2", ["sh", "-c", "ip -o -4 addr show dev eth0; grep Cpus_allowed_list /proc/self/status; "
+                                      "cat /proc/self/cgroup"])
+        assert p.returncode == 0 and h2.ip in p.stdout
+        assert p.stdout.split("Cpus_allowed_list:")[1].split()[0] == h2.cpus
+        if lab.state["cgroup_mode"] == "v1":
+            assert f"memory:/{sx.CGROUP_PREFIX}pt1-h2" in p.stdout
+            assert Path(h2.cgroups[1], "memory.limit_in_bytes").read_text().strip() == str(128 << 20)
+        q = sx.run(["tc", "qdisc", "show", "dev", h1.veth]).stdout
+        assert "tbf" in q and "500Mbit" in q
+        # an echo service in h2, reached from h1 through the link proxy (20 ms RTT)
+        srv = lab.spawn("h2", [sys.executable, "-c", (
+            "import socket;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+            f"s.bind(('{h2.ip}',7007));s.listen();print('up',flush=True)\n"
+            "while True:\n c,_=s.accept()\n d=c.recv(64)\n c.sendall(d);c.close()")], stdout=subprocess.PIPE)
+        assert srv.stdout.readline().strip() == b"up"
+        ep = lab.expose("h2", 7007)
+        assert ep.startswith(h2.ip + ":") and ep != f"{h2.ip}:7007"
+        probe = ("import socket,sys,time;h,p=sys.argv[1].rsplit(':',1);t=time.monotonic();"
+                 "c=socket.create_connection((h,int(p)),timeout=5);c.sendall(b'x');d=c.recv(8);"
+                 "print(d.decode(),time.monotonic()-t)")
+        out = lab.run("h1", [sys.executable, "-c", probe, ep]).stdout.split()
+        assert out[0] == "x" and float(out[1]) >= 0.020
+        assert lab.blackhole("h2", True) == 1
+        bh = lab.run("h1", [sys.executable, "-c", probe.replace("timeout=5", "timeout=0.5"), ep])
+        assert bh.returncode != 0           # nothing comes back through a blackholed link
+        lab.blackhole("h2", False)
+        pids = lab.host_pids(lab.host("h2"))
+        assert srv.pid in pids
+        st = lab.status()
+        assert all(h["netns_present"] for h in st["hosts"]) and st["bridge_present"]
+    finally:
+        res = lab.down()
+    assert res["left"] == [] and leftovers("pt1") == []
+    assert not sx.alive(srv.pid)
+    assert not (lab_build / "pt1.json").exists() and not (lab_build / "pt1").exists()
+
+
+@pytest.mark.lab
+def test_failed_up_rolls_back(lab_build):
+    with pytest.raises(DgrError, match="not available"):
+        Lab.up(LabConfig(hosts=2, name="pt2", cpus=["0", "999"]))
+    assert leftovers("pt2") == [] and not (lab_build / "pt2.json").exists()
+
+
+@pytest.mark.lab
+def test_down_after_the_owner_was_killed(lab_build, tmp_path):
+    """A process that brought a lab up and started a service in it dies by SIGKILL (no cleanup
+    ran); `dgr lab down` still removes everything, the service included."""
+    env = {**os.environ, "DGR_BUILD_DIR": str(lab_build.parent)}
+    code = ("from dgr.lab.hosts import Lab, LabConfig;import sys,time;"
+            "lab=Lab.up(LabConfig(hosts=1,name='pt3'));lab.spawn('h1',['sleep','600']);"
+            "print('ready',flush=True);time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+    finally:
+        p.kill()
+        p.wait(10)
+    assert leftovers("pt3")                   # the crash left the lab up
+    lab = Lab.load("pt3")
+    sleeper = [x["pid"] for x in lab.state["processes"]]
+    r = subprocess.run([sys.executable, "-m", "dgr.main", "lab", "down", "--name", "pt3"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert leftovers("pt3") == [] and not any(sx.alive(x) for x in sleeper)
+
+
+@pytest.mark.lab
+def test_context_manager_tears_down_on_sigterm(lab_build):
+    env = {**os.environ, "DGR_BUILD_DIR": str(lab_build.parent)}
+    code = ("from dgr.lab.hosts import Lab, LabConfig;import time\n"
+            "with Lab.up(LabConfig(hosts=2,name='pt4')) as lab:\n"
+            " lab.spawn('h2',['sleep','600']);print('ready',flush=True);time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert p.stdout.readline().strip() == b"ready"
+    assert leftovers("pt4")
+    p.send_signal(signal.SIGTERM)
+    p.wait(60)
+    assert leftovers("pt4") == [] and not (lab_build / "pt4.json").exists()
+
+
+@pytest.mark.lab
+def test_cli_up_status_exec_down(lab_build):
+    env = {**os.environ, "DGR_BUILD_DIR": str(lab_build.parent)}
+
+    def dgr(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dgr.main", *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+    r = dgr("lab", "up", "--hosts", "2", "--name", "pt5", "--rtt-ms", "4")
+    assert r.returncode == 0, r.stderr
+    try:
+        st = json.loads(dgr("lab", "status", "--name", "pt5", "--json").stdout)["labs"][0]
+        assert [h["name"] for h in st["hosts"]] == ["h1", "h2"] and st["shaping"]["rtt_ms"] == 4
+        assert st["shaping"]["delay_mechanism"] in ("proxy", "netem")
+        r = dgr("lab", "exec", "h2", "--name", "pt5", "--", "sh", "-c", "exit 7")
+        assert r.returncode == 7
+        r = dgr("lab", "up", "--hosts", "2", "--name", "pt5")
+        assert r.returncode == 1 and "already up" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        r = dgr("lab", "down", "--name", "pt5")
+    assert r.returncode == 0 and leftovers("pt5") == []
+
+
+def test_cli_ca_for_physical_machines(tmp_path):
+    from typer.testing import CliRunner
+
+    from dgr.main import app
+
+    r = CliRunner().invoke(app, ["lab", "ca", "--host", "a=10.0.0.11", "--host", "b=10.0.0.12,10.0.1.12",
+                                 "--out", str(tmp_path / "pki")])
+    assert r.exit_code == 0, r.output
+    assert describe(tmp_path / "pki" / "b.pem")["san_ips"] == ["10.0.0.12", "10.0.1.12"]
+    assert (tmp_path / "pki" / "client.pem").is_file() and (tmp_path / "pki" / "ca.pem").is_file()
+    r = CliRunner().invoke(app, ["lab", "ca", "--host", "a", "--out", str(tmp_path / "x")])
+    assert r.exit_code != 0 and "NAME=IP" in str(r.exception)

@@ -1,0 +1,66 @@
+"""`dgr bench route --hosts N`: the target table and summary from a synthetic results document,
+and the CLI's input checks (no lab, no model needed)."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from dgr.lab.bench import even_split, summary, targets
+from dgr.main import app
+
+
+def _run(decode: float, prefill: float = 0.0, c: int = 1) -> dict:
+    return {"sessions": c, "decode_tok_s": decode, "prefill_tok_s": prefill, "seam_bytes_per_decode_token": 4800.0,
+            "where": {"stages": [{"busy_share": 0.5, "decode_compute_ms_per_batch": 5.0, "rows_per_batch": c,
+                                  "mean_queue_wait_ms": 0.1}] * 2, "step_ms": 11.0, "compute_ms_per_step": 10.0,
+                      "handoff_ms_per_step": 1.0}}
+
+
+def _res(scale: float) -> dict:
+    return {"route": {"1": [_run(88 * scale), _run(90 * scale)], "4": [_run(100 * scale, c=4)] * 2,
+                      "8": [_run(120 * scale, c=8)] * 2},
+            "whole_worker": {"1": [_run(92)] * 2, "4": [_run(110, c=4)] * 2, "8": [_run(125, c=8)] * 2},
+            "route_long_prefill": [_run(0, 600 * scale)] * 2, "whole_long_prefill": [_run(0, 580)] * 2,
+            "rpc": [{"llama_bench": {"tg_tok_s": 85.0}, "batched_bench": {"by_batch": {"4": {"tg_tok_s": 100.0},
+                                                                                        "8": {"tg_tok_s": 120.0}}}}] * 2,
+            "lab": {"shaping": {"delay_mechanism": "proxy"}}}
+
+
+def _doc() -> dict:
+    lb = [{"pp_tok_s": 700.0, "pp_long_tok_s": 600.0, "tg_tok_s": 92.0}] * 2
+    bb = [{"by_batch": {"4": {"tg_tok_s": 110.0}, "8": {"tg_tok_s": 125.0}}}] * 2
+    return {"model": "/m/x.gguf", "hosts": 2, "split": ["0:15", "15:30"], "n_prompt": 128, "n_gen": 64,
+            "long_prompt": 512, "repeats": 2, "seam_bytes_limit": 4864, "rpc_skipped": None,
+            "one_host": {"llama_bench": lb, "batched_bench": bb}, "by_rtt": {"0": _res(1.0), "10": _res(0.5)}}
+
+
+def test_targets_pair_each_repeat_and_judge_the_median():
+    doc = _doc()
+    all_t = targets(doc)
+    t = {x["target"].split(":")[0]: x for x in all_t}
+    one = t["1 session, no added latency"]
+    assert one["per_repeat"] == [88 / 92, 90 / 92] and not one["met"]          # median 0.967 < 0.97
+    eight = t["8 sessions, no added latency"]
+    assert eight["median"] == 120 / 125 and not eight["met"] and eight["least"] == 1.6
+    bound = 1 / (1 / 92 + 0.010)
+    rtt1 = next(x for x in all_t if x["target"].startswith("10 ms RTT: 1-session"))
+    assert rtt1["per_repeat"][0] == 44 / bound
+    assert next(x for x in all_t if x["target"].startswith("0 ms added RTT: 8"))["per_repeat"] == [1.0, 1.0]
+    seam = t["seam bytes per decode token per hop <= 2*n_embd*4 + 256"]
+    assert seam["met"] and seam["limit"] == 4864
+    doc["targets"] = targets(doc)
+    text = summary(doc)
+    assert "MISS 8 sessions" in text and "busy share 0.50/0.50" in text
+
+
+def test_even_split():
+    assert even_split(30, 2) == [(0, 15), (15, 30)]
+    assert even_split(30, 3) == [(0, 10), (10, 20), (20, 30)]
+    assert even_split(30, 4)[-1][1] == 30
+
+
+def test_bench_hosts_bad_input_is_one_line():
+    r = CliRunner().invoke(app, ["bench", "route", "--hosts", "2", "--rtt-ms", "x"])
+    assert r.exit_code != 0 and "comma-separated" in str(r.exception)
+    r = CliRunner().invoke(app, ["route", "generate", "--shard", "127.0.0.1:1", "--prompt", "p", "--tls-cert", "c.pem"])
+    assert r.exit_code != 0 and "--tls-ca" in str(r.exception)

@@ -1,0 +1,286 @@
+"""`dgr serve` over fake-model workers, driven by the official `openai` package and curl.
+
+A 2-shard route (0:4 | 4:8) of fake workers: chat and completions, streaming and not, stop
+strings, concurrent requests batched on the workers, cancellation by client disconnect (every
+shard back to zero sessions and zero KV), OpenAI-shaped errors, the API key, health and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import ssl
+import subprocess
+import time
+
+import grpc
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from dgr.serve.server import Gateway  # noqa: E402
+from dgr.shard.v1 import shard_runtime_pb2 as pb  # noqa: E402
+from dgr.shard.v1 import shard_runtime_pb2_grpc as pbg  # noqa: E402
+from fakeroute import start_fake  # noqa: E402
+
+pytestmark = pytest.mark.native
+
+KEY = "test-key-123"
+MODEL = "fake-8"
+
+
+@pytest.fixture(scope="module")
+def shards(native_bin):
+    # a small per-decode delay keeps long answers running while a test cancels or overloads them
+    ws = [start_fake(native_bin, "--layers", r, "--max-sessions", "8", "--fake-delay-ms", "2") for r in ("0:4", "4:8")]
+    yield ws
+    for w in ws:
+        w.kill()
+
+
+@pytest.fixture(scope="module")
+def gw(shards):
+    with Gateway([w.target for w in shards], model_id=MODEL, api_key=KEY) as g:
+        yield g
+
+
+def _client(gw, **kw):
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0, **kw)
+
+
+def _aclient(gw):
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _metrics(target: str) -> pb.GetMetricsResponse:
+    with grpc.insecure_channel(target) as ch:
+        return pbg.ShardRuntimeServiceStub(ch).GetMetrics(pb.GetMetricsRequest(), timeout=5)
+
+
+def _counter(target: str, name: str) -> float:
+    return sum(s.value for s in _metrics(target).samples if s.name == name)
+
+
+def _wait_idle(shards, deadline_s: float = 10.0) -> None:
+    """Every shard holds no session and no KV cell (release is asynchronous: bounded poll)."""
+    for w in shards:
+        end = time.monotonic() + deadline_s
+        while (load := _metrics(w.target).load).active_sessions or load.kv_cells_used:
+            assert time.monotonic() < end, f"shard {w.target} still holds {load}"
+            time.sleep(0.02)
+
+
+def _direct(shards, prompt_ids, max_tokens):
+    """The same greedy session through the route driver itself (no gateway)."""
+    from dgr.route.driver import RouteDriver
+
+    async def main():
+        d = await RouteDriver([w.target for w in shards]).connect()
+        try:
+            r = await d.generate(prompt_ids, max_tokens=max_tokens)
+            return r.tokens, (await d.detokenize(r.tokens)).decode("utf-8", errors="replace")
+        finally:
+            await d.close()
+    return asyncio.run(main())
+
+
+def test_models_lists_the_served_model(gw):
+    ids = [m.id for m in _client(gw).models.list()]
+    assert ids == [MODEL]
+
+
+def test_completion_equals_the_route_driver_direct(gw, shards):
+    c = _client(gw)
+    r = c.completions.create(model=MODEL, prompt="hello world", max_tokens=12, temperature=0)
+    # the fake tokenizer: BOS (256) then one token per byte
+    toks, text = _direct(shards, [256, *b"hello world"], 12)
+    assert r.choices[0].text == text
+    assert r.usage.prompt_tokens == 12 and r.usage.completion_tokens == len(toks)
+    assert r.usage.total_tokens == 12 + len(toks)
+    assert r.choices[0].finish_reason == ("length" if len(toks) == 12 else "stop")
+
+
+def test_streaming_chat_equals_non_streaming(gw):
+    c = _client(gw)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a shard?"}]
+    whole = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) > 1   # incremental
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    # the prompt went through the model's chat template (the fake model's: ChatML)
+    assert whole.usage.prompt_tokens == 1 + len(
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nwhat is a shard?<|im_end|>\n"
+        "<|im_start|>assistant\n".encode())
+
+
+def test_streaming_completion_and_stop_string(gw, shards):
+    c = _client(gw)
+    full = c.completions.create(model=MODEL, prompt="abc", max_tokens=24, temperature=0).choices[0].text
+    stop = full[5:8]
+    assert len(stop) == 3 and stop in full
+    parts = [ch.choices[0] for ch in c.completions.create(model=MODEL, prompt="abc", max_tokens=24, temperature=0,
+                                                          stop=[stop], stream=True)]
+    text = "".join(p.text for p in parts)
+    assert text == full[:full.index(stop)]
+    assert parts[-1].finish_reason == "stop"
+    _wait_idle(shards)   # the session stopped early by the stop string is gone from every shard
+
+
+def test_concurrent_requests_batch_on_the_workers(gw, shards):
+    prompts = [f"prompt number {i} " * (i + 1) for i in range(6)]
+    c = _client(gw)
+    alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
+             for p in prompts]
+    rows0, batches0 = _counter(shards[1].target, "dgr_batch_rows_total"), _counter(shards[1].target, "dgr_batches_total")
+
+    async def main():
+        ac = _aclient(gw)
+
+        async def one(p):
+            s = await ac.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0, stream=True)
+            return "".join([ch.choices[0].text async for ch in s])
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await ac.close()
+
+    together = asyncio.run(main())
+    assert together == alone
+    rows = _counter(shards[1].target, "dgr_batch_rows_total") - rows0
+    batches = _counter(shards[1].target, "dgr_batches_total") - batches0
+    assert rows / batches > 1.0, "concurrent requests never shared a worker batch"
+    _wait_idle(shards)
+
+
+def test_client_disconnect_cancels_the_session_on_every_shard(gw, shards):
+    before = [_counter(w.target, "dgr_sessions_cancelled_total") for w in shards]
+    c = _client(gw)
+    stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go on forever"}],
+                                       max_tokens=1500, temperature=0, stream=True)
+    got = 0
+    for ch in stream:
+        got += bool(ch.choices and ch.choices[0].delta.content)
+        if got >= 3:
+            break
+    assert max(_metrics(w.target).load.kv_cells_used for w in shards) > 0   # still generating
+    stream.close()                    # the client goes away mid-answer
+    _wait_idle(shards)
+    after = [_counter(w.target, "dgr_sessions_cancelled_total") for w in shards]
+    assert after[0] > before[0], "the head never saw a cancel: the session ran to its end instead"
+
+
+def test_non_streaming_disconnect_cancels_too(gw, shards):
+    before = _counter(shards[0].target, "dgr_sessions_cancelled_total")
+    c = _client(gw, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        c.completions.create(model=MODEL, prompt="long", max_tokens=1500, temperature=0)
+    _wait_idle(shards)
+    assert _counter(shards[0].target, "dgr_sessions_cancelled_total") > before
+
+
+def test_curl_streams_server_sent_events(gw):
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                       "temperature": 0, "stream": True})
+    out = subprocess.run([curl, "-sS", "-N", "-H", f"Authorization: Bearer {KEY}", "-H",
+                          "Content-Type: application/json", "-d", body, gw.url + "/v1/chat/completions"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    events = [ln[len("data: "):] for ln in out.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_openai_shaped_errors(gw):
+    c = _client(gw)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=7)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=[256, 99999], max_tokens=2)     # token ids outside the vocabulary
+    assert e.value.body["param"] == "prompt"
+    r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": []},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_over_capacity_is_429_with_retry_after(shards):
+    with Gateway([w.target for w in shards], model_id=MODEL, slots=1, queue=0) as g:
+        c = openai.OpenAI(base_url=g.url + "/v1", api_key="none", max_retries=0)
+        busy = c.completions.create(model=MODEL, prompt="hold", max_tokens=1500, temperature=0, stream=True)
+        next(iter(busy))                  # holds the only slot
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        assert e.value.body["code"] == "over_capacity"
+        busy.close()
+        _wait_idle(shards)
+
+
+def test_health_metrics_and_route_view(gw, shards):
+    h = httpx.get(gw.url + "/health").json()
+    assert h["status"] == "ok" and h["shards"] == 2
+    _client(gw).completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+    m = httpx.get(gw.url + "/metrics").text
+    assert 'dgr_gateway_requests_total{status="200"}' in m
+    assert "# TYPE dgr_gateway_running_requests gauge" in m
+    assert httpx.get(gw.url + "/api/route").status_code == 401      # the key guards /api too
+    v = httpx.get(gw.url + "/api/route", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert [s["range"] for s in v["shards"]] == [[0, 4], [4, 8]]
+    assert [s["endpoint"] for s in v["shards"]] == [w.target for w in shards]
+    assert all(s["ok"] and s["kv_cells_total"] > 0 for s in v["shards"])
+
+
+def test_tls_and_the_key_when_exposed(shards, tmp_path):
+    if not shutil.which("openssl"):
+        pytest.skip("openssl CLI missing")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "key.pem", "-out",
+                    "cert.pem", "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=IP:127.0.0.1,DNS:localhost"], cwd=tmp_path, check=True, capture_output=True,
+                   timeout=60)
+    with Gateway([w.target for w in shards], model_id=MODEL, tls_cert=tmp_path / "cert.pem",
+                 tls_key=tmp_path / "key.pem") as g:
+        assert g.url.startswith("https://")
+        c = openai.OpenAI(base_url=g.url + "/v1", api_key="none", max_retries=0,
+                          http_client=httpx.Client(verify=ssl.create_default_context(cafile=tmp_path / "cert.pem")))
+        assert c.completions.create(model=MODEL, prompt="tls", max_tokens=3, temperature=0).usage.completion_tokens
+        with pytest.raises(httpx.HTTPError):     # plain HTTP on the TLS port is refused
+            httpx.get(g.url.replace("https://", "http://") + "/health", timeout=5).raise_for_status()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host", "0.0.0.0"], "without an API key"),
+    (["--host", "0.0.0.0", "--api-key", "k"], "without TLS"),
+    (["--tls-cert", "/nonexistent.pem"], "--tls-cert and --tls-key go together"),
+    (["--shard", "127.0.0.1:1", "--split", "0:4,4:8"], "not both"),
+    (["--shard", "127.0.0.1:1"], "unreachable"),
+])
+def test_cli_refuses_bad_options_in_one_line(args, message):
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", "from dgr.main import main; main()", "serve", "--port", "0", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1
+    assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr

@@ -1,0 +1,56 @@
+"""`dgr serve` over the real SmolLM2-135M (real lane): the model's own chat template on the
+head (also of a sliced head), a chat answer through a 2-shard route equal to the whole model's,
+and the template's text where llama.cpp's engine formats SmolLM2's ChatML."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from dgr.route.local import LocalRoute  # noqa: E402
+from dgr.serve.server import Gateway  # noqa: E402
+from dgr.shard.v1 import shard_runtime_pb2 as pb  # noqa: E402
+from dgr.shard.v1 import shard_runtime_pb2_grpc as pbg  # noqa: E402
+
+pytestmark = [pytest.mark.real, pytest.mark.native]
+
+
+@pytest.fixture(scope="module")
+def routes(smollm2_path, native_bin):
+    t = os.cpu_count() or 1
+    with LocalRoute(smollm2_path, [(0, 15), (15, 30)], slices=True, threads=t) as r, \
+            LocalRoute(smollm2_path, [(0, 30)], threads=t) as w:
+        yield r, w
+
+
+def _template(target: str, messages) -> pb.ApplyChatTemplateResponse:
+    with grpc.insecure_channel(target) as ch:
+        return pbg.ShardRuntimeServiceStub(ch).ApplyChatTemplate(pb.ApplyChatTemplateRequest(
+            messages=[pb.ChatMessage(role=a, content=b) for a, b in messages], add_assistant=True), timeout=10)
+
+
+def test_head_formats_with_the_models_template(routes):
+    r, w = routes
+    msgs = [("system", "Be brief."), ("user", "Hi!")]
+    whole, sliced = _template(w.endpoints[0], msgs), _template(r.endpoints[0], msgs)
+    assert whole.text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+                          "<|im_start|>assistant\n")
+    assert "<|im_start|>" in whole.template_source          # the GGUF's own Jinja source
+    assert sliced.text == whole.text and sliced.template_source == whole.template_source
+
+
+def test_chat_through_the_split_equals_the_whole_model(routes):
+    r, w = routes
+    answers = []
+    for eps in (r.endpoints, w.endpoints):
+        with Gateway(eps, model_id="smollm2") as gw:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+            out = c.chat.completions.create(model="smollm2", temperature=0, max_tokens=24, messages=[
+                {"role": "user", "content": "What is the capital of France?"}])
+            answers.append(out.choices[0].message.content)
+    assert answers[0] == answers[1]
+    assert "Paris" in answers[0]

@@ -1,0 +1,219 @@
+// Batch formation and completion (docs/worker.md, Continuous batching): every pending DECODE
+// row first, then PREFILL chunks oldest first while they fit; one decode call; then each
+// step's answer (sampled token or boundary rows), forwarded downstream on a chained session,
+// and server-side generation's next row.
+#include "worker/errors.h"
+#include "worker/scheduler.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace dgr::worker {
+
+namespace {
+double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+}  // namespace
+
+void Scheduler::run_batch() {
+    const uint32_t B = opts_.max_batch_tokens;
+    const uint32_t decode_cap = prefill_q_.empty() ? B : B - opts_.max_prefill_chunk_tokens;
+    std::vector<std::unique_ptr<Work>> items;
+    uint32_t rows = 0;
+    while (!decode_q_.empty() && rows + 1 <= decode_cap) {
+        items.push_back(std::move(decode_q_.front()));
+        decode_q_.pop_front();
+        rows += 1;
+    }
+    while (!prefill_q_.empty() && rows + prefill_q_.front()->n <= B) {
+        rows += prefill_q_.front()->n;
+        items.push_back(std::move(prefill_q_.front()));
+        prefill_q_.pop_front();
+    }
+    if (items.empty()) return;
+    // rows ordered by sequence id: with one KV stream per sequence llama.cpp puts only
+    // consecutive increasing sequence ids into one ubatch (split_equal, sequential)
+    std::vector<Session *> sess(items.size());
+    for (size_t k = 0; k < items.size(); ++k) sess[k] = table_.find(items[k]->session_id);
+    {
+        std::vector<size_t> order(items.size());
+        for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+        std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sess[a]->seq < sess[b]->seq; });
+        std::vector<std::unique_ptr<Work>> sorted_items(items.size());
+        std::vector<Session *> sorted_sess(items.size());
+        for (size_t k = 0; k < order.size(); ++k) {
+            sorted_items[k] = std::move(items[order[k]]);
+            sorted_sess[k] = sess[order[k]];
+        }
+        items.swap(sorted_items);
+        sess.swap(sorted_sess);
+    }
+    DecodeBatch batch;
+    std::vector<int32_t> last_row(items.size());
+    std::vector<int32_t> first_row(items.size());
+    const uint32_t E = info_.n_embd;
+    uint64_t n_prefill = 0, n_decode = 0;
+    const auto now = Clock::now();
+    for (size_t k = 0; k < items.size(); ++k) {
+        Work & w = *items[k];
+        Session * s = sess[k];
+        first_row[k] = batch.n_rows();
+        metrics_.queue_wait.observe(std::chrono::duration<double>(now - w.t_ready).count());
+        for (uint32_t i = 0; i < w.n; ++i) {
+            if (info_.head) {
+                batch.tokens.push_back(w.tokens[i]);
+            } else {
+                batch.embd.insert(batch.embd.end(), w.rows.begin() + (size_t) i * E, w.rows.begin() + (size_t) (i + 1) * E);
+            }
+            batch.pos.push_back((int32_t) (w.pos0 + i));
+            batch.seq.push_back(s->seq);
+            batch.output.push_back(info_.tail ? (i + 1 == w.n && w.sample) : 1);
+        }
+        last_row[k] = batch.n_rows() - 1;
+        (w.decode ? n_decode : n_prefill) += w.n;
+    }
+    std::string err;
+    const auto t_dec = Clock::now();
+    const BackendStatus st = backend_.decode(batch, &err);
+    const double took = seconds_since(t_dec);
+    metrics_.busy_seconds = metrics_.busy_seconds.load() + took;
+    if (n_prefill == 0) last_decode_s_ = last_decode_s_ > 0.0 ? 0.8 * last_decode_s_ + 0.2 * took : took;
+    if (st != BackendStatus::ok) {
+        std::fprintf(stderr, "dgr-worker: decode of %d rows failed: %s\n", batch.n_rows(), err.c_str());
+        return fail_batch(items, sess, st, err);
+    }
+    metrics_.batches++;
+    metrics_.batch_rows += (uint64_t) batch.n_rows();
+    if (n_prefill == 0) {
+        metrics_.decode_only_busy_seconds = metrics_.decode_only_busy_seconds.load() + took;
+        metrics_.decode_only_batches++;
+        metrics_.decode_only_rows += n_decode;
+    }
+    metrics_.batch_occupancy.observe((double) items.size());
+    metrics_.prefill_tokens += n_prefill;
+    metrics_.decode_tokens += n_decode;
+    for (size_t k = 0; k < items.size(); ++k) {
+        Work & w = *items[k];
+        Session & s = *sess[k];
+        s.positions += w.n;
+        table_.kv_used += w.n;
+        table_.kv_reserved -= s.reserved;
+        s.reserved = 0;
+        s.busy = false;
+        s.decoding = w.decode;
+        s.last_step = (int64_t) w.header.step();
+        s.last_used = Clock::now();
+        int32_t sampled = -1;
+        bool finished = false;
+        pb::SessionResponse r = answer_of(w, s, first_row[k], last_row[k], &sampled, &finished);
+        if (s.chain.down) {  // chained route: the answer comes from downstream
+            forward(s, w, r);
+            continue;
+        }
+        s.stored = r;
+        s.has_stored = true;
+        metrics_.steps++;
+        metrics_.step_latency.observe(seconds_since(w.t0));
+        if (!w.internal) queued_--;
+        if (s.sink) {
+            if (holds_answer(s, w.internal, finished)) {
+                s.sink->hold(std::move(r), s.gen.per_answer);
+            } else {
+                s.sink->deliver(std::move(r), false, grpc::Status::OK, !w.internal);
+            }
+        }
+        if (s.gen.active) {
+            if (sampled >= 0) {
+                continue_generation(s, w.header, sampled, finished);
+            } else {
+                s.gen.active = false;
+            }
+        }
+    }
+}
+
+pb::SessionResponse Scheduler::answer_of(Work & w, Session & s, int32_t first_row, int32_t last_row, int32_t * sampled,
+                                         bool * finished) {
+    pb::SessionResponse r;
+    *r.mutable_header() = w.header;
+    r.mutable_header()->set_cached_positions(s.positions);
+    auto * ck = r.mutable_header()->mutable_payload_checksum();
+    ck->set_algorithm(pb::CHECKSUM_ALGORITHM_CRC32);
+    if (!info_.tail) {
+        const uint32_t E = info_.n_embd;
+        std::vector<float> out((size_t) w.n * E);
+        for (uint32_t i = 0; i < w.n; ++i) {
+            const float * row = backend_.output_row(first_row + (int32_t) i);
+            std::copy(row, row + E, out.begin() + (size_t) i * E);
+        }
+        *r.mutable_boundary() = bundle::boundary_bundle(out.data(), w.n, E, opts_.max_fragment_bytes);
+        // one tensor: the payload (its fragments in order) is the tensor's bytes
+        ck->set_value(r.boundary().tensors(0).checksum().value());
+        return r;
+    }
+    auto * tail = r.mutable_tail();
+    if (!w.sample) {
+        ck->set_value(0);
+        return r;
+    }
+    const float * logits = backend_.output_row(last_row);
+    SampleResult sr = sample_logits(logits, (int32_t) info_.n_vocab, s.sampling, s.rng);
+    auto * t = tail->add_tokens();
+    t->set_token_id(sr.token);
+    t->set_position(w.pos0 + w.n);
+    if (s.sampling.top_logprobs > 0) {
+        t->set_logprob(sr.logprob);
+        for (auto & p : sr.top) {
+            auto * tl = t->add_top_logprobs();
+            tl->set_token_id(p.first);
+            tl->set_logprob(p.second);
+        }
+    }
+    // ignore_eog: EOG tokens are ordinary tokens; explicit stop tokens still finish
+    if (!s.sampling.ignore_eog && backend_.is_eog(sr.token)) {
+        t->set_finish_reason(pb::FINISH_REASON_EOG);
+    } else if (std::find(s.sampling.stop_token_ids.begin(), s.sampling.stop_token_ids.end(), sr.token) !=
+               s.sampling.stop_token_ids.end()) {
+        t->set_finish_reason(pb::FINISH_REASON_STOP_TOKEN);
+    }
+    ck->set_value(bundle::tokens_crc(&sr.token, 1));
+    *sampled = sr.token;
+    *finished = t->finish_reason() != pb::FINISH_REASON_UNSPECIFIED;
+    return r;
+}
+
+void Scheduler::fail_batch(std::vector<std::unique_ptr<Work>> & items, std::vector<Session *> & sess, BackendStatus st,
+                           const std::string & err) {
+    for (size_t k = 0; k < items.size(); ++k) {
+        Work & w = *items[k];
+        Session & s = *sess[k];
+        auto sink = s.sink;
+        if (st == BackendStatus::resource_exhausted) {
+            s.busy = false;
+            s.gen.active = false;
+            table_.kv_reserved -= s.reserved;
+            s.reserved = 0;
+            backend_.seq_rm(s.seq, (int32_t) s.positions, -1);
+            pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET, "no KV slot for the batch: " + err);
+            e.set_limit(opts_.kv_cells);
+            if (sink) {
+                answer_error(*sink, w.header, e, w.t0, pb::CACHE_RESULT_UNSPECIFIED, w.internal);
+            } else if (!w.internal) {
+                queued_--;
+            }
+        } else {
+            drop_session(w.session_id, EndKind::released);
+            if (!w.internal) queued_--;  // this popped item (drop_session counts only queued ones)
+            if (sink) {
+                pb::SessionResponse r;
+                *r.mutable_header() = w.header;
+                const pb::ShardError e = make_error(pb::ERROR_REASON_INTERNAL, "decode failed: " + err, true);
+                *r.mutable_error() = e;
+                sink->deliver(std::move(r), true, status_with(grpc::StatusCode::INTERNAL, "decode failed", e));
+            }
+        }
+    }
+}
+
+}  // namespace dgr::worker

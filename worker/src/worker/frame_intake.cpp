@@ -1,0 +1,416 @@
+// One SessionRequest frame on the scheduler thread: the validator's stages (common/bundle.h)
+// around the session-state checks, then admission and queueing. The order of the checks, and
+// so the reason a frame with several faults gets, is:
+//   header (kind, schema, fingerprint, range, compression, phase, session id, epoch) ->
+//   stream binding -> session state (epoch, tombstone, replay, step order, cache expectation)
+//   -> positions held -> rows (position range, DECODE one row, chunk limit) -> TRUNCATE/RELEASE
+//   -> positions budget -> input (sampling, role, token count, vocabulary, payload checksum)
+//   -> bundle assembly -> downstream hops, generate -> admission (sessions, KV cells).
+#include "worker/errors.h"
+#include "worker/scheduler.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace dgr::worker {
+
+namespace {
+
+double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+SamplingConfig to_config(const pb::SamplingParams & p) {
+    SamplingConfig c;
+    c.stochastic = p.mode() == pb::SAMPLING_MODE_STOCHASTIC;
+    c.temperature = p.temperature();
+    c.top_k = p.top_k();
+    c.top_p = p.top_p();
+    c.min_p = p.min_p();
+    c.seed = p.seed();
+    c.top_logprobs = p.top_logprobs();
+    c.ignore_eog = p.ignore_eog();
+    c.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+    return c;
+}
+
+}  // namespace
+
+// The fields of one frame (StepFrame or FastDecodeFrame) and the header its answer gets.
+struct Scheduler::Intake {
+    const pb::SessionRequest & req;
+    const bool fast;
+    const pb::StepFrame * sf;  // null for a FastDecodeFrame
+    std::string sid;
+    uint64_t epoch = 0, step = 0;
+    pb::Phase phase = pb::PHASE_UNSPECIFIED;
+    uint32_t p0 = 0, p1 = 0;
+    pb::CacheExpectationKind expect = pb::CACHE_EXPECTATION_KIND_UNSPECIFIED;
+    uint32_t expect_pos = 0;
+    pb::ResponseHeader hdr;
+
+    explicit Intake(const pb::SessionRequest & r)
+        : req(r), fast(r.has_fast_decode()), sf(r.has_step() ? &r.step() : nullptr) {
+        hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
+        if (fast) {
+            const auto & f = req.fast_decode();
+            sid = f.session_id();
+            epoch = f.route_epoch();
+            step = f.step();
+            phase = pb::PHASE_DECODE;
+            p0 = f.position();
+            p1 = p0 + 1;
+            expect = pb::CACHE_EXPECTATION_KIND_POSITION;
+            expect_pos = p0;
+            hdr.set_request_id(f.request_id());
+        } else if (sf) {
+            const auto & h = sf->header();
+            sid = h.session_id();
+            epoch = h.route_epoch();
+            step = h.step();
+            phase = h.phase();
+            p0 = h.positions().start();
+            p1 = h.positions().end();
+            expect = h.cache_expectation().kind();
+            expect_pos = h.cache_expectation().position();
+            hdr.set_request_id(h.request_id());
+        } else {
+            return;  // refused by the header check
+        }
+        hdr.set_session_id(sid);
+        hdr.set_route_epoch(epoch);
+        hdr.set_step(step);
+        hdr.set_phase(phase);
+        hdr.mutable_positions()->set_start(p0);
+        hdr.mutable_positions()->set_end(p1);
+        hdr.set_compression(pb::COMPRESSION_NONE);
+    }
+    bool rows_phase() const { return phase == pb::PHASE_PREFILL || phase == pb::PHASE_DECODE; }
+};
+
+void Scheduler::on(FrameEvent & ev) {
+    StreamSink & sink = *ev.sink;
+    Intake in(*ev.req);
+    auto refuse = [&](const bundle::ProtocolError & pe) { answer_error(sink, in.hdr, make_error(pe), ev.t0); };
+    auto fail = [&](pb::ErrorReason r, const std::string & msg, pb::CacheResult cache = pb::CACHE_RESULT_UNSPECIFIED) {
+        answer_error(sink, in.hdr, make_error(r, msg), ev.t0, cache);
+    };
+    if (auto e = bundle::check_header(in.req, &cap_, /*whole_range=*/true)) return refuse(*e);
+    if (sink.bound_session.empty()) {
+        sink.bound_session = in.sid;
+    } else if (sink.bound_session != in.sid) {
+        return fail(pb::ERROR_REASON_BAD_REQUEST, "one stream serves one session id");
+    }
+
+    Session * s = table_.find(in.sid);
+    bool opening = false;
+    if (!check_session_state(ev, in, s, &opening)) return;
+    const uint32_t held = opening ? 0 : s->positions;
+    if (in.rows_phase() && in.p0 != held && !(opening && in.p0 == 0)) {
+        pb::ShardError e = make_error(pb::ERROR_REASON_POSITION_GAP, "positions.start must equal the positions held");
+        e.set_cached_positions(held);
+        return answer_error(sink, in.hdr, e, ev.t0, pb::CACHE_RESULT_STALE);
+    }
+    in.hdr.set_cache_result(pb::CACHE_RESULT_HIT);
+    if (auto e = bundle::check_rows(in.req, &cap_)) return refuse(*e);
+
+    if (!in.rows_phase()) {
+        if (opening) return fail(pb::ERROR_REASON_BAD_REQUEST, "nothing to release or truncate in a new epoch");
+        return phase_without_input(ev, in, *s);
+    }
+
+    // ---- PREFILL / DECODE ----
+    const uint32_t n = in.p1 - in.p0;
+    if ((uint64_t) held + n > opts_.max_session_positions) {
+        pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET, "the session would exceed max_session_positions");
+        e.set_limit(opts_.max_session_positions);
+        metrics_.rejected_kv++;
+        return answer_error(sink, in.hdr, e, ev.t0);
+    }
+    const pb::StepFrame * sf = in.sf;
+    // the sampling contract applies on the tail, and on a Shard that passes it downstream
+    const bool sampling_applies =
+        !in.fast && sf->has_sampling() && (info_.tail || sf->downstream_size() > 0 || (s && s->chain.down));
+    if (auto e = bundle::check_input(in.req, &cap_, sampling_applies)) return refuse(*e);
+
+    auto w = std::make_unique<Work>();
+    w->session_id = in.sid;
+    w->decode = in.phase == pb::PHASE_DECODE;
+    w->pos0 = in.p0;
+    w->n = n;
+    w->sample = in.fast ? true : sf->sample();
+    w->t0 = ev.t0;
+    if (!take_input(ev, in, s, opening, *w)) return;
+
+    // ---- chained route and server-side generation ----
+    const bool chain_req = !in.fast && opening && sf->downstream_size() > 0;
+    if (chain_req) {
+        if (auto e = check_hops(*sf)) return refuse(*e);
+    }
+    const bool gen_req = !in.fast && sf->has_generate();
+    if (gen_req) {
+        if (!info_.head) return fail(pb::ERROR_REASON_BAD_REQUEST, "StepFrame.generate is for head Shards");
+        if (!w->sample) return fail(pb::ERROR_REASON_BAD_REQUEST, "StepFrame.generate needs sample = true");
+        const bool chained = chain_req || (s && !opening && s->chain.down);
+        if (!info_.tail && !chained) {
+            return fail(pb::ERROR_REASON_BAD_REQUEST,
+                        "StepFrame.generate needs the route's tail: this worker is not the tail and the session has no downstream");
+        }
+    }
+
+    // ---- admission: session slot and KV cells ----
+    if (!make_room(n, opening, in.sid)) {
+        const bool sessions_full = opening && table_.full();
+        pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET,
+                                      sessions_full ? "max sessions reached; retry later or elsewhere"
+                                                    : "KV cells budget exhausted; retry later or elsewhere");
+        e.set_limit(sessions_full ? opts_.max_sessions : opts_.kv_cells);
+        (sessions_full ? metrics_.rejected_sessions : metrics_.rejected_kv)++;
+        return answer_error(sink, in.hdr, e, ev.t0);
+    }
+    if (opening) {
+        if (s) {
+            // a newer epoch supersedes the older one: its stream (if another) ends
+            auto old_sink = s->sink;
+            pb::ResponseHeader oh;
+            oh.set_schema_version(pb::SCHEMA_VERSION_V1);
+            oh.set_session_id(in.sid);
+            oh.set_route_epoch(s->epoch);
+            drop_session(in.sid, EndKind::released);
+            if (old_sink && old_sink != ev.sink) {
+                pb::SessionResponse r;
+                *r.mutable_header() = oh;
+                pb::ShardError e = make_error(pb::ERROR_REASON_STALE_EPOCH, "superseded by a newer epoch", true);
+                e.set_current_epoch(in.epoch);
+                *r.mutable_error() = e;
+                old_sink->deliver(std::move(r), true,
+                                  status_with(grpc::StatusCode::ABORTED, "superseded by a newer epoch", e));
+            }
+        }
+        s = &table_.open(in.sid, in.epoch);
+        s->effective_start = info_.layer_start;
+        s->sink = ev.sink;
+        metrics_.sessions_opened++;
+        publish_gauges();
+    }
+    s->sink = ev.sink;
+    if (chain_req) open_chain(*s, *sf);
+    if (sampling_applies) {
+        const SamplingConfig sampling = to_config(sf->sampling());
+        if (info_.tail) {
+            if (opening || sampling.seed != s->sampling.seed) s->rng.seed(sampling.seed);
+            s->sampling = sampling;
+        } else if (opening) {
+            s->rng.seed(0);
+        }
+        if (s->chain.down) s->chain.fwd_sampling = std::make_unique<pb::SamplingParams>(sf->sampling());
+    } else if (opening) {
+        s->rng.seed(0);
+    }
+    if (gen_req) {
+        s->gen.active = true;
+        s->gen.left = std::max<uint32_t>(1, sf->generate().max_tokens());
+        s->gen.continue_after_finish = sf->generate().continue_after_finish();
+        s->gen.per_answer = std::max<uint32_t>(1, sf->generate().tokens_per_answer());
+    }
+    s->busy = true;
+    s->reserved = n;
+    s->last_used = Clock::now();
+    table_.kv_reserved += n;
+    w->generation = s->generation;
+    w->header = in.hdr;
+    w->header.mutable_computed_range()->set_start(s->effective_start);
+    w->header.mutable_computed_range()->set_end(info_.layer_end);
+    w->t_ready = Clock::now();
+    (w->decode ? decode_q_ : prefill_q_).push_back(std::move(w));
+}
+
+bool Scheduler::check_session_state(FrameEvent & ev, Intake & in, Session * s, bool * opening) {
+    StreamSink & sink = *ev.sink;
+    auto fail = [&](pb::ErrorReason r, const std::string & msg, pb::CacheResult cache = pb::CACHE_RESULT_UNSPECIFIED) {
+        answer_error(sink, in.hdr, make_error(r, msg), ev.t0, cache);
+        return false;
+    };
+    auto fail_with = [&](const pb::ShardError & e, pb::CacheResult cache = pb::CACHE_RESULT_UNSPECIFIED) {
+        answer_error(sink, in.hdr, e, ev.t0, cache);
+        return false;
+    };
+    if (s && in.epoch < s->epoch) {
+        pb::ShardError e = make_error(pb::ERROR_REASON_STALE_EPOCH, "a newer epoch of this session exists");
+        e.set_current_epoch(s->epoch);
+        return fail_with(e, pb::CACHE_RESULT_STALE);
+    }
+    if (!s) {
+        const Tombstone * t = table_.tombstone(in.sid);
+        if (t && in.epoch < t->epoch) {
+            pb::ShardError e = make_error(pb::ERROR_REASON_STALE_EPOCH, "a newer epoch of this session existed");
+            e.set_current_epoch(t->epoch);
+            return fail_with(e, pb::CACHE_RESULT_STALE);
+        }
+        if (t && in.epoch == t->epoch) {
+            if (t->kind == EndKind::evicted) {
+                return fail(pb::ERROR_REASON_CACHE_MISS,
+                            "the session's state was evicted (TTL/LRU); restart with a new epoch", pb::CACHE_RESULT_MISS);
+            }
+            return fail(pb::ERROR_REASON_SESSION_RELEASED, "this epoch of the session was released; open a new epoch");
+        }
+        if (in.expect != pb::CACHE_EXPECTATION_KIND_EMPTY) {
+            if (in.expect == pb::CACHE_EXPECTATION_KIND_POSITION && !in.fast) {
+                return fail(pb::ERROR_REASON_CACHE_MISS, "no state for this session and epoch", pb::CACHE_RESULT_MISS);
+            }
+            return fail(pb::ERROR_REASON_UNKNOWN_SESSION,
+                        "no state for this session id; open it with CACHE_EXPECTATION_KIND_EMPTY");
+        }
+        *opening = true;
+    } else if (in.epoch > s->epoch) {
+        if (in.expect != pb::CACHE_EXPECTATION_KIND_EMPTY) {
+            return fail(pb::ERROR_REASON_CACHE_MISS, "a new epoch must open with CACHE_EXPECTATION_KIND_EMPTY",
+                        pb::CACHE_RESULT_MISS);
+        }
+        *opening = true;
+    } else {
+        // the same (session, epoch); on a second stream only replays make sense
+        if (!s->chain.failed.empty()) {
+            const std::string why = down_label(*s) + ": " + s->chain.failed;
+            drop_session(in.sid, EndKind::released);
+            const pb::ShardError e = make_error(pb::ERROR_REASON_UNAVAILABLE, why, true);
+            pb::SessionResponse r;
+            *r.mutable_header() = in.hdr;
+            *r.mutable_error() = e;
+            metrics_.step_errors++;
+            queued_--;
+            sink.deliver(std::move(r), true, status_with(grpc::StatusCode::UNAVAILABLE, why, e));
+            return false;
+        }
+        if (s->gen.active) {
+            return fail(pb::ERROR_REASON_BAD_REQUEST,
+                        "the session is generating (StepFrame.generate): wait for its last token, or cancel it");
+        }
+        if (s->busy) return fail(pb::ERROR_REASON_BAD_REQUEST, "a step of this session is already queued");
+        const bool partial_of_step = s->partial && s->partial->step == in.step;
+        if ((int64_t) in.step == s->last_step && s->has_stored && !partial_of_step) {
+            pb::SessionResponse r = s->stored;
+            r.mutable_header()->set_replayed(true);
+            metrics_.replayed_steps++;
+            metrics_.step_latency.observe(seconds_since(ev.t0));
+            queued_--;
+            s->last_used = Clock::now();
+            sink.deliver(std::move(r));
+            return false;
+        }
+        if ((int64_t) in.step != s->last_step + 1) {
+            pb::ShardError e = make_error(pb::ERROR_REASON_STEP_OUT_OF_ORDER,
+                                          "step must be last_step + 1 (or a replay of last_step)");
+            e.set_last_step(s->last_step < 0 ? 0 : (uint64_t) s->last_step);
+            return fail_with(e);
+        }
+        if (in.expect == pb::CACHE_EXPECTATION_KIND_EMPTY) {
+            pb::ShardError e = make_error(pb::ERROR_REASON_CACHE_MISS, "the session is already open for this epoch");
+            e.set_cached_positions(s->positions);
+            return fail_with(e, pb::CACHE_RESULT_STALE);
+        }
+        if (in.expect == pb::CACHE_EXPECTATION_KIND_POSITION && in.expect_pos != s->positions) {
+            pb::ShardError e = make_error(pb::ERROR_REASON_CACHE_MISS, "the worker holds a different number of positions");
+            e.set_cached_positions(s->positions);
+            return fail_with(e, pb::CACHE_RESULT_STALE);
+        }
+    }
+    if (*opening) {
+        if (in.step != 0) return fail_with(make_error(pb::ERROR_REASON_STEP_OUT_OF_ORDER, "the first step of an epoch is 0"));
+        if (draining_) return fail(pb::ERROR_REASON_UNAVAILABLE, "the worker is draining; open the session elsewhere");
+        if (in.fast) return fail(pb::ERROR_REASON_BAD_REQUEST, "a session opens with a full StepFrame");
+    }
+    return true;
+}
+
+void Scheduler::phase_without_input(FrameEvent & ev, Intake & in, Session & s) {
+    StreamSink & sink = *ev.sink;
+    if (in.phase == pb::PHASE_TRUNCATE && s.chain.down) {
+        return answer_error(sink, in.hdr,
+                            make_error(pb::ERROR_REASON_BAD_REQUEST,
+                                       "TRUNCATE is not supported on a chained session; open a new epoch"),
+                            ev.t0);
+    }
+    pb::SessionResponse r;
+    if (in.phase == pb::PHASE_RELEASE) {
+        drop_session(in.sid, EndKind::released);
+        in.hdr.set_cached_positions(0);
+    } else {
+        if (in.p0 > s.positions) {
+            return answer_error(sink, in.hdr,
+                                make_error(pb::ERROR_REASON_BAD_REQUEST, "truncation point beyond the positions held"),
+                                ev.t0);
+        }
+        backend_.seq_rm(s.seq, (int32_t) in.p0, -1);
+        table_.kv_used -= s.positions - in.p0;
+        s.positions = in.p0;
+        s.last_step = (int64_t) in.step;
+        in.hdr.set_cached_positions(in.p0);
+    }
+    in.hdr.mutable_payload_checksum()->set_algorithm(pb::CHECKSUM_ALGORITHM_CRC32);
+    in.hdr.mutable_payload_checksum()->set_value(0);
+    *r.mutable_header() = in.hdr;
+    if (in.phase == pb::PHASE_TRUNCATE) {
+        s.stored = r;
+        s.has_stored = true;
+        s.last_used = Clock::now();
+    }
+    metrics_.steps++;
+    metrics_.step_latency.observe(seconds_since(ev.t0));
+    queued_--;
+    sink.deliver(std::move(r));
+}
+
+bool Scheduler::take_input(FrameEvent & ev, Intake & in, Session * s, bool opening, Work & w) {
+    StreamSink & sink = *ev.sink;
+    if (info_.head) {
+        if (in.fast) {
+            w.tokens.push_back(in.req.fast_decode().token_id());
+        } else {
+            w.tokens.assign(in.sf->tokens().token_ids().begin(), in.sf->tokens().token_ids().end());
+        }
+        return true;
+    }
+    const pb::TensorBundle & b = in.fast ? in.req.fast_decode().bundle() : in.sf->bundle();
+    std::unique_ptr<PartialStep> local;
+    PartialStep * part = nullptr;
+    if (s && !opening && s->partial && s->partial->step == in.step) {
+        part = s->partial.get();
+    } else {
+        local = std::make_unique<PartialStep>();
+        local->step = in.step;
+        local->assembler = bundle::Assembler(bundle::Limits{opts_.max_message_bytes, opts_.max_fragment_bytes});
+        local->assembler.expect_only(bundle::kResidual, pb::TENSOR_DTYPE_F32, {w.n, info_.n_embd});
+        part = local.get();
+    }
+    if (auto e = part->assembler.add(b)) {
+        if (s && !local) s->partial.reset();
+        answer_error(sink, in.hdr, make_error(*e), ev.t0);
+        return false;
+    }
+    if (!part->assembler.complete()) {
+        if (opening) {
+            answer_error(sink, in.hdr,
+                         make_error(pb::ERROR_REASON_BAD_REQUEST, "the opening step's bundle must arrive in one frame"),
+                         ev.t0);
+            return false;
+        }
+        if (local) s->partial = std::move(local);
+        queued_--;
+        sink.resume();
+        return false;
+    }
+    std::vector<bundle::Tensor> tensors;
+    auto e = part->assembler.finish(&tensors);
+    if (s && !local) s->partial.reset();
+    if (e) {
+        answer_error(sink, in.hdr, make_error(*e), ev.t0);
+        return false;
+    }
+    const std::vector<uint8_t> & bytes = tensors[0].data;
+    w.rows.resize(bytes.size() / sizeof(float));
+    std::memcpy(w.rows.data(), bytes.data(), bytes.size());
+    return true;
+}
+
+}  // namespace dgr::worker

@@ -1,0 +1,94 @@
+#include "worker/session_table.h"
+
+#include <algorithm>
+#include <functional>
+
+namespace dgr::worker {
+
+namespace {
+double idle_s(Clock::time_point now, const Session & s) {
+    return std::chrono::duration<double>(now - s.last_used).count();
+}
+}  // namespace
+
+SessionTable::SessionTable(uint32_t max_sessions, uint32_t max_tombstones)
+    : max_sessions_(max_sessions), max_tombstones_(max_tombstones) {
+    for (int32_t s = (int32_t) max_sessions - 1; s >= 0; --s) free_seqs_.push_back(s);
+}
+
+Session * SessionTable::find(const std::string & id) {
+    auto it = sessions_.find(id);
+    return it == sessions_.end() ? nullptr : it->second.get();
+}
+
+const Session * SessionTable::find(const std::string & id) const {
+    auto it = sessions_.find(id);
+    return it == sessions_.end() ? nullptr : it->second.get();
+}
+
+const Tombstone * SessionTable::tombstone(const std::string & id) const {
+    auto it = tombstones_.find(id);
+    return it == tombstones_.end() ? nullptr : &it->second;
+}
+
+Session & SessionTable::open(const std::string & id, uint64_t epoch) {
+    auto s = std::make_unique<Session>();
+    s->id = id;
+    s->epoch = epoch;
+    s->seq = free_seqs_.back();
+    free_seqs_.pop_back();
+    s->generation = next_generation_++;
+    Session & ref = *s;
+    sessions_[id] = std::move(s);
+    return ref;
+}
+
+std::unique_ptr<Session> SessionTable::remove(const std::string & id, EndKind kind) {
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) return nullptr;
+    std::unique_ptr<Session> s = std::move(it->second);
+    sessions_.erase(it);
+    kv_used -= s->positions;
+    kv_reserved -= s->reserved;
+    free_seqs_.push_back(s->seq);
+    // lowest id first (back of a descending list): active sessions stay on consecutive ids
+    std::sort(free_seqs_.begin(), free_seqs_.end(), std::greater<int32_t>());
+    remember(id, s->epoch, kind);
+    return s;
+}
+
+void SessionTable::remember(const std::string & id, uint64_t epoch, EndKind kind) {
+    if (tombstones_.find(id) == tombstones_.end()) tomb_order_.push_back(id);
+    tombstones_[id] = Tombstone{epoch, kind};
+    while (tomb_order_.size() > max_tombstones_) {
+        tombstones_.erase(tomb_order_.front());
+        tomb_order_.pop_front();
+    }
+}
+
+Session * SessionTable::lru_idle(Clock::time_point now, double min_idle_s, const std::string & except) {
+    Session * lru = nullptr;
+    for (auto & kv : sessions_) {
+        Session & s = *kv.second;
+        if (s.busy || s.id == except || idle_s(now, s) < min_idle_s) continue;
+        if (!lru || s.last_used < lru->last_used) lru = &s;
+    }
+    return lru;
+}
+
+std::vector<std::string> SessionTable::expired(Clock::time_point now, double ttl_s) const {
+    std::vector<std::string> out;
+    for (const auto & kv : sessions_) {
+        if (!kv.second->busy && idle_s(now, *kv.second) >= ttl_s) out.push_back(kv.first);
+    }
+    return out;
+}
+
+std::vector<std::string> SessionTable::ids() const {
+    std::vector<std::string> out;
+    out.reserve(sessions_.size());
+    for (const auto & kv : sessions_) out.push_back(kv.first);
+    return out;
+}
+
+}  // namespace dgr::worker

@@ -1,0 +1,134 @@
+// The session table (Hot KV State bookkeeping): the open sessions, keyed by session id, with
+// their llama sequence ids (a pool, lowest id first), the tombstones of ended sessions (for
+// precise errors: released vs evicted vs stale), KV cell accounting, and the TTL / LRU choice of
+// sessions to evict. Owned and used by the scheduler thread only; nothing here touches the
+// model or a stream (the scheduler frees a session's KV and answers its stream).
+#pragma once
+
+#include "common/bundle.h"
+#include "worker/downstream.h"
+#include "worker/sampling.h"
+#include "worker/stream_sink.h"
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace dgr::worker {
+
+using Clock = std::chrono::steady_clock;
+
+// How a session ended (its tombstone): the next frame of that epoch gets SESSION_RELEASED,
+// CACHE_MISS (evicted) or SESSION_RELEASED (cancelled).
+enum class EndKind { released, evicted, cancelled };
+
+struct Tombstone {
+    uint64_t epoch = 0;
+    EndKind  kind  = EndKind::released;
+};
+
+// A step whose boundary bundle arrives over several frames.
+struct PartialStep {
+    uint64_t          step = 0;
+    bundle::Assembler assembler;
+};
+
+// Chained route: this worker sends its boundary output to the next Shard itself.
+struct ChainState {
+    std::shared_ptr<DownstreamLink> down;
+    pb::ChainHop                    hop;
+    std::vector<pb::ChainHop>       rest;        // carried by the opening forwarded frame
+    uint64_t                        step = 0;    // next step number downstream
+    bool                            opened = false;
+    bool                            colocated = false;  // every hop is on this host (shares our cores)
+    std::string                     failed;      // the link ended: the next frame gets this error
+    std::unique_ptr<pb::SamplingParams> fwd_sampling;  // goes with the next forwarded StepFrame
+    // a forwarded step waits for the route's answer, answered with this header
+    bool                 awaiting = false;
+    pb::ResponseHeader   pending_header;
+    bool                 pending_internal = false;
+    Clock::time_point    pending_t0;
+    Clock::time_point    sent_t0;                 // the forwarded frame left for the next Shard (hop latency)
+    bool                 sent_decode = false;
+};
+
+// Server-side generation (StepFrame.generate).
+struct GenerationState {
+    bool     active = false;
+    uint32_t left = 0;           // responses still to give, the one in flight included
+    bool     continue_after_finish = false;
+    uint32_t per_answer = 1;     // GenerateParams.tokens_per_answer (>= 1)
+};
+
+struct Session {
+    std::string id;
+    uint64_t    epoch = 0;
+    uint64_t    generation = 0;  // unique per opened session: late downstream events are matched by it
+    int32_t     seq = -1;
+    uint32_t    positions = 0;
+    uint32_t    effective_start = 0;
+    int64_t     last_step = -1;
+    // the last completed step's answer (replayed when the step is resent)
+    bool                has_stored = false;
+    pb::SessionResponse stored;
+    SamplingConfig      sampling;
+    SamplingRng         rng;
+    std::shared_ptr<StreamSink> sink;
+    Clock::time_point   last_used;
+    bool     busy = false;      // a step is queued or in the batch
+    bool     decoding = false;  // its last completed step was a DECODE (a next one is likely)
+    uint32_t reserved = 0;      // KV cells reserved by the queued step
+    std::unique_ptr<PartialStep> partial;
+    ChainState      chain;
+    GenerationState gen;
+};
+
+class SessionTable {
+public:
+    SessionTable(uint32_t max_sessions, uint32_t max_tombstones);
+
+    Session * find(const std::string & id);
+    const Session * find(const std::string & id) const;
+    const Tombstone * tombstone(const std::string & id) const;
+    size_t size() const { return sessions_.size(); }
+    bool full() const { return sessions_.size() >= max_sessions_; }
+
+    // Opens a session on the lowest free sequence id (the caller checked !full()).
+    Session & open(const std::string & id, uint64_t epoch);
+    // Removes a session and leaves its tombstone; the caller frees its KV and answers its stream.
+    std::unique_ptr<Session> remove(const std::string & id, EndKind kind);
+
+    // The least recently used session idle for at least `min_idle_s`, neither busy nor `except`.
+    Session * lru_idle(Clock::time_point now, double min_idle_s, const std::string & except);
+    // Sessions idle (and not busy) for at least `ttl_s`.
+    std::vector<std::string> expired(Clock::time_point now, double ttl_s) const;
+
+    template <class F> void for_each(F && f) {
+        for (auto & kv : sessions_) f(*kv.second);
+    }
+    template <class F> void for_each(F && f) const {
+        for (const auto & kv : sessions_) f(static_cast<const Session &>(*kv.second));
+    }
+    std::vector<std::string> ids() const;
+
+    // KV cells: held by all sessions' positions, and reserved by queued steps.
+    uint64_t kv_used = 0;
+    uint64_t kv_reserved = 0;
+
+private:
+    void remember(const std::string & id, uint64_t epoch, EndKind kind);
+
+    uint32_t max_sessions_;
+    uint32_t max_tombstones_;
+    std::unordered_map<std::string, std::unique_ptr<Session>> sessions_;
+    std::unordered_map<std::string, Tombstone> tombstones_;
+    std::deque<std::string> tomb_order_;
+    std::vector<int32_t> free_seqs_;  // descending: the lowest id at the back
+    uint64_t next_generation_ = 1;
+};
+
+}  // namespace dgr::worker
