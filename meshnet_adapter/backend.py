@@ -31,7 +31,7 @@ Interface (every method is thread-safe; failures the node can hit are :class:`Ba
 Supervision: a monitor thread checks the process and grpc.health.v1 every
 ``health_period_s``; a dead or unhealthy worker is restarted under :class:`RestartPolicy`
 (at most ``max_restarts`` within ``window_s``, exponential backoff). Sessions held by a worker
-that died are marked ``failed`` in telemetry — Hot KV State is never recovered (DESIGN §4.5);
+that died are marked ``failed`` in telemetry — Hot KV State is never recovered;
 the route restarts from token zero. Worker stdout/stderr go to ``log_path``.
 """
 
@@ -47,7 +47,7 @@ import numpy as np
 
 from dgr.errors import DgrError
 from dgr.protocol import client as client_mod
-from dgr.route.supervisor import WorkerProcess, WorkerStartError, default_binary
+from dgr.route.supervisor import WorkerArgs, WorkerProcess, WorkerStartError, default_binary
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 
 from .registration import Capacity, ShardRegistration, make_registration
@@ -226,19 +226,15 @@ class GgufShardBackend:
         self.events: list[str] = []
 
     # ---- process supervision ----
-    def _args(self) -> list[str]:
+    def _args(self) -> WorkerArgs:
         c = self.config
-        args = ["--layers", f"{c.start}:{c.end}", "--max-sessions", str(c.max_sessions),
-                "--ctx-per-session", str(c.ctx_per_session)]
+        common = dict(layers=(c.start, c.end), max_sessions=c.max_sessions, ctx_per_session=c.ctx_per_session,
+                      threads=c.threads or None, extra=tuple(c.extra_args))
         if c.fake:
-            args = ["--fake-model", "--n-layer", str(c.fake_n_layer), *args]
-        else:
-            args = ["--model", str(c.model), *args]
-            if self._recipe is not None:
-                args += ["--fingerprint", self._recipe.fingerprint(), "--artifact-id", self._recipe.artifact_id]
-        if c.threads:
-            args += ["--threads", str(c.threads)]
-        return args + list(c.extra_args)
+            return WorkerArgs(fake_model=True, n_layer=c.fake_n_layer, **common)
+        ident = {} if self._recipe is None else dict(fingerprint=self._recipe.fingerprint(),
+                                                     artifact_id=self._recipe.artifact_id)
+        return WorkerArgs(model=c.model, **ident, **common)
 
     def _spawn(self) -> None:
         c = self.config

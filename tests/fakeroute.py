@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from dgr.route.supervisor import WorkerProcess
+from dgr.route.supervisor import WorkerArgs, WorkerProcess
 
 # the fake routes the fixtures start: whole [0:8), 0:4|4:8, and 0:3|3:5|5:8 with a small
 # prefill chunk on the middle shard (so prompts go in several chunks)
@@ -13,7 +13,7 @@ FAKE_RANGES = {"0:4": (), "4:8": (), "0:3": (), "3:5": ("--max-prefill-chunk", "
 
 
 def start_fake(native_bin: Path, *args: str) -> WorkerProcess:
-    return WorkerProcess.start(["--fake-model", *args], binary=native_bin / "dgr-worker")
+    return WorkerProcess.start(WorkerArgs(fake_model=True, extra=args), binary=native_bin / "dgr-worker")
 
 
 def start_fake_routes(native_bin: Path) -> dict[str, WorkerProcess]:

@@ -69,10 +69,30 @@ def test_architecture_mismatch() -> None:
 
 
 def test_unknown_architecture_fails_closed_even_if_registered_certified() -> None:
-    q = recipe(arch_adapter="qwen3")
-    reg = Registry((entry(arch_adapter="qwen3"),))
+    q = recipe(arch_adapter="qwen2")
+    reg = Registry((entry(arch_adapter="qwen2"),))
     d = decide(cap_recipe=q, req_recipe=q, registry=reg)
     assert not d.admitted and Reason.ARCHITECTURE_UNSUPPORTED in d.reasons
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_packaged_registry_keeps_qwen3_dark_with_its_reason(arch: str) -> None:
+    # Qwen3 / Qwen3-MoE have adapters but no real-model certification: dark, with the reason
+    q = recipe(arch_adapter=arch)
+    d = decide(cap_recipe=q, req_recipe=q, registry=load_registry())
+    assert d.reasons == {Reason.RECIPE_DARK}
+    (why,) = [r.detail for r in d.rejections]
+    assert f"recipe {arch}-v1-f32wire-f16kv is registered but dark" in why and "waits on a real" in why
+    assert "dgr accept DGR-015 --model" in why
+
+
+def test_packaged_registry_certifies_gemma3_on_cpu_only() -> None:
+    g = recipe(arch_adapter="gemma3")
+    reg = load_registry()
+    e = reg.lookup(g)
+    assert e is not None and e.status == "certified" and e.evidence == "evidence/DGR-015"
+    assert decide(cap_recipe=g, req_recipe=g, registry=reg).admitted
+    assert reg.routable(g) and not reg.routable(g.with_(backend="vulkan"))
 
 
 @pytest.mark.parametrize("cap_range,req_range", [((0, 15), (0, 16)), ((15, 30), (10, 30)), ((0, 15), (15, 30)),
@@ -134,7 +154,7 @@ def test_every_reason_is_reported_at_once() -> None:
 
 
 def test_packaged_registry_keeps_uncertified_llama_dark() -> None:
-    # Nothing is certified until a real distributed forward leaves evidence (DESIGN.md §2).
+    # Nothing is certified until a real distributed forward leaves evidence.
     reg = load_registry()
     d = admit(ShardCapability(recipe(), 0, 15, N_LAYER), RouteRequest(recipe(), 0, 15, N_LAYER), reg)
     e = reg.lookup(recipe())

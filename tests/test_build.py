@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pathlib import Path
 
 from dgr.upstream import build as build_mod
 from dgr.upstream import patchstack
@@ -36,6 +37,7 @@ def test_old_vulkan_headers_are_explained(tmp_path, monkeypatch):
     inc.mkdir(parents=True)
     (inc / "vulkan_core.h").write_text("#define VK_HEADER_VERSION 239\n")
     monkeypatch.setenv("DGR_VULKAN_PREFIX", str(tmp_path))
+    # the system side is present (no apt from a unit test); only the prefix's headers are old
     monkeypatch.setattr(vulkan_sdk, "missing_system_packages", lambda: [])
     monkeypatch.setattr(vulkan_sdk, "loader_library", lambda: Path("/usr/lib/libvulkan.so.1"))
     monkeypatch.setattr(vulkan_sdk.shutil, "which", lambda name: "/usr/bin/" + name)

@@ -302,3 +302,16 @@ def test_chain_client_helpers_drive_a_chained_head(fake_workers):
         got += s.decode_generate(got[-1], 8)
         s.release()
     assert got == ref
+
+
+def test_every_hop_of_a_chained_route_reports_a_measured_round_trip(fake_workers):
+    """The driver times its hop to the head; each worker times its own hop downstream
+    (dgr_chain_hop_seconds_total / dgr_chain_replies_total): no hop reads 0 in a chained route."""
+    from dgr.route.sessions import run_sessions
+
+    rep = asyncio.run(run_sessions(_eps(fake_workers, "3-shard"), [""] * 2, token_prompts=PROMPTS[:2],
+                                   max_tokens=12, stop_on_eog=False, chain=True, tokens_per_answer=1))
+    assert rep.mode == "chained" and rep.ok
+    hops = rep.hop_decode_rtt_s
+    assert len(hops) == 3 and all(h > 0 for h in hops), hops
+    assert all(len(s.hop_decode_rtt_s) == 3 for s in rep.sessions)

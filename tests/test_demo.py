@@ -172,11 +172,12 @@ def fake_local(monkeypatch):
     return events, calls, fake_measure
 
 
-def test_run_local_measures_llama_after_every_worker_stopped(fake_local):
+def test_run_local_measures_llama_after_every_worker_stopped(fake_local, caplog):
     events, calls, _ = fake_local
-    logs: list[str] = []
+    caplog.set_level("INFO", logger="dgr.route.run")
     res = route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], list(sessions.DEFAULT_PROMPTS), max_tokens=12, parity=True,
-                       llama_baseline=True, log=logs.append)
+                       llama_baseline=True)
+    logs = caplog.messages
     assert res.llama is SERVER and res.llama_error is None and res.parity.ok
     # the same prompts, answer length and threads as the route
     assert calls == [dict(model=Path("/m.gguf"), threads=os.cpu_count(), prompts=list(sessions.DEFAULT_PROMPTS),
@@ -203,12 +204,13 @@ def test_run_local_without_baseline_does_not_measure(fake_local):
     assert "llama.cpp" not in report.summary_table(res)
 
 
-def test_a_failing_baseline_is_recorded_and_printed_not_raised(fake_local):
+def test_a_failing_baseline_is_recorded_and_printed_not_raised(fake_local, caplog):
     _, calls, measure = fake_local
     measure.result = DgrError("llama-server exited (1): error: unknown argument --no-webui")
-    logs: list[str] = []
+    caplog.set_level("INFO", logger="dgr.route.run")
     res = route_run.run_local(Path("/m.gguf"), [(0, 15), (15, 30)], ["a", "b"], max_tokens=4, parity=True,
-                       llama_baseline=True, log=logs.append)
+                       llama_baseline=True)
+    logs = caplog.messages
     assert res.llama is None and res.llama_error == "llama-server exited (1): error: unknown argument --no-webui"
     assert f"{NOT_MEASURED}llama-server exited (1): error: unknown argument --no-webui)" in report.summary_table(res)
     assert any("not measured" in m for m in logs)
@@ -261,9 +263,10 @@ def test_demo_runs_to_completion_with_parity_and_table(smollm2_path, native_bin,
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "greedy parity vs whole model: OK" in p.stdout and "concurrent isolation: OK" in p.stdout
     for col in ("TTFT ms", "prefill tok/s", "decode tok/s", "route  aggregate", "whole model on 1 dgr-worker  aggregate",
-                "seam bytes per decode token", "KV peak", SERVER_1, SERVER_AGG, "llama-server (4)",
-                "same chat prompts"):
+                "seam bytes per decode token", "KV peak", SERVER_1, SERVER_AGG, "llama-server (4)"):
         assert col in p.stdout, col
+    # the footnote is wrapped to the table's width: compare its words, not its line breaks
+    assert "same chat prompts" in " ".join(p.stdout.split())
     assert NOT_MEASURED not in p.stdout
     assert p.stdout.count("assistant:") == 4
     doc = json.loads(out.read_text())
@@ -280,3 +283,18 @@ def test_demo_runs_to_completion_with_parity_and_table(smollm2_path, native_bin,
     assert [r["sessions"] for r in llama["rows"]] == [1, 4] and llama["peak_rss_bytes"] > 0
     assert all(r["ttft_s"] > 0 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["kv_bytes"] > 0
                for r in llama["rows"])
+
+
+@pytest.mark.real
+@pytest.mark.native
+def test_demo_runs_gemma3_270m(gemma3_path, native_bin, tmp_path):
+    """`dgr demo --model gemma3-270m`: the packaged Gemma 3 split in halves, greedy parity OK."""
+    out = tmp_path / "demo.json"
+    p = subprocess.run([sys.executable, "-m", "dgr.main", "demo", "--model", "gemma3-270m", "--max-tokens", "12",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "greedy parity vs whole model: OK" in p.stdout and "concurrent isolation: OK" in p.stdout
+    doc = json.loads(out.read_text())
+    assert doc["parity"]["ok"] and [w["range"] for w in doc["route"]["workers"]] == ["0:9", "9:18"]
+    assert Path(doc["model"]) == gemma3_path
+    assert 0 < doc["route"]["seam_bytes_per_decode_token"] <= 2 * 640 * 4 + 256

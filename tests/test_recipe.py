@@ -190,6 +190,18 @@ def test_cli_recipe_json(tmp_path: Path) -> None:
     assert out["routable"] is R.load_registry().routable(R.recipe_for(src, runtime=RUNTIME, progress=False))
 
 
+def test_every_certified_recipe_names_passing_evidence_in_the_repo() -> None:
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    for e in R.load_registry().entries:
+        if e.status != "certified":
+            continue
+        results = root / e.evidence / "results.json"
+        assert results.is_file(), f"{e.name}: {results} missing"
+        assert json.loads(results.read_text())["verdict"] == "pass", e.name
+
+
 def test_certified_entries_follow_from_their_evidence() -> None:
     """The packaged registry: every certified entry's evidence passed, and a mixed plan's drift
     is within the tolerance the entry states (otherwise the entry must stay dark)."""

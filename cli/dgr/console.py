@@ -1,9 +1,58 @@
-"""Console output: progress for long work (hashing, downloading, building) on stderr."""
+"""Console output on stderr: log setup for the `dgr` command and progress for long work.
+
+Logic modules log through ``logging.getLogger(__name__)``; results a command prints go to
+stdout and never through logging. :func:`setup_logging` is called once by the root command:
+``-q`` shows warnings and errors only, the default adds info lines, ``-v`` adds debug lines.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
+
+# The loggers the command configures (third-party libraries keep their own defaults).
+PROJECT_LOGGERS = ("dgr", "meshnet_adapter")
+
+
+def verbosity_level(verbose: bool, quiet: bool) -> int:
+    """The logging level for ``-v``/``-q`` (``-q`` wins when both are given)."""
+    if quiet:
+        return logging.WARNING
+    return logging.DEBUG if verbose else logging.INFO
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Plain lines to whatever ``sys.stderr`` is at emit time (test runners swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Send log records to stderr: rich's handler on a terminal, plain lines otherwise (so CI
+    logs and evidence transcripts stay one record per line). The handler sits on the root
+    logger; only the project's loggers get ``level`` (third-party libraries keep warnings)."""
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(
+            console=Console(stderr=True), show_time=False, show_path=level <= logging.DEBUG,
+            markup=False, rich_tracebacks=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = _StderrHandler(sys.stderr)
+        fmt = "%(levelname)s %(name)s: %(message)s" if level <= logging.DEBUG else "%(message)s"
+        handler.setFormatter(logging.Formatter(fmt))
+    handler.set_name("dgr-console")
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if h.get_name() == "dgr-console"]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    for name in PROJECT_LOGGERS:
+        logging.getLogger(name).setLevel(level)
 
 
 class Progress:

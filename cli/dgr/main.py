@@ -51,8 +51,14 @@ def root(
         False, "--version", callback=_version_callback, is_eager=True,
         help="Print the dgr version, the pinned llama.cpp commit and the patch-series digest.",
     ),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show debug log lines (on stderr)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q",
+                               help="Show only warnings and errors on stderr; results on stdout are unchanged."),
 ) -> None:
     """dgr - distributed GGUF runtime toolkit."""
+    from .console import setup_logging, verbosity_level
+
+    setup_logging(verbosity_level(verbose, quiet))
 
 
 def _register() -> None:
@@ -67,7 +73,8 @@ def _register() -> None:
     app.add_typer(gguf.app, name="gguf", help="Inspect, fingerprint, slice and verify GGUF files; synthetic models.")
     from .commands import worker
     app.add_typer(worker.app, name="worker", help="Serve one Shard with the native dgr-worker (gRPC).")
-    app.add_typer(accept.app, name="accept", help="Run an acceptance story and write its evidence folder.")
+    # a plain command, so options may follow the story id (`dgr accept DGR-014 --backend cpu`)
+    app.command("accept", help="Run an acceptance story (or --all) and write its evidence folder.")(accept.accept)
     app.add_typer(proto_cmd.app, name="proto", help="Shard protocol: generate/check Python code, golden vectors.")
     from .commands import bench
     app.add_typer(bench.app, name="bench", help="Measure against baselines (JSON out); check results against the contract.")

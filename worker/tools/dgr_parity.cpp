@@ -59,10 +59,13 @@ struct Args {
 
 // ---------------------------------------------------------------------------- logging
 
+// the KV caches a context created, summed over its llama_kv_cache size lines (an interleaved
+// sliding-window model such as Gemma 3 has two: the global and the SWA cache)
 struct KvLog {
     double mib = 0.0;
-    long cells = -1;
-    long layers = -1;
+    long cells = -1;        // the largest cache's cells
+    long layers = -1;       // layers over all caches
+    long cell_layers = 0;   // sum of cells x layers over all caches
 };
 
 bool g_verbose = false;
@@ -82,7 +85,10 @@ void log_cb(ggml_log_level level, const char * text, void *) {
             unsigned cells = 0;
             int layers = 0;
             if (std::sscanf(p, "llama_kv_cache: size = %lf MiB (%u cells, %d layers", &mib, &cells, &layers) == 3) {
-                g_kv = {mib, (long) cells, (long) layers};
+                g_kv.mib += mib;
+                g_kv.cells = std::max(g_kv.cells, (long) cells);
+                g_kv.layers = std::max(g_kv.layers, 0L) + layers;
+                g_kv.cell_layers += (long) cells * layers;
             }
         }
         const char * q = std::strstr(line.c_str(), "model buffer size =");
@@ -437,10 +443,18 @@ std::string mem_json(const ProcMem & m) {
 }
 
 std::string kv_json(const KvLog & kv, const dgr::ShardModel & model) {
-    // f16 K and V (the context defaults): cells x layers x (k + v) x 2 bytes
-    const long long n_embd_gqa = (long long) model.n_embd() / llama_model_n_head(model.get()) *
-                                 llama_model_n_head_kv(model.get());
-    const long long bytes = kv.cells < 0 ? -1 : kv.cells * kv.layers * 2 * n_embd_gqa * 2;
+    // f16 K and V (the context defaults): cells x layers x (k + v) x head_dim x n_head_kv x 2 bytes;
+    // the head dim is <arch>.attention.key_length where the model sets it (Gemma 3, Qwen3)
+    long long head_dim = (long long) model.n_embd() / llama_model_n_head(model.get());
+    char arch[64] = {0};
+    char key_length[32] = {0};
+    if (llama_model_meta_val_str(model.get(), "general.architecture", arch, sizeof arch) > 0 &&
+        llama_model_meta_val_str(model.get(), (std::string(arch) + ".attention.key_length").c_str(),
+                                 key_length, sizeof key_length) > 0) {
+        head_dim = std::atoll(key_length);
+    }
+    const long long n_embd_gqa = head_dim * llama_model_n_head_kv(model.get());
+    const long long bytes = kv.cells < 0 ? -1 : (long long) kv.cell_layers * 2 * n_embd_gqa * 2;
     return std::string("{\"kv_cells\":") + std::to_string(kv.cells) + ",\"kv_layers\":" + std::to_string(kv.layers) +
            ",\"kv_bytes\":" + std::to_string(bytes) + ",\"kv_mib_logged\":" + jnum(kv.mib) + "}";
 }

@@ -4,6 +4,11 @@ results.json (raw metrics) and environment.json (host, CPU, OS, compiler, backen
 digest, package versions). Every number in it comes from the run; nothing is hand-written.
 
 Stories live in ``dgr.accept.stories.<module>`` and register themselves with :func:`story`.
+
+Every run records the dgr git commit it ran at and whether the tree had changes outside the
+evidence folders (``git_dirty``); evidence from a dirty tree says so at the top of its README.
+After each run ``evidence/README.md`` is regenerated: one row per evidence folder (story,
+verdict, lane, date, commit).
 """
 
 from __future__ import annotations
@@ -103,18 +108,25 @@ class Story:
     lane: str
     fn: Callable[[StoryContext], None]
     needs_model: bool
+    default_model: str | None = None  # a name of dgr.models.MODEL_NAMES (None: the embedded SmolLM2)
+    in_all: bool = True          # False: `--all` leaves it out (named runs only), see ``all_note``
+    all_note: str = ""
 
 
 _REGISTRY: dict[str, Story] = {}
 
 
-def story(story_id: str, title: str, *, lane: str = "local-real", needs_model: bool = False):
-    """Register an acceptance scenario."""
+def story(story_id: str, title: str, *, lane: str = "local-real", needs_model: bool = False,
+          default_model: str | None = None, in_all: bool = True, all_note: str = ""):
+    """Register an acceptance scenario (``default_model``: the packaged model it runs without --model).
+    ``in_all=False`` keeps it out of `dgr accept --all` (``all_note`` says why; e.g. a story whose
+    evidence is a locked contract)."""
     if lane not in LANES:
         raise ValueError(f"lane must be one of {LANES}")
 
     def deco(fn: Callable[[StoryContext], None]):
-        _REGISTRY[story_id.upper()] = Story(story_id.upper(), title, lane, fn, needs_model)
+        _REGISTRY[story_id.upper()] = Story(story_id.upper(), title, lane, fn, needs_model, default_model,
+                                            in_all, all_note)
         return fn
 
     return deco
@@ -152,7 +164,25 @@ def _cmd_out(cmd: list[str]) -> str:
         return ""
 
 
-def environment_manifest(backend: str = "cpu", model: Path | None = None) -> dict[str, Any]:
+def git_state(root: Path | None = None, *, ignore: tuple[str, ...] = ("evidence",)) -> dict[str, Any]:
+    """The commit the tree is at and whether it has changes (tracked or untracked, not ignored)
+    outside ``ignore`` (evidence folders are written by the run itself)."""
+    root = root or paths.repo_root()
+    commit = _cmd_out(["git", "-C", str(root), "rev-parse", "HEAD"])
+    if not commit:
+        return {"git_commit": None, "git_dirty": None, "git_dirty_paths": []}
+    spec = ["--", "."] + [f":(exclude){p}" for p in ignore]
+    try:  # porcelain lines start with a 2-column status (leading blanks matter: no strip)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=normal", *spec],
+                                capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {"git_commit": commit, "git_dirty": None, "git_dirty_paths": []}
+    changed = [ln[3:] for ln in status.splitlines() if ln.strip()]
+    return {"git_commit": commit, "git_dirty": bool(changed), "git_dirty_paths": changed[:20]}
+
+
+def environment_manifest(backend: str = "cpu", model: Path | None = None,
+                         git: dict[str, Any] | None = None) -> dict[str, Any]:
     from ..upstream import patchstack
     from ..upstream import pin as pin_mod
 
@@ -182,6 +212,7 @@ def environment_manifest(backend: str = "cpu", model: Path | None = None) -> dic
         "patch_series_digest": patchstack.default_stack().series_digest(),
         "packages": _pkg_versions(),
         "ci": os.environ.get("CI") == "true",
+        **(git if git is not None else git_state()),
     }
     worker = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
     if worker.is_file():
@@ -216,9 +247,10 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str = "cp
     out_root = out_root or (paths.repo_root() / "evidence")
     out_dir = out_root / key
     if st.needs_model and model is None:
-        from ..gguf.models import default_model_path
+        from ..gguf.models import default_model_path, resolve_model
 
-        model = default_model_path()
+        model = resolve_model(st.default_model) if st.default_model else default_model_path()
+    git = git_state()   # the commit the run starts at (and whether the tree is dirty then)
     with tempfile.TemporaryDirectory(prefix=f"dgr-{key}-") as tmp:
         ctx = StoryContext(key, out_dir, Path(tmp), st.lane, backend=backend, model=model)
         t0 = time.monotonic()
@@ -236,7 +268,7 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str = "cp
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    env = environment_manifest(backend, model)
+    env = environment_manifest(backend, model, git)
     (out_dir / "environment.json").write_text(json.dumps(env, indent=2, sort_keys=True) + "\n")
     (out_dir / "commands.txt").write_text("\n".join(ctx.commands) + "\n")
     results = {
@@ -249,7 +281,69 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str = "cp
     for name, text in ctx.attachments.items():
         (out_dir / name).write_text(text)
     (out_dir / "README.md").write_text(_readme(st, ctx, ok, env, elapsed, error))
+    write_index(out_root)
     return ok, out_dir
+
+
+def run_all(out_root: Path | None = None, *, backend: str = "cpu", model: Path | None = None,
+            progress: Callable[[str], None] | None = None) -> list[tuple[str, bool, Path]]:
+    """Every registered story (except those registered with ``in_all=False``), in id order; one
+    story's failure does not stop the others."""
+    out = []
+    stories = [s for s in registered() if s.in_all]
+    for st in registered():
+        if not st.in_all and progress:
+            progress(f"skipping {st.story_id}: {st.all_note or 'named runs only'}")
+    for i, st in enumerate(stories, 1):
+        if progress:
+            progress(f"[{i}/{len(stories)}] {st.story_id}: {st.title}")
+        ok, d = run_story(st.story_id, out_root, backend=backend, model=model)
+        out.append((st.story_id, ok, d))
+    return out
+
+
+INDEX_HEADER = ("# Evidence\n\nGenerated by `dgr accept` after every run (do not edit by hand). One row per "
+                "evidence folder: its latest verdict, lane, when it ran and the dgr commit it ran at "
+                "(\"dirty\": the tree had uncommitted changes outside evidence/ when it ran).\n")
+
+
+def index_rows(out_root: Path) -> list[dict[str, Any]]:
+    """One row per evidence folder under ``out_root`` (read from its results/environment JSON)."""
+    rows = []
+    for d in sorted(p for p in out_root.iterdir() if p.is_dir() and (p / "results.json").is_file()):
+        try:
+            res = json.loads((d / "results.json").read_text())
+            env = json.loads((d / "environment.json").read_text()) if (d / "environment.json").is_file() else {}
+        except (OSError, json.JSONDecodeError):
+            rows.append({"story": d.name, "verdict": "unreadable", "lane": "", "date": "", "commit": ""})
+            continue
+        commit = env.get("git_commit")
+        if not commit:  # written before runs recorded their commit: say when the evidence was committed
+            at = _cmd_out(["git", "-C", str(out_root), "log", "-1", "--format=%h", "--", str(d / "results.json")])
+            commit = f"not recorded (evidence committed in {at})" if at else "not recorded"
+        rows.append({"story": res.get("story", d.name), "title": res.get("title", ""),
+                     "verdict": str(res.get("verdict", "?")).upper(), "lane": res.get("lane", ""),
+                     "date": env.get("timestamp_utc", ""), "commit": commit, "dirty": env.get("git_dirty")})
+    return rows
+
+
+def render_index(rows: list[dict[str, Any]]) -> str:
+    lines = [INDEX_HEADER, "| story | verdict | lane | date (UTC) | commit | title |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        commit = r["commit"] if r["commit"].startswith("not recorded") else r["commit"][:12]
+        if r.get("dirty"):
+            commit += " (dirty)"
+        title = str(r.get("title", "")).replace("|", "\\|")
+        lines.append(f"| [{r['story']}]({r['story']}/README.md) | {r['verdict']} | {r['lane']} | {r['date']} | "
+                     f"{commit} | {title} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_index(out_root: Path) -> Path:
+    out_root.mkdir(parents=True, exist_ok=True)
+    path = out_root / "README.md"
+    path.write_text(render_index(index_rows(out_root)))
+    return path
 
 
 def _readme(st: Story, ctx: StoryContext, ok: bool, env: dict, elapsed: float, error: str | None) -> str:
@@ -258,11 +352,17 @@ def _readme(st: Story, ctx: StoryContext, ok: bool, env: dict, elapsed: float, e
         "",
         f"Written by `dgr accept {st.story_id}` — do not edit by hand; re-run the command instead.",
         "",
+    ]
+    if env.get("git_dirty"):
+        lines += [f"> **Dirty tree**: this run's tree at {env.get('git_commit')} had uncommitted changes "
+                  f"({', '.join(env.get('git_dirty_paths') or [])}); these results are not tied to a commit.", ""]
+    lines += [
         f"- **Verdict: {'PASS' if ok else 'FAIL'}**",
         f"- Lane: {st.lane}",
         f"- Ran: {env['timestamp_utc']} on {env['host']} ({env['cpu']}, {env['cpu_count']} CPUs), "
         f"backend {env['backend']}" + (f" (device {env['device']})" if env.get("device") else "") + f", {elapsed:.0f}s",
         f"- llama.cpp pin {env['pin_commit']}, patch series {env['patch_series_digest']}, dgr {env['dgr_version']}",
+        f"- dgr commit {env.get('git_commit') or 'not recorded'}" + (" (dirty tree)" if env.get("git_dirty") else ""),
     ]
     if env.get("model_artifact_id"):
         lines.append(f"- Model: {env.get('model_file')} (artifact {env['model_artifact_id']})")

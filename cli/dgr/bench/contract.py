@@ -3,7 +3,7 @@
 A contract holds the lanes, the hardware class, the baseline metrics it was measured from, the
 **thresholds** later results must meet and an explicit **stop condition** for the native GGUF
 track. Thresholds are ratios against baselines measured *in the same later run* (this hardware
-is shared and noisy, DESIGN.md §8), except where a bound is absolute by nature (failures, seam
+is shared and noisy), except where a bound is absolute by nature (failures, seam
 bytes per token, drift bounds taken from this run's measured cross-runtime parity).
 
 Later results (``dgr.bench.results/1``) name three blocks measured side by side::

@@ -10,79 +10,15 @@ Every subprocess is timed and its peak RSS taken with ``wait4``.
 from __future__ import annotations
 
 import json
-import os
-import shlex
-import subprocess
-import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..upstream import build
 from ..errors import DgrError
+from . import llama_tools
+from .llama_tools import CommandLog, Measured, run_measured  # noqa: F401 - re-exported for the lanes
 
 PROBE_NAME = "dgr-llama-probe"
-
-
-@dataclass
-class Measured:
-    argv: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-    wall_seconds: float
-    peak_rss_bytes: int
-
-    @property
-    def shown(self) -> str:
-        return " ".join(shlex.quote(a) for a in self.argv)
-
-
-@dataclass
-class CommandLog:
-    """Every command a baseline run executed (written into the results JSON)."""
-    entries: list[dict[str, Any]] = field(default_factory=list)
-
-    def add(self, m: Measured) -> None:
-        self.entries.append({"command": m.shown, "exit": m.returncode,
-                             "wall_seconds": round(m.wall_seconds, 3), "peak_rss_bytes": m.peak_rss_bytes})
-
-
-def run_measured(argv: list[str | Path], *, env: dict | None = None, timeout: float = 1800,
-                 log: CommandLog | None = None, cwd: Path | None = None) -> Measured:
-    """Run a command to completion, returning its output, wall time and peak RSS (wait4)."""
-    args = [str(a) for a in argv]
-    out_f = tempfile.TemporaryFile()
-    err_f = tempfile.TemporaryFile()
-    t0 = time.monotonic()
-    try:
-        proc = subprocess.Popen(args, stdout=out_f, stderr=err_f, env=dict(os.environ, **(env or {})), cwd=cwd)
-    except FileNotFoundError as exc:
-        raise DgrError(f"cannot run {args[0]}: {exc}") from None
-    deadline = t0 + timeout
-    rusage = None
-    status = 0
-    while True:
-        pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.monotonic() > deadline:
-            proc.kill()
-            _, status, rusage = os.wait4(proc.pid, 0)
-            break
-        time.sleep(0.02)
-    wall = time.monotonic() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    out_f.seek(0)
-    err_f.seek(0)
-    m = Measured(args, proc.returncode, out_f.read().decode(errors="replace"),
-                 err_f.read().decode(errors="replace"), wall, int(rusage.ru_maxrss) * 1024 if rusage else 0)
-    out_f.close()
-    err_f.close()
-    if log is not None:
-        log.add(m)
-    return m
 
 
 def backend_for(device: str) -> str:
@@ -108,19 +44,16 @@ def probe_binary(backend: str = "cpu") -> Path:
 def llama_bench(model: Path, *, threads: int, device: str, n_prompt: int, n_gen: int, reps: int,
                 log: CommandLog) -> dict[str, Any]:
     exe = build.tool_binary("llama-bench", backend_for(device))
-    m = run_measured([exe, "-m", model, "-t", str(threads), "-ngl", gpu_layers(device), "-p", str(n_prompt),
-                      "-n", str(n_gen), "-r", str(reps), "-o", "json"], log=log)
-    if m.returncode != 0:
-        raise DgrError(f"llama-bench failed (exit {m.returncode}): {m.stderr.strip()[-300:]}")
-    rows = json.loads(m.stdout[m.stdout.index("["):])
+    rows, m = llama_tools.llama_bench(exe, model, threads=threads, n_prompt=n_prompt, n_gen=n_gen, reps=reps,
+                                      gpu_layers=gpu_layers(device), log=log)
     out: dict[str, Any] = {"peak_rss_bytes": m.peak_rss_bytes}
     for r in rows:
-        if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0:
-            out["pp_tokens_per_second"] = r["avg_ts"]
-            out["pp_stddev"] = r.get("stddev_ts")
-        elif r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0:
-            out["tg_tokens_per_second"] = r["avg_ts"]
-            out["tg_stddev"] = r.get("stddev_ts")
+        if r.is_prefill:
+            out["pp_tokens_per_second"] = r.avg_ts
+            out["pp_stddev"] = r.stddev_ts
+        elif r.is_decode:
+            out["tg_tokens_per_second"] = r.avg_ts
+            out["tg_stddev"] = r.stddev_ts
     if "pp_tokens_per_second" not in out or "tg_tokens_per_second" not in out:
         raise DgrError("llama-bench printed no pp/tg rows")
     return out
@@ -130,24 +63,13 @@ def batched_bench(model: Path, *, threads: int, device: str, n_prompt: int, n_ge
                   concurrency: list[int], log: CommandLog) -> dict[str, Any]:
     exe = build.tool_binary("llama-batched-bench", backend_for(device))
     n_ctx = max(concurrency) * (n_prompt + n_gen) + 64
-    m = run_measured([exe, "-m", model, "-t", str(threads), "-ngl", gpu_layers(device), "-c", str(n_ctx),
-                      "-b", "2048", "-ub", "512", "-npp", str(n_prompt), "-ntg", str(n_gen),
-                      "-npl", ",".join(map(str, concurrency)), "--output-format", "jsonl"], log=log)
-    if m.returncode != 0:
-        raise DgrError(f"llama-batched-bench failed (exit {m.returncode}): {m.stderr.strip()[-300:]}")
-    rows = {}
-    for line in (m.stdout + "\n" + m.stderr).splitlines():
-        line = line.strip()
-        if line.startswith("{") and '"speed_tg"' in line:
-            r = json.loads(line)
-            rows[int(r["pl"])] = r
-    missing = [c for c in concurrency if c not in rows]
-    if missing:
-        raise DgrError(f"llama-batched-bench printed no rows for concurrency {missing}")
+    rows, m = llama_tools.batched_bench(exe, model, threads=threads, n_prompt=n_prompt, n_gen=n_gen,
+                                        npl=concurrency, ctx=n_ctx, batch=2048, ubatch=512,
+                                        gpu_layers=gpu_layers(device), log=log)
     return {"peak_rss_bytes": m.peak_rss_bytes,
-            "by_concurrency": {str(c): {"decode_tokens_per_second": rows[c]["speed_tg"],
-                                        "prefill_tokens_per_second": rows[c]["speed_pp"],
-                                        "total_tokens_per_second": rows[c]["speed"]} for c in concurrency}}
+            "by_concurrency": {str(c): {"decode_tokens_per_second": rows[c].speed_tg,
+                                        "prefill_tokens_per_second": rows[c].speed_pp,
+                                        "total_tokens_per_second": rows[c].speed} for c in concurrency}}
 
 
 # ---- the probe -----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """`dgr bench route`: a 2-shard route against whole-model llama.cpp, in one run, same model and
-threads (DESIGN §8: ratios measured side by side, never absolute times).
+threads (ratios measured side by side, never absolute times).
 
 Measured, interleaved per repeat so machine noise hits both sides alike; the chained route at
 each concurrency is bracketed by its yardstick (llama-bench at 1 session, llama-batched-bench at
@@ -236,19 +236,18 @@ def _llama_bench(model: Path, threads: int, n_prompt: int, n_gen: int, repeats: 
     SmolLM2, about 30 % at 512), so tg from an empty cache would flatter the yardstick."""
     from ..upstream.build import tool_binary
 
+    from .llama_tools import llama_bench
+
     exe = tool_binary("llama-bench", backend)
-    base = [str(exe), "-m", str(model), "-t", str(threads), "-r", str(repeats), "-o", "json"]
-    cmds = [base + ["-p", str(n_prompt), "-n", "0"], base + ["-p", "0", "-n", str(n_gen), "-d", str(n_prompt)]]
-    rows = []
-    for cmd in cmds:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if p.returncode != 0:
-            raise DgrError(f"llama-bench failed: {p.stderr.strip()[-300:]}")
-        rows.extend(json.loads(p.stdout))
-    pp = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
-    tg = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
-    return {"command": " ; ".join(" ".join(c) for c in cmds), "pp_tok_s": pp["avg_ts"], "tg_tok_s": tg["avg_ts"],
-            "tg_depth": tg.get("n_depth", n_prompt), "pp_stddev": pp.get("stddev_ts"), "tg_stddev": tg.get("stddev_ts")}
+    pp_rows, pp_m = llama_bench(exe, model, threads=threads, n_prompt=n_prompt, n_gen=0, reps=repeats)
+    tg_rows, tg_m = llama_bench(exe, model, threads=threads, n_prompt=0, n_gen=n_gen, reps=repeats, depth=n_prompt)
+    try:
+        pp = next(r for r in pp_rows if r.is_prefill)
+        tg = next(r for r in tg_rows if r.is_decode)
+    except StopIteration:
+        raise DgrError("llama-bench printed no pp/tg rows") from None
+    return {"command": " ; ".join((pp_m.shown, tg_m.shown)), "pp_tok_s": pp.avg_ts, "tg_tok_s": tg.avg_ts,
+            "tg_depth": tg.n_depth or n_prompt, "pp_stddev": pp.stddev_ts, "tg_stddev": tg.stddev_ts}
 
 
 def _yardstick(model: Path, threads: int, cfg: RouteBenchConfig, sessions: int) -> dict[str, Any]:
@@ -296,16 +295,13 @@ def _batched_bench(model: Path, threads: int, n_prompt: int, n_gen: int, npl: tu
                    backend: str) -> dict[str, Any]:
     from ..upstream.build import tool_binary
 
+    from .llama_tools import batched_bench
+
     exe = tool_binary("llama-batched-bench", backend)
     ctx = max(2048, (n_prompt + n_gen) * max(npl) + 64)
-    cmd = [str(exe), "-m", str(model), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(n_prompt),
-           "-ntg", str(n_gen), "-npl", ",".join(map(str, npl)), "-t", str(threads), "--output-format", "jsonl"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if p.returncode != 0:
-        raise DgrError(f"llama-batched-bench failed: {p.stderr.strip()[-300:]}")
-    rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
-    return {"command": " ".join(cmd),
-            "by_batch": {str(r["pl"]): {"pp_tok_s": r["speed_pp"], "tg_tok_s": r["speed_tg"]} for r in rows}}
+    rows, m = batched_bench(exe, model, threads=threads, n_prompt=n_prompt, n_gen=n_gen, npl=npl, ctx=ctx, batch=2048)
+    return {"command": m.shown,
+            "by_batch": {str(b): {"pp_tok_s": r.speed_pp, "tg_tok_s": r.speed_tg} for b, r in rows.items()}}
 
 
 def _floor_summary(floor_runs: dict[int, list[dict[str, Any]]], route_runs: dict[int, list[dict[str, Any]]],

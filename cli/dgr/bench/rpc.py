@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import DgrError
+from .llama_tools import parse_llama_bench, run_measured
 
 HOST = "127.0.0.1"
 Split = Sequence[tuple[int, int]]
@@ -193,13 +194,16 @@ def check_placement(load: dict[str, Any], split: Split, endpoints: Sequence[str]
 
 
 def parse_bench_json(stdout: str) -> dict[str, Any]:
-    rows = json.loads(stdout)
-    pp = next((r for r in rows if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0), None)
-    tg = next((r for r in rows if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0), None)
+    """pp/tg from the typed rows (:func:`dgr.bench.llama_tools.parse_llama_bench`), and how
+    llama-bench placed the model (devices, split) from its first raw row."""
+    typed = parse_llama_bench(stdout)
+    pp = next((r for r in typed if r.is_prefill), None)
+    tg = next((r for r in typed if r.is_decode), None)
+    rows = json.loads(stdout[stdout.index("["):])
     first = rows[0] if rows else {}
     return {
-        "pp_tok_s": pp["avg_ts"] if pp else None, "tg_tok_s": tg["avg_ts"] if tg else None,
-        "pp_stddev": pp.get("stddev_ts") if pp else None, "tg_stddev": tg.get("stddev_ts") if tg else None,
+        "pp_tok_s": pp.avg_ts if pp else None, "tg_tok_s": tg.avg_ts if tg else None,
+        "pp_stddev": pp.stddev_ts if pp else None, "tg_stddev": tg.stddev_ts if tg else None,
         "devices": first.get("devices"), "backends": first.get("backends"),
         "bench_tensor_split": first.get("tensor_split"), "n_gpu_layers": first.get("n_gpu_layers"),
         "split_mode": first.get("split_mode"), "n_threads": first.get("n_threads"),
@@ -372,15 +376,13 @@ def measure_rpc(model: Path, *, threads: int, n_prompt: int, n_gen: int, repeats
             cmd = bench_command(bench_exe, model, endpoints, ts, threads=threads, n_prompt=n_prompt,
                                 n_gen=n_gen, repeats=repeats, n_layer=n_layer)
             say("llama-bench over RPC: " + shlex.join(cmd))
-            t0 = time.perf_counter()
             try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                                   stdin=subprocess.DEVNULL)
-            except subprocess.TimeoutExpired:
+                p = run_measured(cmd, timeout=timeout_s)
+            except DgrError as exc:
+                return _skip(f"could not run llama-bench: {exc.one_line()}", command=shlex.join(cmd))
+            if p.timed_out:
                 return _skip(f"llama-bench over RPC timed out after {timeout_s:.0f}s", command=shlex.join(cmd))
-            except OSError as exc:
-                return _skip(f"could not run llama-bench: {exc}", command=shlex.join(cmd))
-            wall = time.perf_counter() - t0
+            wall = p.wall_seconds
             dead = [f"rpc-server {s.idx} ({s.endpoint}) exited with {s.proc.returncode}: {s.tail()}"
                     for s in servers if s.proc is not None and s.proc.poll() is not None]
             if p.returncode != 0:
@@ -389,7 +391,7 @@ def measure_rpc(model: Path, *, threads: int, n_prompt: int, n_gen: int, repeats
                              + (f"; {'; '.join(dead)}" if dead else ""), command=shlex.join(cmd))
             try:
                 res = parse_bench_json(p.stdout)
-            except (ValueError, KeyError, TypeError, IndexError) as exc:
+            except (DgrError, ValueError, KeyError, TypeError, IndexError) as exc:
                 return _skip(f"llama-bench over RPC printed no readable JSON ({exc}): {p.stdout[-300:]!r}",
                              command=shlex.join(cmd))
             warnings += dead

@@ -1,5 +1,5 @@
 """`dgr bench worker`: aggregate decode throughput of one dgr-worker (whole model) at several
-session counts, next to llama-batched-bench measured in the same run (DESIGN.md §8: ratios
+session counts, next to llama-batched-bench measured in the same run (ratios
 measured side by side, never absolute times).
 
 Per level B: B sessions prefill a prompt of `prompt_tokens` tokens, wait for each other, then
@@ -17,9 +17,7 @@ target (>= 0.9x llama-batched-bench) is judged on server generation (``target_mo
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,22 +41,14 @@ class WorkerBenchConfig:
 
 
 def _batched_bench(exe: Path, model: Path, cfg: WorkerBenchConfig) -> dict[int, float]:
+    from .llama_tools import batched_bench
+
     if not exe.is_file():
         raise DgrError(f"{exe} missing", hint="run `dgr build --target llama-batched-bench`")
     ctx = max(cfg.levels) * (cfg.prompt_tokens + cfg.gen_tokens) + 256
-    cmd = [str(exe), "-m", str(model), "-c", str(ctx), "-b", "512", "-ub", "512",
-           "-npp", str(cfg.prompt_tokens), "-ntg", str(cfg.gen_tokens),
-           "-npl", ",".join(str(b) for b in cfg.levels), "-t", str(cfg.threads), "--output-format", "jsonl"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if r.returncode != 0:
-        raise DgrError(f"llama-batched-bench failed (exit {r.returncode}): {r.stderr[-500:]}")
-    out: dict[int, float] = {}
-    for line in r.stdout.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            row = json.loads(line)
-            out[int(row["pl"])] = float(row["speed_tg"])
-    return out
+    rows, _ = batched_bench(exe, model, threads=cfg.threads, n_prompt=cfg.prompt_tokens, n_gen=cfg.gen_tokens,
+                            npl=cfg.levels, ctx=ctx, timeout=3600)
+    return {b: r.speed_tg for b, r in rows.items()}
 
 
 def _worker_level(client, b: int, cfg: WorkerBenchConfig, mode: str = "stepwise") -> dict[str, float]:
@@ -180,7 +170,7 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
     """Per level and repeat: the worker stepwise, the worker generating server-side, then
     llama-batched-bench at the same B, back to back (so that the load of a shared machine hits
     all alike); each keeps its best over the repeats."""
-    from ..route.supervisor import WorkerProcess
+    from ..route.supervisor import WorkerArgs, WorkerProcess
 
     levels = sorted(set(cfg.levels))
     per = cfg.prompt_tokens + cfg.gen_tokens + 16
@@ -190,8 +180,8 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
     ref_runs: dict[int, list[float]] = {b: [] for b in levels}
     progress(f"{levels} sessions, pp {cfg.prompt_tokens}, tg {cfg.gen_tokens}, {cfg.threads} threads, "
              f"{cfg.repeats} repeats, modes {', '.join(MODES)}")
-    with WorkerProcess.start(["--model", str(model), "--max-sessions", str(max(levels)),
-                              "--ctx-per-session", str(per), "--threads", str(cfg.threads)],
+    with WorkerProcess.start(WorkerArgs(model=model, max_sessions=max(levels), ctx_per_session=per,
+                                        threads=cfg.threads),
                              binary=worker_bin, ready_timeout=300) as w:
         client = w.client(timeout=600)
         warm = WorkerBenchConfig(prompt_tokens=8, gen_tokens=8)

@@ -124,6 +124,35 @@ def route(
     typer.echo(f"results written to {out}")
 
 
+@app.command("gate")
+def gate(
+    model: Optional[Path] = typer.Option(None, "--model", help="Source GGUF (default: embedded SmolLM2-135M Q4_1)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads per shard (default: CPU count - 1)."),
+    quick: bool = typer.Option(False, "--quick", help="Short prompts and outputs: a smoke run."),
+    contract: Path = typer.Option(Path("evidence/DGR-001/performance-contract.json"), "--contract",
+                                  help="The locked DGR-001 contract the GGUF routes are judged against."),
+    out: Path = typer.Option(Path("gate.json"), "--out", help="Where to write the measurements JSON."),
+) -> None:
+    """The release gate without evidence: safetensors route vs GGUF F32/Q8_0/Q4_1 routes (needs the baseline extra)."""
+    from ..bench import contract as bc
+    from ..bench import gate as g
+    from ..bench import gate_judge as gj
+    from ..gguf.models import resolve_model
+
+    c = bc.load_contract(contract)
+    doc = g.run_gate(resolve_model(model), g.GateConfig.make(threads=threads, quick=quick),
+                     progress=lambda m: typer.echo(m, err=True))
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
+    judged = gj.judge(c, {n: gj.results_for(doc, n) for n in g.GGUF_ROUTES})
+    for n, j in judged.items():
+        fails = [v["id"] for v in j["verdicts"] if v["status"] == "fail"]
+        typer.echo(f"{n}: stop condition {j['stop_condition']['status']}; "
+                   + ("every threshold met" if not fails else "missed " + ", ".join(fails)))
+    rec = gj.recommend(judged, doc)
+    typer.echo(f"recommendation: {rec['decision'].upper()}: {rec['text']}")
+    typer.echo(f"measurements written to {out}")
+
+
 @app.command("worker")
 def worker(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Optional
@@ -11,8 +12,11 @@ import typer
 
 
 def demo(
-    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
-    split: str = typer.Option("0:15,15:30", "--split", help="Shard ranges (two local workers by default)."),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="GGUF file, or a packaged model: smollm2-135m (default, embedded SmolLM2-135M Q4_1), "
+        "gemma3-270m (Gemma 3 270M Q4_K_M, the gemma3 extra)."),
+    split: Optional[str] = typer.Option(None, "--split", help="Shard ranges, e.g. 0:9,9:18 (default: the model's "
+                                        "layers in two halves on two local workers)."),
     max_tokens: int = typer.Option(48, "--max-tokens", help="Tokens per chat answer."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads per worker (default: CPU count)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the full report (JSON) here."),
@@ -25,20 +29,22 @@ def demo(
     from ..route import local, report, sessions
     from ..route import run as route_run
 
-    log = lambda m: typer.echo(f"dgr demo: {m}", err=True)  # noqa: E731
+    log = logging.getLogger("dgr.demo")
     src = resolve_model(model)
-    rng = local.parse_split(split)
     n_layer = local.model_n_layer(src)
+    if split is None:
+        split = f"0:{n_layer // 2},{n_layer // 2}:{n_layer}"
+    rng = local.parse_split(split)
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; {src.name} has {n_layer} layers")
-    local.ensure_worker(log=log)
-    log(f"model {src.name}: {n_layer} layers, route {split} on {len(rng)} local worker processes")
+    local.ensure_worker()
+    log.info(f"model {src.name}: {n_layer} layers, route {split} on {len(rng)} local worker processes")
     prompts = list(sessions.DEFAULT_PROMPTS)
     for i, p in enumerate(prompts):
         typer.echo(f"[{i}] user: {p}")
     typer.echo("")
     res = route_run.run_local(src, rng, prompts, max_tokens=max_tokens, parity=True, threads=threads,
-                              on_text=lambda i, t: typer.echo(f"[{i}] {t}".replace("\n", " ")), log=log,
+                              on_text=lambda i, t: typer.echo(f"[{i}] {t}".replace("\n", " ")),
                               llama_baseline=True)
     typer.echo("")
     for s in res.route.sessions:

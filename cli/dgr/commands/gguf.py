@@ -120,13 +120,19 @@ def synth_cmd(
     dtype: str = typer.Option("f32", "--dtype", help="Weight type of the matrices: f32, f16 or q8_0."),
     seed: int = typer.Option(0, "--seed", help="Random seed (same seed, same bytes)."),
     n_embd: int = typer.Option(64, "--n-embd", help="Embedding width."),
+    experts: int = typer.Option(8, "--experts", help="qwen3moe: experts per layer."),
+    experts_used: int = typer.Option(2, "--experts-used", help="qwen3moe: experts each token is routed to (top-k)."),
 ) -> None:
-    """Write a tiny random-weight model with a small real tokenizer (llama.cpp loads and runs it)."""
+    """Write a tiny random-weight model with a small real tokenizer (llama.cpp loads and runs it).
+
+    qwen3 adds per-head Q/K norms; qwen3moe adds a router (ffn_gate_inp) and stacked expert
+    tensors (ffn_{gate,up,down}_exps) in every layer (the variant has no shared experts)."""
     spec = gguf_synth.SynthSpec(arch=arch, n_layer=layers, tied=tied, dtype=dtype, seed=seed,
-                                n_embd=n_embd, n_ff=3 * n_embd)
+                                n_embd=n_embd, n_ff=3 * n_embd, n_expert=experts, n_expert_used=experts_used)
     path = gguf_synth.synthesize(spec, out)
+    moe = f", {experts} experts (top-{experts_used})" if arch == "qwen3moe" else ""
     typer.echo(f"wrote {path} ({_mib(path.stat().st_size)}): {arch}, {layers} layers, n_embd {n_embd}, "
-               f"{dtype}{', tied' if tied else ''}, seed {seed}")
+               f"{dtype}{', tied' if tied else ''}{moe}, seed {seed}")
 
 
 @app.command("recipe")

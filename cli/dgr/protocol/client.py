@@ -109,19 +109,6 @@ def channel_options(max_message_bytes: int = 64 << 20) -> list[tuple[str, int]]:
     ]
 
 
-_HEALTH = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 class WorkerClient:
     """One channel to one worker."""
 
@@ -152,18 +139,13 @@ class WorkerClient:
             raise _wrap(exc) from None
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
-        """grpc.health.v1 Check: SERVING / NOT_SERVING / UNKNOWN / SERVICE_UNKNOWN.
+        """grpc.health.v1 Check (grpcio-health-checking): SERVING / NOT_SERVING / UNKNOWN /
+        SERVICE_UNKNOWN."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        Encoded by hand (two one-field messages) so no extra package is needed."""
-        raw = service.encode()
-        req = b"\x0a" + _varint(len(raw)) + raw if raw else b""
-        check = self._channel.unary_unary("/grpc.health.v1.Health/Check",
-                                          request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        resp = self._call(check, req, timeout)
-        status = 0
-        if len(resp) >= 2 and resp[0] == 0x08:
-            status = resp[1]
-        return _HEALTH.get(status, str(status))
+        resp = self._call(health_pb2_grpc.HealthStub(self._channel).Check,
+                          health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def wait_ready(self, deadline_s: float = 30.0) -> pb.GetCapabilityResponse:
         """Polls GetCapability until it answers or the deadline passes."""

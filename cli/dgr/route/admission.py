@@ -1,4 +1,4 @@
-"""Admission: may this Shard serve this hop of a route? (DESIGN.md §6, docs/identity.md)
+"""Admission: may this Shard serve this hop of a route? (docs/identity.md)
 
 :func:`admit` compares a Shard's advertised capability with a route's request and returns every
 reason to reject, not just the first, so an operator sees the whole mismatch at once. The data
@@ -160,7 +160,9 @@ def admit(cap: ShardCapability, req: RouteRequest, registry: Registry | None = N
                              f"{want.activation_dtype}, KV {want.kv_dtype}/{want.kv_layout}, boundary "
                              f"v{want.boundary_schema_version}) is not in the registry"))
     elif entry.status != "certified":
-        out.append(Rejection(Reason.RECIPE_DARK, f"recipe {entry.name} is registered but dark (not certified)"))
+        why = f": {entry.note}" if entry.note else ""
+        out.append(Rejection(Reason.RECIPE_DARK, f"recipe {entry.name} is registered but dark (not certified, "
+                                                 f"not routable){why}"))
     elif want.plan not in entry.backends:
         out.append(Rejection(Reason.BACKEND_NOT_CERTIFIED,
                              f"recipe {entry.name} is certified for the backend plans {', '.join(entry.backends)}, "

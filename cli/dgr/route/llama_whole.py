@@ -16,16 +16,11 @@ cell of the model's f16 K/V).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import DgrError
 
 
 @dataclass(frozen=True)
@@ -53,58 +48,39 @@ class WholeLlama:
 
 def batched_bench_command(exe: Path, model: Path, *, threads: int, n_prompt: int, n_gen: int,
                           sessions: tuple[int, ...]) -> list[str]:
+    from ..bench import llama_tools
+
     ctx = max(sessions) * (n_prompt + n_gen) + 256
-    return [str(exe), "-m", str(model), "-c", str(ctx), "-b", "512", "-ub", "512", "-npp", str(n_prompt),
-            "-ntg", str(n_gen), "-npl", ",".join(str(b) for b in sessions), "-t", str(threads),
-            "--output-format", "jsonl"]
+    return llama_tools.batched_bench_command(exe, model, threads=threads, n_prompt=n_prompt, n_gen=n_gen,
+                                             npl=sessions, ctx=ctx)
 
 
 def parse_rows(stdout: str, kv_bytes_per_cell: int) -> list[WholeRow]:
+    from ..bench.llama_tools import parse_batched_bench
+
     rows = []
-    for line in stdout.splitlines():
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        r = json.loads(line)
-        b = int(r["pl"])
+    for b, r in sorted(parse_batched_bench(stdout).items()):
         # prompt phase = B prompts in one go; the first token of each follows its prompt
-        ttft = float(r["t_pp"]) + float(r["t_tg"]) / max(1, int(r["tg"]))
-        rows.append(WholeRow(sessions=b, ttft_s=ttft, prefill_tok_s=float(r["speed_pp"]),
-                             decode_tok_s=float(r["speed_tg"]), per_session_decode_tok_s=float(r["speed_tg"]) / b,
-                             kv_bytes=int(r["n_kv"]) * kv_bytes_per_cell))
+        ttft = r.t_pp + r.t_tg / max(1, r.tg)
+        rows.append(WholeRow(sessions=b, ttft_s=ttft, prefill_tok_s=r.speed_pp, decode_tok_s=r.speed_tg,
+                             per_session_decode_tok_s=r.speed_tg / b, kv_bytes=r.n_kv * kv_bytes_per_cell))
     return rows
 
 
 def measure_whole_llama(model: Path, *, threads: int, n_prompt: int, n_gen: int, sessions: tuple[int, ...] = (1, 4),
                         backend: str = "cpu") -> WholeLlama:
+    from ..bench import llama_tools
     from ..upstream.build import tool_binary
     from .local import kv_bytes_per_cell, model_n_layer
 
     exe = tool_binary("llama-batched-bench", backend)
-    cmd = batched_bench_command(exe, model, threads=threads, n_prompt=max(1, n_prompt), n_gen=max(1, n_gen),
-                                sessions=tuple(sorted(set(sessions))))
+    npl = tuple(sorted(set(sessions)))
+    n_prompt, n_gen = max(1, n_prompt), max(1, n_gen)
     t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as fout, tempfile.TemporaryFile("w+") as ferr:
-        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, text=True)
-        deadline = time.monotonic() + 1800
-        while True:  # wait4: this child's own peak RSS
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                proc.kill()
-                os.wait4(proc.pid, 0)
-                raise DgrError("llama-batched-bench took over 30 min")
-            time.sleep(0.05)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        fout.seek(0)
-        ferr.seek(0)
-        out, err = fout.read(), ferr.read()
-    peak = usage.ru_maxrss * 1024
-    if proc.returncode != 0:
-        raise DgrError(f"llama-batched-bench failed (exit {proc.returncode}): {err.strip()[-300:]}")
-    rows = parse_rows(out, kv_bytes_per_cell(model, 0, model_n_layer(model)))
-    return WholeLlama(cmd, rows, peak, time.perf_counter() - t0)
+    _, m = llama_tools.batched_bench(exe, model, threads=threads, n_prompt=n_prompt, n_gen=n_gen, npl=npl,
+                                     ctx=max(npl) * (n_prompt + n_gen) + 256)
+    rows = parse_rows(m.stdout, kv_bytes_per_cell(model, 0, model_n_layer(model)))
+    return WholeLlama(m.argv, rows, m.peak_rss_bytes, time.perf_counter() - t0)
 
 
 def measure_whole_llama_server(model: Path, *, threads: int, prompts: list[str], max_tokens: int,

@@ -10,13 +10,19 @@ Used by ``dgr route run``, ``dgr demo``, ``dgr bench route`` and ``dgr accept DG
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import DgrError
 from .sessions import WorkerStats
+
+if TYPE_CHECKING:
+    from .supervisor import WorkerArgs
+
+_log = logging.getLogger(__name__)
 
 COLOCATED_SPINCOUNT = "10000"
 
@@ -56,9 +62,10 @@ def kv_bytes_per_cell(model: Path, start: int, end: int, kv_dtype_bytes: int = 2
             n_embd = int(gf.hparam("embedding_length"))
             n_head = int(gf.hparam("attention.head_count"))
             n_head_kv = int(gf.hparam("attention.head_count_kv", n_head))
+            head_dim = int(gf.hparam("attention.key_length", n_embd // n_head))
     except Exception:
         return 0
-    return 2 * (end - start) * (n_embd // n_head) * n_head_kv * kv_dtype_bytes
+    return 2 * (end - start) * head_dim * n_head_kv * kv_dtype_bytes
 
 
 VULKAN_DEFAULT_DEVICE = "0"   # GGML_VK_VISIBLE_DEVICES when unset: the first Vulkan device
@@ -117,7 +124,7 @@ class LocalRoute:
         self.backend = self.backends[0]
         self.plan = ""
         self.slice_dir = slice_dir
-        self.log = log or (lambda _m: None)
+        self.log = log or _log.info  # a caller's own sink, else this module's logger
         self.workers: list[Any] = []
         self.files: list[Path] = []
         self.fingerprint = ""
@@ -130,18 +137,16 @@ class LocalRoute:
         if len(self.split) > 1 and "GOMP_SPINCOUNT" not in os.environ:
             self.env.setdefault("GOMP_SPINCOUNT", COLOCATED_SPINCOUNT)
 
-    def _args(self, i: int) -> list[str]:
+    def _args(self, i: int) -> "WorkerArgs":
+        from .supervisor import WorkerArgs
+
         a, b = self.split[i]
-        args = ["--layers", f"{a}:{b}", "--max-sessions", str(self.max_sessions),
-                "--ctx-per-session", str(self.ctx_per_session)]
+        common = dict(layers=(a, b), max_sessions=self.max_sessions, ctx_per_session=self.ctx_per_session,
+                      extra=tuple(self.extra_args))
         if self.fake:
-            n_layer = self.split[-1][1]
-            return ["--fake-model", "--n-layer", str(n_layer), *args, *self.extra_args]
-        args = ["--model", str(self.files[i]), *args, "--fingerprint", self.fingerprint,
-                "--artifact-id", self.artifact_id]
-        if self.threads:
-            args += ["--threads", str(self.threads)]
-        return args + self.extra_args
+            return WorkerArgs(fake_model=True, n_layer=self.split[-1][1], **common)
+        return WorkerArgs(model=self.files[i], fingerprint=self.fingerprint, artifact_id=self.artifact_id,
+                          threads=self.threads or None, **common)
 
     def _prepare_model(self) -> None:
         from ..gguf.recipe import recipe_for
@@ -221,6 +226,6 @@ def ensure_worker(backend: str = "cpu", log: Callable[[str], None] | None = None
     try:
         return build_mod.worker_binary(backend)
     except DgrError:
-        (log or (lambda _m: None))(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
+        (log or _log.info)(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
         build_mod.build(backend)
         return build_mod.worker_binary(backend)

@@ -105,6 +105,10 @@ def summary_table(run: RouteRun) -> str:
     lines.append("")
     lines.append(f"seam bytes per decode token (per seam, protobuf frame): {run.route.seam_bytes_per_decode_token:.0f}"
                  f" ({run.route.mode} route)")
+    hops = run.route.hop_decode_rtt_s
+    if hops:
+        who = "driver -> head, then each worker -> its next shard" if run.route.mode == "chained" else "driver -> each shard"
+        lines.append("decode round trip per hop, ms (" + who + "): " + ", ".join(f"{h * 1e3:.2f}" for h in hops))
     wrows = [("worker", "RSS", "KV peak", "KV cells peak/total", "mean batch rows", "mean queue ms")]
     for label, rep in (("route", run.route), ("whole 1 dgr-worker", run.whole)):
         if rep is None:

@@ -5,6 +5,7 @@ sessions against workers that already run (:func:`generate_remote`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -16,9 +17,11 @@ from .parity import compare, isolation
 from .report import RouteRun
 from .sessions import RunReport, run_sessions
 
+log = logging.getLogger(__name__)
+
 
 def whole_llama_baseline(model: Path | None, *, threads: int, prompts: Sequence[str], max_tokens: int,
-                         sessions: tuple[int, ...], log: Callable[[str], None] | None = None,
+                         sessions: tuple[int, ...],
                          backend: str = "cpu") -> tuple[WholeLlama | None, str | None]:
     """Stock whole-model llama.cpp figures: llama-server at the pin serving the same prompts
     (:func:`dgr.route.llama_whole.measure_whole_llama_server`), or ``(None, reason)`` when they
@@ -26,21 +29,20 @@ def whole_llama_baseline(model: Path | None, *, threads: int, prompts: Sequence[
     never a reason for the caller to fail."""
     from . import llama_whole
 
-    log = log or (lambda _m: None)
     if model is None:
         return None, "no GGUF model (fake-model workers)"
-    log(f"whole-model llama.cpp: llama-server -np {max(sessions)} -t {threads}, the same {len(prompts)} chat "
+    log.info(f"whole-model llama.cpp: llama-server -np {max(sessions)} -t {threads}, the same {len(prompts)} chat "
         f"prompts, {max_tokens} tokens at most, 1 then {max(sessions)} at once (stock llama.cpp at the pin)")
     try:
         res = llama_whole.measure_whole_llama_server(model, threads=threads, prompts=list(prompts),
                                                      max_tokens=max_tokens, sessions=sessions, backend=backend)
     except Exception as exc:  # noqa: BLE001 - a failed yardstick is reported, not raised
         reason = (exc.one_line() if isinstance(exc, DgrError) else str(exc)) or type(exc).__name__
-        log(f"llama.cpp baseline not measured: {reason}")
+        log.warning(f"llama.cpp baseline not measured: {reason}")
         return None, reason
     if not res.rows:
         reason = "llama-server answered no request"
-        log(f"llama.cpp baseline not measured: {reason}")
+        log.warning(f"llama.cpp baseline not measured: {reason}")
         return None, reason
     return res, None
 
@@ -59,7 +61,7 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
               max_tokens: int = 32, sampling: Any = None, parity: bool = False, fake: bool = False,
               slices: bool = False, threads: int | None = None, chat: bool = True,
               stop_on_eog: bool = True, on_text: Callable[[int, str], None] | None = None,
-              log: Callable[[str], None] | None = None, chain: bool | None = None,
+              chain: bool | None = None,
               llama_baseline: bool = False, backends: Sequence[str] | None = None,
               whole_backend: str | None = None) -> RouteRun:
     """Start local workers for ``split`` and run the prompts concurrently. With ``parity``
@@ -73,7 +75,6 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
     backend when it has one, else cpu)."""
     from .driver import Sampling
 
-    log = log or (lambda _m: None)
     threads = threads or os.cpu_count() or 1
     n_layer = split[-1][1]
     max_sessions = max(4, len(prompts))
@@ -86,15 +87,15 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
     backends = list(backends or ["cpu"] * len(split))
     whole_backend = whole_backend or (backends[0] if len(set(backends)) == 1 else "cpu")
     with LocalRoute(model, split, fake=fake, slices=slices, threads=threads, max_sessions=max_sessions,
-                    log=log, backend=backends) as lr:
+                    backend=backends) as lr:
         rep = asyncio.run(run_sessions(lr.endpoints, prompts, label=label, stats=lr.stats(),
                                        pids=[w.pid for w in lr.workers], on_text=on_text, **kw))
         if parity:
-            log("the same prompts one at a time through the route")
+            log.info("the same prompts one at a time through the route")
             seq = asyncio.run(_sequential(lr.endpoints, prompts, label + " (sequential)", **kw))
     if parity:
-        log(f"whole model [0:{n_layer}) on one {whole_backend} worker")
-        with LocalRoute(model, [(0, n_layer)], fake=fake, threads=threads, max_sessions=max_sessions, log=log,
+        log.info(f"whole model [0:{n_layer}) on one {whole_backend} worker")
+        with LocalRoute(model, [(0, n_layer)], fake=fake, threads=threads, max_sessions=max_sessions,
                         backend=whole_backend) as lw:
             whole = asyncio.run(run_sessions(lw.endpoints, prompts, label=f"whole model 0:{n_layer}",
                                              stats=lw.stats(), pids=[w.pid for w in lw.workers], **kw))
@@ -105,7 +106,7 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
     llama = llama_err = None
     if llama_baseline:  # after the route and whole-worker runs: never competes with them for cores
         llama, llama_err = whole_llama_baseline(None if fake else model, threads=threads, prompts=prompts,
-                                                max_tokens=max_tokens, sessions=(1, len(prompts)), log=log)
+                                                max_tokens=max_tokens, sessions=(1, len(prompts)))
     return RouteRun(rep, whole, par, list(split), str(model) if model else "fake", iso, seq, wseq,
                     llama=llama, llama_error=llama_err, backends=backends, whole_backend=whole_backend)
 

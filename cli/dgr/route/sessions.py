@@ -139,6 +139,16 @@ class RunReport:
         return sum(s.ttft_s for s in ok) / len(ok) if ok else 0.0
 
     @property
+    def hop_decode_rtt_s(self) -> list[float]:
+        """Per hop of the route, the mean decode round trip over the sessions that completed (chained
+        mode: hop 0 timed by the driver, hop i by worker i on its downstream link)."""
+        ok = [s.hop_decode_rtt_s for s in self.sessions if s.error is None and s.hop_decode_rtt_s]
+        if not ok:
+            return []
+        n = min(len(h) for h in ok)
+        return [sum(h[i] for h in ok) / len(ok) for i in range(n)]
+
+    @property
     def seam_bytes_per_decode_token(self) -> float:
         if self.chain_seam_bytes_per_decode_token:
             vals = [v for v in self.chain_seam_bytes_per_decode_token if v]
@@ -155,6 +165,7 @@ class RunReport:
             "mean_ttft_s": self.mean_ttft_s,
             "seam_bytes_per_decode_token": self.seam_bytes_per_decode_token,
             "chain_seam_bytes_per_decode_token": self.chain_seam_bytes_per_decode_token,
+            "hop_decode_rtt_s": self.hop_decode_rtt_s,
             "driver_cpu_s": self.driver_cpu_s,
             "sessions": [asdict(s) for s in self.sessions],
             "workers": [w.to_json() for w in self.workers],
@@ -262,6 +273,40 @@ def chain_seam_bytes(before: Sequence[tuple[float, float]], after: Sequence[tupl
     return [(a[0] - b[0]) / (a[1] - b[1]) if a[1] > b[1] else 0.0 for b, a in zip(before, after)]
 
 
+CHAIN_HOP_SECONDS = "dgr_chain_hop_seconds_total"
+CHAIN_REPLIES = "dgr_chain_replies_total"
+
+
+async def chain_hop_counters(driver: Any, phase: str = "decode") -> list[tuple[float, float]]:
+    """Per non-tail shard of the route: (seconds its forwarded frames waited for the answer, answers)
+    for ``phase``: each worker measures its own downstream hop (chained mode)."""
+    from dgr.shard.v1 import shard_runtime_pb2 as pb
+
+    out = []
+    for sh in driver.shards[:-1]:
+        secs = n = 0.0
+        try:
+            r = await sh.stub.GetMetrics(pb.GetMetricsRequest(), timeout=5)
+        except Exception:
+            out.append((0.0, 0.0))
+            continue
+        for m in r.samples:
+            if m.labels.get("phase") != phase:
+                continue
+            if m.name == CHAIN_HOP_SECONDS:
+                secs += m.value
+            elif m.name == CHAIN_REPLIES:
+                n += m.value
+        out.append((secs, n))
+    return out
+
+
+def chain_hop_rtt(before: Sequence[tuple[float, float]], after: Sequence[tuple[float, float]]) -> list[float]:
+    """Mean round trip per forwarded frame per hop between two :func:`chain_hop_counters`
+    readings (0: no frames, or a worker without the counter)."""
+    return chain_seam_bytes(before, after)
+
+
 def _rss(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -298,14 +343,18 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
                        pids: Sequence[int] = (), on_text: Callable[[int, str], None] | None = None,
                        stream_period: float = 0.2, timeout: float = 60.0,
                        token_prompts: Sequence[Sequence[int]] | None = None,
-                       chain: bool | None = None, tls: Any = None) -> RunReport:
+                       chain: bool | None = None, tokens_per_answer: int | None = None,
+                       tls: Any = None) -> RunReport:
     """Runs one Route Session per prompt, all concurrently; streams text through ``on_text``
     (session index, new text) and returns per-session and per-worker figures. ``chain``: the
     driver's mode (None: chained when the workers support it, False: stepwise, True: chained
-    or fail). ``tls``: a :class:`dgr.protocol.tls.TlsFiles` for mutual TLS to every shard."""
+    or fail). ``tokens_per_answer``: chained mode, tokens per answer from the head (None: the
+    driver's default; 1: every token is timed as it is made). ``tls``: a
+    :class:`dgr.protocol.tls.TlsFiles` for mutual TLS to every shard."""
     from .driver import RouteDriver, Sampling
 
-    driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain, tls=tls).connect()
+    kw = {"tokens_per_answer": tokens_per_answer} if tokens_per_answer else {}
+    driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain, tls=tls, **kw).connect()
     try:
         toks = [list(t) for t in token_prompts] if token_prompts is not None else \
             await prompt_tokens(driver, prompts, chat=chat)
@@ -341,6 +390,7 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
         stream_task = asyncio.create_task(streamer()) if on_text is not None else None
         chained = driver.chained and len(driver.shards) > 1
         seam0 = await chain_counters(driver) if chained else []
+        hops0 = await chain_hop_counters(driver) if chained else []
         t0 = time.perf_counter()
         c0 = time.process_time()
 
@@ -363,6 +413,8 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
         if sampler:
             await sampler.stop()
         chain_seam = chain_seam_bytes(seam0, await chain_counters(driver)) if chained else []
+        # chained: the driver times its hop to the head, each worker times its hop downstream
+        chain_hops = chain_hop_rtt(hops0, await chain_hop_counters(driver)) if chained else []
         reports = []
         for i, r in enumerate(results):
             tel = r.telemetry
@@ -376,7 +428,8 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
                 decode_tok_s=tel.decode_tok_s, decode_start_s=start, decode_end_s=start + tel.decode_s,
                 seam_bytes_per_decode_token=(list(chain_seam) if chained else
                                              [n.decode_frame_bytes_per_token for n in tel.nodes[1:]]),
-                hop_decode_rtt_s=[n.decode_step_s for n in tel.nodes], telemetry=tel.to_json(),
+                hop_decode_rtt_s=([tel.nodes[0].decode_step_s, *chain_hops] if chained else
+                                  [n.decode_step_s for n in tel.nodes]), telemetry=tel.to_json(),
                 top_logprobs=[list(x) for x in r.top_logprobs], token_times_s=times[i]))
         return RunReport(label, [f"{s.endpoint}[{s.start}:{s.end})" for s in driver.shards], reports, wall,
                          stats, cpu, mode=driver.mode, chain_seam_bytes_per_decode_token=chain_seam)

@@ -1,6 +1,7 @@
-"""Start, watch and stop one dgr-worker process (tests, route code, benchmarks).
+"""Start, watch and stop one dgr-worker process (tests, route code, benchmarks), and the one
+typed builder of its command line (:class:`WorkerArgs`).
 
-    with WorkerProcess.start(["--fake-model"]) as w:
+    with WorkerProcess.start(WorkerArgs(fake_model=True)) as w:
         client = w.client()
         ...
 
@@ -18,6 +19,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import grpc
@@ -37,6 +39,64 @@ def default_binary(backend: str = "cpu") -> Path:
 
 class WorkerStartError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """The options of ``dgr-worker serve`` (see ``dgr-worker serve --help``), typed.
+
+    :meth:`argv` renders the arguments after ``serve`` in field order: a ``None`` field is left
+    out (the worker's default holds), ``True`` is a bare flag, ``layers`` may be ``(a, b)`` or
+    the text ``"a:b"``; ``extra`` is appended verbatim (options this class does not name yet).
+    ``listen`` is left to :meth:`WorkerProcess.start` (which picks a free loopback port) unless
+    set here.
+    """
+
+    model: Path | str | None = None
+    fake_model: bool = False
+    n_layer: int | None = None
+    layers: tuple[int, int] | str | None = None
+    listen: str | None = None
+    allow_remote: bool = False
+    fingerprint: str | None = None
+    artifact_id: str | None = None
+    recipe_json: str | None = None
+    threads: int | None = None
+    max_sessions: int | None = None
+    ctx_per_session: int | None = None
+    kv_budget_mb: float | None = None
+    kv_cells: int | None = None
+    memory_budget_mb: float | None = None
+    queue_limit: int | None = None
+    max_batch_tokens: int | None = None
+    max_prefill_chunk: int | None = None
+    metrics_listen: str | None = None
+    drain_timeout_s: float | None = None
+    session_ttl_s: float | None = None
+    tls_cert: Path | str | None = None
+    tls_key: Path | str | None = None
+    tls_client_ca: Path | str | None = None
+    chain_peers: str | None = None
+    chain_tls_ca: Path | str | None = None
+    io_nice: int | None = None
+    fake_delay_ms: int | None = None
+    extra: tuple[str, ...] = ()
+
+    def argv(self) -> list[str]:
+        """The arguments after ``dgr-worker serve``."""
+        out: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "extra" or value is None or value is False:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if value is True:
+                out.append(flag)
+            elif f.name == "layers" and isinstance(value, tuple):
+                out += [flag, f"{value[0]}:{value[1]}"]
+            else:
+                out += [flag, str(value)]
+        return out + list(self.extra)
 
 
 class WorkerProcess:
@@ -69,14 +129,18 @@ class WorkerProcess:
         stream.close()
 
     @classmethod
-    def start(cls, args: Sequence[str], *, binary: Path | None = None, listen: str = "127.0.0.1:0",
+    def start(cls, args: "WorkerArgs | Sequence[str]", *, binary: Path | None = None, listen: str = "127.0.0.1:0",
               ready_timeout: float = 60.0, env: dict[str, str] | None = None,
               credentials: grpc.ChannelCredentials | None = None) -> "WorkerProcess":
         """Starts `dgr-worker serve --listen LISTEN ARGS` and waits for health SERVING
-        (through ``credentials`` when the worker serves TLS)."""
+        (through ``credentials`` when the worker serves TLS). ``args``: a :class:`WorkerArgs`
+        (its ``listen``, when set, wins over ``listen``) or ready-made arguments."""
         binary = binary or default_binary()
         if not binary.is_file():
             raise WorkerStartError(f"{binary} missing: run `dgr build`")
+        if isinstance(args, WorkerArgs):
+            listen = args.listen or listen
+            args = replace(args, listen=None).argv()
         cmd = [str(binary), "serve", "--listen", listen, *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env={**os.environ, **(env or {})})

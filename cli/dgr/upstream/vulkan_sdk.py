@@ -343,17 +343,16 @@ def ensure(*, install: bool = True) -> Sdk:
     sdk = find_sdk()
     if sdk is None:
         if os.environ.get("DGR_VULKAN_PREFIX"):
-            inc = Path(os.environ["DGR_VULKAN_PREFIX"]) / "usr" / "include"
-            h = inc / "vulkan" / "vulkan_core.h"
-            text = h.read_text(errors="replace") if h.is_file() else ""
-            m = re.search(r"#define VK_HEADER_VERSION (\d+)", text)
-            found = (f"VK_HEADER_VERSION {m.group(1) if m else '?'}"
-                     + ("" if "VK_EXT_layer_settings" in text else " without VK_EXT_layer_settings")) if text \
-                else "no vulkan/vulkan_core.h"
-            raise DgrError(f"DGR_VULKAN_PREFIX={os.environ['DGR_VULKAN_PREFIX']}: need Vulkan headers "
-                           f">= 1.3.{MIN_HEADER_VERSION} with VK_EXT_layer_settings in usr/include and "
-                           f"usr/share/cmake/SPIRV-Headers; found {found}",
-                           hint="unset it to let `dgr build --backend vulkan` fetch them into build/vulkan-sdk")
+            prefix = os.environ["DGR_VULKAN_PREFIX"]
+            core = Path(prefix) / "usr" / "include" / "vulkan" / "vulkan_core.h"
+            m = re.search(r"#define VK_HEADER_VERSION (\d+)", core.read_text(errors="replace")) if core.is_file() else None
+            seen = ("no vulkan/vulkan_core.h" if not core.is_file() else
+                    f"VK_HEADER_VERSION {m.group(1) if m else '(none)'}")
+            raise DgrError(f"DGR_VULKAN_PREFIX={prefix} has {seen} in usr/include; the pinned ggml-vulkan "
+                           f"needs headers >= 1.3.{MIN_HEADER_VERSION} with VK_EXT_layer_settings, and "
+                           "usr/share/cmake/SPIRV-Headers",
+                           hint="unset DGR_VULKAN_PREFIX to let `dgr build --backend vulkan` fetch them "
+                                "into build/vulkan-sdk")
         sdk = fetch_headers()
     return sdk
 

@@ -154,10 +154,13 @@ bool is_hex64(const std::string & s) {
 
 // dgr.gguf_slice.ADAPTERS: (architecture -> adapter name, version)
 bool adapter_for(const std::string & arch, std::string * name, int64_t * version) {
-    if (arch == "llama") {
-        *name = "llama";
-        *version = 1;
-        return true;
+    static const char * const known[] = {"llama", "gemma3", "qwen3", "qwen3moe"};
+    for (const char * k : known) {
+        if (arch == k) {
+            *name = arch;
+            *version = 1;
+            return true;
+        }
     }
     return false;
 }
@@ -447,7 +450,7 @@ bool local_recipe_for(const std::string & path, LocalRecipe * out, std::string *
     if (!adapter_for(id.architecture, &f.arch_adapter, &f.arch_adapter_version)) {
         if (error) {
             *error = path + ": architecture '" + id.architecture +
-                     "' has no dgr adapter; unsupported architectures fail closed (supported: llama)";
+                     "' has no dgr adapter; unsupported architectures fail closed (supported: llama, gemma3, qwen3, qwen3moe)";
         }
         return false;
     }

@@ -44,7 +44,7 @@ struct DecodeBatch {
     void clear() { tokens.clear(); embd.clear(); pos.clear(); seq.clear(); output.clear(); }
 };
 
-// llama_decode results, mapped as STYLE.md asks.
+// llama_decode results, mapped to the protocol's status codes (docs/worker.md).
 enum class BackendStatus { ok, resource_exhausted, aborted, invalid_argument, internal };
 
 class ModelBackend {

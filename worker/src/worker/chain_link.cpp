@@ -139,6 +139,8 @@ void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r) {
     }
     c.step++;
     c.opened = true;
+    c.sent_t0 = Clock::now();
+    c.sent_decode = w.decode;
     const size_t bytes = c.down->send(std::move(fr));
     (w.decode ? metrics_.chain_frames_decode : metrics_.chain_frames_prefill)++;
     (w.decode ? metrics_.chain_bytes_decode : metrics_.chain_bytes_prefill) += bytes;
@@ -174,6 +176,8 @@ void Scheduler::on(DownReplyEvent & ev) {
         }
         return;
     }
+    metrics_.observe_chain_hop(s.chain.sent_decode,
+                               std::chrono::duration<double>(Clock::now() - s.chain.sent_t0).count());
     pb::SessionResponse r;
     *r.mutable_header() = hdr;
     *r.mutable_header()->mutable_payload_checksum() = d.header().payload_checksum();

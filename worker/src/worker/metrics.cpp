@@ -133,6 +133,12 @@ std::vector<pm::MetricFamily> Metrics::families(const Gauges & g) const {
     f.push_back(family("dgr_chain_frame_bytes_sent_total", T::Counter,
                        "Serialized bytes of the frames sent to the downstream Shard, by phase.",
                        {{{{"phase", "prefill"}}, d(chain_bytes_prefill)}, {{{"phase", "decode"}}, d(chain_bytes_decode)}}));
+    f.push_back(family("dgr_chain_hop_seconds_total", T::Counter,
+                       "Seconds from a frame sent to the downstream Shard to its answer back here, by phase.",
+                       {{{{"phase", "prefill"}}, chain_hop_seconds_prefill.load()},
+                        {{{"phase", "decode"}}, chain_hop_seconds_decode.load()}}));
+    f.push_back(family("dgr_chain_replies_total", T::Counter, "Answers from the downstream Shard, by phase.",
+                       {{{{"phase", "prefill"}}, d(chain_replies_prefill)}, {{{"phase", "decode"}}, d(chain_replies_decode)}}));
     f.push_back(counter("dgr_generated_tokens_total", "Tokens fed back by server-side generation.", d(generated_tokens)));
     f.push_back(histogram("dgr_step_latency_seconds", "Frame received to answer handed to gRPC.", step_latency));
     f.push_back(histogram("dgr_batch_occupancy_sessions", "Steps per decode call.", batch_occupancy));

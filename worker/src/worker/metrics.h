@@ -77,6 +77,17 @@ public:
     std::atomic<uint64_t> chain_frames_decode{0};
     std::atomic<uint64_t> chain_bytes_prefill{0};
     std::atomic<uint64_t> chain_bytes_decode{0};
+    // chained routes: round trip of each forwarded frame (sent to the next Shard -> its answer
+    // back here), i.e. the hop plus everything after it; the route report shows it per hop
+    std::atomic<double> chain_hop_seconds_prefill{0.0};
+    std::atomic<double> chain_hop_seconds_decode{0.0};
+    std::atomic<uint64_t> chain_replies_prefill{0};
+    std::atomic<uint64_t> chain_replies_decode{0};
+    void observe_chain_hop(bool decode, double seconds) {
+        auto & sum = decode ? chain_hop_seconds_decode : chain_hop_seconds_prefill;
+        sum = sum.load() + seconds;  // only the scheduler thread writes
+        (decode ? chain_replies_decode : chain_replies_prefill)++;
+    }
     std::atomic<uint64_t> generated_tokens{0};   // tokens fed back by server-side generation
     Histogram step_latency;     // seconds from frame received to response handed to gRPC
     Histogram batch_occupancy;  // rows per decode call

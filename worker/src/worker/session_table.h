@@ -52,6 +52,8 @@ struct ChainState {
     pb::ResponseHeader   pending_header;
     bool                 pending_internal = false;
     Clock::time_point    pending_t0;
+    Clock::time_point    sent_t0;                 // the forwarded frame left for the next Shard (hop latency)
+    bool                 sent_decode = false;
 };
 
 // Server-side generation (StepFrame.generate).

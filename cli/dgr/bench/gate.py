@@ -1,0 +1,324 @@
+"""The release gate's measurements (DGR-014): the distributed safetensors route and the
+distributed GGUF routes (F32, Q8_0, Q4_1) on one scenario, through one route driver.
+
+Every route splits the model the same way (default 0:15 | 15:30, one process per Shard on this
+host), gets the same token ids (the shipped text and the DGR-001 fixed prompts, tokenized once),
+the same lengths, greedy sampling and concurrency 1, 4 and 8, with the routes interleaved per
+concurrency so a shared host's drift hits them alike. The artifacts are DGR-001's: safetensors
+fp32 dequantized from the embedded GGUF, an F32 GGUF converted from it, Q8_0/Q4_1 quantized
+from that (:func:`dgr.hf_export.prepare`, reused when present).
+
+- safetensors route: :mod:`dgr.bench.hf_worker` processes (Transformers), driven stepwise;
+- GGUF routes: dgr-worker processes, in the driver's default (chained) mode, one token per
+  answer so every token is timed when it is made;
+- per GGUF recipe, the whole model as the contract's baseline: llama-bench (pp; tg at depth
+  n_prompt), llama-batched-bench (aggregate tg at each concurrency) and one whole-model
+  dgr-worker through the same driver (TTFT, p95 token latency, peak RSS, greedy tokens,
+  perplexity, measured exactly as on the route);
+- the whole Transformers model as the safetensors route's parity reference.
+
+Quality through the protocol: greedy tokens of the fixed prompts, and teacher-forced scoring of
+the shipped text (each text token fed as the next decode input, the tail's top-k logprobs read
+back). The protocol returns the top-k logprobs (k <= 64), not the whole distribution: a text
+token outside the top k is scored at the k-th logprob (its true logprob is lower), so this
+perplexity is a lower bound, computed the same way for every route and whole model; the clipped
+share is recorded. :mod:`dgr.bench.gate_judge` turns the document into contract results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import DgrError
+
+SCHEMA = "dgr.bench.gate/1"
+SAFETENSORS = "safetensors-fp32"
+GGUF_ROUTES = {"gguf-f32": "gguf-f32", "gguf-q8_0": "gguf-q8_0", "gguf-q4_1": "gguf-q4_1"}
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    split: tuple[tuple[int, int], ...] = ((0, 15), (15, 30))
+    threads: int = 1
+    n_prompt: int = 128
+    n_gen: int = 64
+    concurrency: tuple[int, ...] = (1, 4, 8)
+    quality_tokens: int = 32
+    score_tokens: int = 256        # teacher-forced text tokens scored per route (0: the whole text)
+    score_chunk: int = 128
+    top_logprobs: int = 64
+    backend: str = "cpu"
+    quick: bool = False
+
+    @classmethod
+    def make(cls, *, threads: int | None = None, quick: bool = False) -> "GateConfig":
+        t = threads or max(1, (os.cpu_count() or 2) - 1)
+        if quick:
+            return cls(threads=t, n_prompt=32, n_gen=8, quality_tokens=8, score_tokens=96, score_chunk=48,
+                       quick=True)
+        return cls(threads=t)
+
+    @property
+    def ctx_per_session(self) -> int:
+        return max(self.n_prompt + self.n_gen, self.score_chunk, 128 + self.quality_tokens) + 16
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+def inputs(hf_dir: Path, cfg: GateConfig) -> dict[str, Any]:
+    from .baseline import _tokenize, load_inputs
+
+    text, prompts = load_inputs()
+    text_ids, prompt_ids = _tokenize(hf_dir, text, prompts)
+    p, c = cfg.n_prompt, max(cfg.concurrency)
+    if len(text_ids) < p + c:
+        raise DgrError(f"the shipped text has {len(text_ids)} tokens; the gate needs {p + c}")
+    step = max(1, (len(text_ids) - p) // max(1, c - 1))
+    perf = [text_ids[k * step:k * step + p] for k in range(c)]   # distinct windows of the same text
+    score = text_ids[:cfg.score_tokens] if cfg.score_tokens else text_ids
+    return {"prompts": prompt_ids, "perf": perf, "score": score, "text_tokens": len(text_ids)}
+
+
+# ---- through the protocol ---------------------------------------------------------------------
+
+async def score_text(endpoints: Sequence[str], ids: Sequence[int], *, chunk: int, top: int) -> dict[str, Any]:
+    """Teacher-forced scoring through the route, chunk by chunk (one session per chunk): each
+    position's top-1 id and the logprob of the text's next token (clipped at the k-th logprob
+    when it is not among the top k)."""
+    from ..route.driver import RouteDriver, Sampling, _Stream
+
+    from ..protocol.bundle import frame_payload_checksum
+    from ..shard.v1 import shard_runtime_pb2 as pb
+
+    d = await RouteDriver(list(endpoints), chain=False).connect()
+    argmax: list[int] = []
+    nll = 0.0
+    n = clipped = 0
+    try:
+        for c0 in range(0, len(ids) - 1, chunk):
+            part = list(ids[c0:c0 + chunk + 1])
+            if len(part) < 2:
+                break
+            sid = f"score-{c0}"
+            streams = [_Stream(s, d.timeout) for s in d.shards]
+            try:
+                for pos in range(len(part) - 1):
+                    payload: Any = part[pos]
+                    resp = None
+                    for i, st in enumerate(streams):
+                        if pos == 0:
+                            span = pb.TokenSpan(token_ids=[part[0]]) if i == 0 else payload
+                            h = d._header(st.shard, sid, 1, st.step, pb.PHASE_PREFILL, 0, 1,
+                                          pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_EMPTY), f"{sid}/p0")
+                            h.payload_checksum.CopyFrom(frame_payload_checksum(span))
+                            f = pb.StepFrame(header=h, sample=True)
+                            if i == 0:
+                                f.tokens.CopyFrom(span)
+                            else:
+                                f.bundle.CopyFrom(span)
+                            if i == len(streams) - 1:
+                                f.sampling.CopyFrom(Sampling(top_logprobs=top, ignore_eog=True).to_proto())
+                            resp = await st.exchange(pb.SessionRequest(step=f))
+                        else:
+                            fd = pb.FastDecodeFrame(session_id=sid, route_epoch=1, step=st.step, position=pos,
+                                                    request_id=f"{sid}/d{pos}")
+                            if i == 0:
+                                fd.token_id = payload
+                            else:
+                                fd.bundle.CopyFrom(payload)
+                            resp = await st.exchange(pb.SessionRequest(fast_decode=fd))
+                        st.step += 1
+                        if i < len(streams) - 1:
+                            payload = resp.boundary
+                    tok = resp.tail.tokens[0]
+                    tops = {t.token_id: t.logprob for t in tok.top_logprobs}
+                    nxt = part[pos + 1]
+                    argmax.append(tok.token_id)
+                    if nxt in tops:
+                        nll -= tops[nxt]
+                    else:
+                        nll -= min(tops.values())
+                        clipped += 1
+                    n += 1
+            finally:
+                for st in streams:
+                    await d._release(st, sid, 1)
+    finally:
+        await d.close()
+    return {"argmax": argmax, "n_scored": n, "nll_sum": nll, "clipped": clipped,
+            "perplexity": math.exp(nll / n) if n else None, "clipped_share": clipped / n if n else None}
+
+
+async def greedy(endpoints: Sequence[str], prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    """Greedy tokens per fixed prompt, one session at a time (exact parity is per session)."""
+    from ..route.driver import RouteDriver, Sampling
+
+    d = await RouteDriver(list(endpoints)).connect()
+    try:
+        out = []
+        for p in prompts:
+            r = await d.generate(list(p), max_tokens=n, sampling=Sampling(ignore_eog=True), stop_on_eog=False)
+            if r.error is not None:
+                raise DgrError(f"greedy run failed: {r.error}")
+            out.append(list(r.tokens))
+        return out
+    finally:
+        await d.close()
+
+
+def timing(endpoints: Sequence[str], pids: Sequence[int], ranges: Sequence[str], prompts: Sequence[Sequence[int]],
+           n_gen: int) -> dict[str, Any]:
+    """One concurrent run (one session per prompt): speeds, token latencies, memory, KV, cleanup."""
+    from ..route.driver import Sampling
+
+    from ..route.sessions import WorkerStats, run_sessions
+
+    stats = [WorkerStats(r, e, p) for r, e, p in zip(ranges, endpoints, pids)]
+    rep = asyncio.run(run_sessions(list(endpoints), [""] * len(prompts), token_prompts=[list(p) for p in prompts],
+                                   max_tokens=n_gen, sampling=Sampling(ignore_eog=True), stop_on_eog=False,
+                                   stats=stats, pids=list(pids), label="gate", timeout=300.0,
+                                   tokens_per_answer=1))
+    ok = [s for s in rep.sessions if s.error is None]
+    gaps = [b - a for s in ok for a, b in zip(s.token_times_s, s.token_times_s[1:])]
+    s0 = rep.sessions[0]
+    c = len(prompts)
+    return {
+        "sessions": c, "mode": rep.mode, "wall_s": rep.wall_s,
+        "failures": [s.error for s in rep.sessions if s.error],
+        "ttft_s": rep.mean_ttft_s,
+        "prefill_tok_s": s0.prefill_tok_s if c == 1 else rep.aggregate_prefill_tok_s,
+        "decode_tok_s": s0.decode_tok_s if c == 1 else (rep.concurrent_decode_tok_s or rep.aggregate_decode_tok_s),
+        "aggregate_decode_window_tok_s": rep.aggregate_decode_tok_s,
+        "token_latency_p50_s": _pct(gaps, 0.50), "token_latency_p95_s": _pct(gaps, 0.95),
+        "seam_bytes_per_decode_token": rep.seam_bytes_per_decode_token,
+        "hop_decode_rtt_s": rep.hop_decode_rtt_s,
+        "workers": [{"range": w.range, "rss_peak_bytes": w.rss_peak_bytes, "kv_cells_peak": w.kv_cells_peak,
+                     "kv_cells_total": w.kv_cells_total, "active_sessions_peak": w.active_sessions_peak,
+                     "mean_batch_rows": w.mean_batch_rows, "mean_queue_wait_s": w.mean_queue_wait_s,
+                     "sessions_left": w.sessions_left, "kv_cells_left": w.kv_cells_left} for w in stats],
+        "driver_cpu_s": rep.driver_cpu_s,
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _peak_rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure every route and yardstick; returns the ``dgr.bench.gate/1`` document."""
+    from contextlib import ExitStack
+
+    from .hf_export import prepare, require_baseline_extra, sha256_file
+    from .llama_lane import CommandLog
+    from ..gguf.models import model_dir
+    from ..route.local import LocalRoute, ensure_worker
+    from .route import _batched_bench, _llama_bench
+    from .hf_route import HfRoute, whole_model_greedy
+
+    require_baseline_extra()
+    ensure_worker(cfg.backend, log=progress)
+    log = CommandLog()
+    art_root = model_dir() / "baseline" / sha256_file(source)[:16]
+    manifest = prepare(source, art_root, threads=cfg.threads, log=log, progress=progress)
+    arts = manifest["artifacts"]
+    hf_dir = art_root / arts["safetensors"]["path"]
+    n_layer = int(manifest["model"]["n_layer"])
+    if cfg.split[-1][1] != n_layer:
+        raise DgrError(f"split ends at layer {cfg.split[-1][1]}; the model has {n_layer} layers")
+    inp = inputs(hf_dir, cfg)
+    ranges = [f"{a}:{b}" for a, b in cfg.split]
+    max_s = max(cfg.concurrency)
+    ctx = cfg.ctx_per_session
+    doc: dict[str, Any] = {"schema": SCHEMA, "config": {**{k: getattr(cfg, k) for k in (
+        "threads", "n_prompt", "n_gen", "quality_tokens", "score_chunk", "top_logprobs", "backend", "quick")},
+        "split": ranges, "concurrency": list(cfg.concurrency), "ctx_per_session": ctx,
+        "score_tokens": len(inp["score"]), "prompts": len(inp["prompts"]), "sampling": "greedy",
+        "hosts": "one host, loopback (one process per Shard)"},
+        "model": manifest["model"], "source": manifest["source"],
+        "artifacts": {k: {m: v.get(m) for m in ("bytes", "sha256", "made_by", "format")} for k, v in arts.items()},
+        "routes": {}, "whole": {}, "commands": log.entries}
+    with ExitStack() as stack:
+        progress(f"starting the safetensors route ({', '.join(ranges)}, transformers shard workers)")
+        hf = stack.enter_context(HfRoute(hf_dir, cfg.split, threads=cfg.threads, max_sessions=max_s,
+                                         ctx_per_session=ctx, artifact_id=arts["safetensors"]["sha256"]))
+        routes: dict[str, tuple[list[str], list[int], int]] = {
+            SAFETENSORS: (hf.endpoints, hf.pids, arts["safetensors"]["bytes"])}
+        wholes: dict[str, Any] = {}
+        for name, key in GGUF_ROUTES.items():
+            model = art_root / arts[key]["path"]
+            progress(f"starting the {name} route ({', '.join(ranges)}) and its whole-model dgr-worker")
+            lr = stack.enter_context(LocalRoute(model, cfg.split, threads=cfg.threads, max_sessions=max_s,
+                                                ctx_per_session=ctx, backend=cfg.backend))
+            lw = stack.enter_context(LocalRoute(model, [(0, n_layer)], threads=cfg.threads, max_sessions=max_s,
+                                                ctx_per_session=ctx, backend=cfg.backend))
+            routes[name] = (lr.endpoints, [w.pid for w in lr.workers], arts[key]["bytes"])
+            wholes[name] = (lw.endpoints, [w.pid for w in lw.workers], model)
+        for name, (eps, _pids, _b) in routes.items():   # warm up every route once
+            asyncio.run(greedy(eps, [inp["prompts"][0]], 2))
+        # quality: greedy tokens and teacher-forced scoring, per route and per whole model
+        for name, (eps, pids, nbytes) in routes.items():
+            progress(f"{name} route: greedy tokens of {len(inp['prompts'])} fixed prompts, scoring "
+                     f"{len(inp['score'])} text tokens")
+            doc["routes"][name] = {"endpoints": eps, "ranges": ranges, "artifact_bytes": nbytes,
+                                   "greedy": asyncio.run(greedy(eps, inp["prompts"], cfg.quality_tokens)),
+                                   "score": asyncio.run(score_text(eps, inp["score"], chunk=cfg.score_chunk,
+                                                                   top=cfg.top_logprobs)),
+                                   "timing": {}}
+        for name, (eps, pids, model) in wholes.items():
+            progress(f"{name} whole model (1 dgr-worker): greedy tokens and scoring")
+            doc["whole"][name] = {"greedy": asyncio.run(greedy(eps, inp["prompts"], cfg.quality_tokens)),
+                                  "score": asyncio.run(score_text(eps, inp["score"], chunk=cfg.score_chunk,
+                                                                  top=cfg.top_logprobs)),
+                                  "worker_timing": {}, "llama_bench": {}, "llama_batched_bench": {}}
+        progress("transformers whole model (parity reference of the safetensors route)")
+        doc["transformers_whole"] = {"greedy": [r["tokens"] for r in whole_model_greedy(
+            hf_dir, inp["prompts"], cfg.quality_tokens, threads=cfg.threads)]}
+        # speed: per concurrency, every route and whole model back to back
+        for c in cfg.concurrency:
+            prompts = inp["perf"][:c]
+            for name, (eps, pids, _b) in routes.items():
+                progress(f"{c} session(s): {name} route")
+                doc["routes"][name]["timing"][str(c)] = timing(eps, pids, ranges, prompts, cfg.n_gen)
+            for name, (eps, pids, model) in wholes.items():
+                progress(f"{c} session(s): {name} whole model ("
+                         + ("dgr-worker, llama-bench)" if c == 1 else f"llama-batched-bench B={c})"))
+                w = doc["whole"][name]
+                if c == 1:   # the contract's TTFT and p95 baselines: the whole model through the same driver
+                    w["worker_timing"][str(c)] = timing(eps, pids, [f"0:{n_layer}"], prompts, cfg.n_gen)
+                    w["llama_bench"] = _llama_bench(model, cfg.threads, cfg.n_prompt, cfg.n_gen, 1, cfg.backend)
+                else:
+                    b = _batched_bench(model, cfg.threads, cfg.n_prompt, cfg.n_gen, (c,), cfg.backend)
+                    w["llama_batched_bench"][str(c)] = {"command": b["command"], **b["by_batch"][str(c)]}
+        for name, (eps, pids, _b) in routes.items():
+            doc["routes"][name]["peak_rss_bytes"] = [_peak_rss(p) for p in pids]
+        for name, (eps, pids, _m) in wholes.items():
+            doc["whole"][name]["peak_rss_bytes"] = _peak_rss(pids[0])
+    return doc
+
+
+def write(doc: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
+
