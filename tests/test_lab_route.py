@@ -10,6 +10,7 @@ import pytest
 from dgr.lab import system as sx
 from dgr.lab.hosts import Lab, LabConfig
 from dgr.lab.route import LabRoute
+from fakeroute import poll
 
 pytestmark = [pytest.mark.lab, pytest.mark.native]
 
@@ -64,8 +65,9 @@ def test_chained_mtls_and_relay_across_hosts(lab, native_bin, monkeypatch):
             plain.capability()
         # the worker runs inside h2: its pid is in h2's namespace and CPU set
         assert lr.placed[1].worker.pid in lab.host_pids(h2)
-        stats = lab.proxy_stats()
-        assert sum(s.get("connections", 0) for s in stats) > 0
+        # the proxies write their counters once a second: wait (bounded) for a write after the traffic
+        poll(lambda: sum(s.get("connections", 0) for s in lab.proxy_stats()) > 0, deadline_s=10,
+             what="the link proxies' connection counters")
     # the same tokens as one whole fake worker on loopback
     with WorkerProcess.start(["--fake-model"], binary=native_bin / "dgr-worker") as w:
         whole, _ = _tokens([w.target], None)
