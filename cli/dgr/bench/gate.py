@@ -321,4 +321,3 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
 
 def write(doc: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
-
