@@ -244,14 +244,14 @@ CHAIN_BYTES = "dgr_chain_frame_bytes_sent_total"
 CHAIN_FRAMES = "dgr_chain_frames_sent_total"
 
 
-async def chain_counters(driver: Any, phase: str = "decode") -> list[tuple[float, float]]:
-    """Per non-tail shard of the route: (serialized frame bytes, frames) it has sent downstream
-    for ``phase`` (worker counters; chained mode)."""
+async def _chain_counter_pairs(driver: Any, phase: str, total: str, count: str) -> list[tuple[float, float]]:
+    """Per non-tail shard of the route: the sums of the ``total`` and ``count`` worker metrics
+    labelled ``phase`` ((0, 0) for a shard that does not answer)."""
     from ..shard.v1 import shard_runtime_pb2 as pb
 
     out = []
     for sh in driver.shards[:-1]:
-        nbytes = frames = 0.0
+        tot = n = 0.0
         try:
             r = await sh.stub.GetMetrics(pb.GetMetricsRequest(), timeout=5)
         except Exception:
@@ -260,12 +260,18 @@ async def chain_counters(driver: Any, phase: str = "decode") -> list[tuple[float
         for m in r.samples:
             if m.labels.get("phase") != phase:
                 continue
-            if m.name == CHAIN_BYTES:
-                nbytes += m.value
-            elif m.name == CHAIN_FRAMES:
-                frames += m.value
-        out.append((nbytes, frames))
+            if m.name == total:
+                tot += m.value
+            elif m.name == count:
+                n += m.value
+        out.append((tot, n))
     return out
+
+
+async def chain_counters(driver: Any, phase: str = "decode") -> list[tuple[float, float]]:
+    """Per non-tail shard of the route: (serialized frame bytes, frames) it has sent downstream
+    for ``phase`` (worker counters; chained mode)."""
+    return await _chain_counter_pairs(driver, phase, CHAIN_BYTES, CHAIN_FRAMES)
 
 
 def chain_seam_bytes(before: Sequence[tuple[float, float]], after: Sequence[tuple[float, float]]) -> list[float]:
@@ -280,25 +286,7 @@ CHAIN_REPLIES = "dgr_chain_replies_total"
 async def chain_hop_counters(driver: Any, phase: str = "decode") -> list[tuple[float, float]]:
     """Per non-tail shard of the route: (seconds its forwarded frames waited for the answer, answers)
     for ``phase``: each worker measures its own downstream hop (chained mode)."""
-    from dgr.shard.v1 import shard_runtime_pb2 as pb
-
-    out = []
-    for sh in driver.shards[:-1]:
-        secs = n = 0.0
-        try:
-            r = await sh.stub.GetMetrics(pb.GetMetricsRequest(), timeout=5)
-        except Exception:
-            out.append((0.0, 0.0))
-            continue
-        for m in r.samples:
-            if m.labels.get("phase") != phase:
-                continue
-            if m.name == CHAIN_HOP_SECONDS:
-                secs += m.value
-            elif m.name == CHAIN_REPLIES:
-                n += m.value
-        out.append((secs, n))
-    return out
+    return await _chain_counter_pairs(driver, phase, CHAIN_HOP_SECONDS, CHAIN_REPLIES)
 
 
 def chain_hop_rtt(before: Sequence[tuple[float, float]], after: Sequence[tuple[float, float]]) -> list[float]:
