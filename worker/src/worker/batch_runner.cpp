@@ -21,10 +21,31 @@ void Scheduler::run_batch() {
     const uint32_t decode_cap = prefill_q_.empty() ? B : B - opts_.max_prefill_chunk_tokens;
     std::vector<std::unique_ptr<Work>> items;
     uint32_t rows = 0;
+    // pipelined route (pipeline.h): at most one group's worth of chained DECODE rows; the rest
+    // stay queued, in order, for the next batch, computed while this group is downstream
+    const uint32_t group = chain_group_rows();
+    uint32_t chained = 0;
+    std::deque<std::unique_ptr<Work>> later;
     while (!decode_q_.empty() && rows + 1 <= decode_cap) {
-        items.push_back(std::move(decode_q_.front()));
+        std::unique_ptr<Work> w = std::move(decode_q_.front());
         decode_q_.pop_front();
+        const Session * s = table_.find(w->session_id);
+        if (group > 0 && s && s->chain.down) {
+            if (chained >= group) {
+                later.push_back(std::move(w));
+                continue;
+            }
+            chained++;
+        }
+        items.push_back(std::move(w));
         rows += 1;
+    }
+    if (!later.empty()) {
+        metrics_.pipeline_held_rows += later.size();
+        while (!later.empty()) {
+            decode_q_.push_front(std::move(later.back()));
+            later.pop_back();
+        }
     }
     while (!prefill_q_.empty() && rows + prefill_q_.front()->n <= B) {
         rows += prefill_q_.front()->n;
@@ -104,6 +125,7 @@ void Scheduler::run_batch() {
         s.decoding = w.decode;
         s.last_step = (int64_t) w.header.step();
         s.last_used = Clock::now();
+        s.answered_at = s.last_used;
         int32_t sampled = -1;
         bool finished = false;
         pb::SessionResponse r = answer_of(w, s, first_row[k], last_row[k], &sampled, &finished);

@@ -68,6 +68,7 @@ void Scheduler::open_chain(Session & s, const pb::StepFrame & sf) {
     const pb::ChainHop & hop = sf.downstream(0);
     s.chain.hop = hop;
     s.chain.rest.assign(sf.downstream().begin() + 1, sf.downstream().end());
+    s.chain.stages = 2 + (uint32_t) s.chain.rest.size();
     s.chain.colocated = std::all_of(sf.downstream().begin(), sf.downstream().end(), [](const pb::ChainHop & h) {
         return is_loopback_host(endpoint_host(h.endpoint()));
     });

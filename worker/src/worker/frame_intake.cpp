@@ -222,6 +222,7 @@ void Scheduler::on(FrameEvent & ev) {
     w->header.mutable_computed_range()->set_start(s->effective_start);
     w->header.mutable_computed_range()->set_end(info_.layer_end);
     w->t_ready = Clock::now();
+    if (w->decode) note_decode_arrival(*s);
     (w->decode ? decode_q_ : prefill_q_).push_back(std::move(w));
 }
 

@@ -66,6 +66,7 @@ void Scheduler::continue_generation(Session & s, const pb::ResponseHeader & last
     s.reserved = 1;
     table_.kv_reserved += 1;
     metrics_.generated_tokens++;
+    note_decode_arrival(s);
     decode_q_.push_back(std::move(w));
 }
 

@@ -1,6 +1,7 @@
 #include "worker/scheduler.h"
 
 #include "worker/errors.h"
+#include "worker/pipeline.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -356,14 +357,19 @@ void Scheduler::loop() {
         if (!dispatch(evs)) return;
         // Gather: sessions that just got a decode answer usually send their next step within
         // a client round trip; waiting a little (<= 25% of the last decode call, <= 5 ms) for
-        // them turns staggered arrivals into one batch instead of several small ones.
+        // them turns staggered arrivals into one batch instead of several small ones. A session
+        // is waited for only when its next row is predicted to arrive before the deadline (its
+        // usual answer-to-next-row gap, pipeline.h): on a pipelined route the other group's rows
+        // come a whole stage compute later, and waiting for them would idle this Shard.
+        // A pipelined head stops gathering once a group's worth of chained rows is queued.
         // Chained sessions generating over a route on this same host are waited for longer (up
         // to 3 decode calls, <= 250 ms): their next row comes back after the other shards have
         // computed, and if this shard ran the ones already back in the meantime, two groups of
         // sessions would alternate between the shards and both processes would compute at the
         // same time on shared cores (measured: SmolLM2 0:15|15:30, 4 sessions, 2 cores, 2 rows
-        // per batch and ~3x slower). Routes across hosts keep the short wait: there the shards
-        // computing different groups at once is the pipeline working.
+        // per batch and ~3x slower). Routes across hosts form pipeline groups instead (below
+        // and docs/worker.md, Pipelined routes): there the shards computing different groups at
+        // once is the pipeline working.
         if (!decode_q_.empty() && prefill_q_.empty() && last_decode_s_ > 0.0) {
             const auto t_gather = Clock::now();
             auto after = [&](double s) {
@@ -371,9 +377,19 @@ void Scheduler::loop() {
             };
             const auto short_deadline = after(std::min(0.005, 0.25 * last_decode_s_));
             const auto long_deadline = after(std::min(0.25, 3.0 * last_decode_s_ + 0.005));
+            const uint32_t group = chain_group_rows();
             for (;;) {
-                const Expected e = expected_decoders();
-                if (!prefill_q_.empty() || (e.plain == 0 && e.colocated_chain == 0)) break;
+                if (!prefill_q_.empty()) break;
+                if (group > 0) {
+                    uint32_t chained = 0;
+                    for (const auto & w : decode_q_) {
+                        const Session * s = table_.find(w->session_id);
+                        if (s && s->chain.down) chained++;
+                    }
+                    if (chained >= group) break;
+                }
+                const Expected e = expected_decoders(short_deadline);
+                if (e.plain == 0 && e.colocated_chain == 0) break;
                 const auto deadline = e.colocated_chain > 0 ? long_deadline : short_deadline;
                 if (Clock::now() >= deadline) break;
                 std::deque<Event> more;
@@ -384,6 +400,8 @@ void Scheduler::loop() {
                 }
                 if (!dispatch(more)) return;
             }
+            metrics_.gather_wait_seconds =
+                metrics_.gather_wait_seconds.load() + std::chrono::duration<double>(Clock::now() - t_gather).count();
         }
         const auto now = Clock::now();
         if (std::chrono::duration<double>(now - last_sweep_).count() >= 1.0) {
@@ -395,17 +413,37 @@ void Scheduler::loop() {
     }
 }
 
-Scheduler::Expected Scheduler::expected_decoders() const {
+Scheduler::Expected Scheduler::expected_decoders(Clock::time_point deadline) const {
     Expected n;
     table_.for_each([&](const Session & s) {
         if (s.chain.awaiting && s.gen.active) {
             // chained heads that generate get their next row when the route answers
-            (s.chain.colocated ? n.colocated_chain : n.plain)++;
-        } else if (s.decoding && !s.busy) {
+            if (s.chain.colocated) {
+                n.colocated_chain++;
+            } else if (worth_waiting(s.answered_at, s.gap_s, deadline)) {
+                n.plain++;
+            }
+        } else if (s.decoding && !s.busy && worth_waiting(s.answered_at, s.gap_s, deadline)) {
             n.plain++;
         }
     });
     return n;
+}
+
+uint32_t Scheduler::chain_group_rows() const {
+    uint32_t active = 0, groups = 1;
+    table_.for_each([&](const Session & s) {
+        if (!s.chain.down || !(s.gen.active || s.decoding)) return;
+        active++;
+        groups = std::max(groups, pipeline_groups(opts_.pipeline_groups, s.chain.stages, s.chain.colocated));
+    });
+    return pipeline_group_rows(active, groups);
+}
+
+void Scheduler::note_decode_arrival(Session & s) {
+    if (s.answered_at != Clock::time_point{}) {
+        s.gap_s = next_gap(s.gap_s, std::chrono::duration<double>(Clock::now() - s.answered_at).count());
+    }
 }
 
 }  // namespace dgr::worker

@@ -51,6 +51,7 @@ struct SchedulerOptions {
     double evict_idle_s = 30.0;     // under KV/session pressure, LRU sessions idle this long may be evicted
     uint32_t tombstones = 4096;     // remembered ended sessions (for precise errors)
     ChainOptions chain;             // chained routes: allowed peers, TLS towards them
+    uint32_t pipeline_groups = 0;   // --pipeline-groups: 0 auto (one per stage off-host), 1 off (pipeline.h)
     uint64_t memory_budget_bytes = 0;  // --memory-budget-mb (0: none); weights + scratch + KV fit in it
 };
 
@@ -115,7 +116,12 @@ private:
     // sessions whose next DECODE row is likely to arrive soon: plain ones (a client round trip
     // away) and chained generating ones whose route runs on this host (a downstream compute away)
     struct Expected { uint32_t plain = 0, colocated_chain = 0; };
-    Expected expected_decoders() const;
+    // plain sessions count only when predicted to send by `deadline` (pipeline.h worth_waiting)
+    Expected expected_decoders(Clock::time_point deadline) const;
+    // ---- pipelined routes (pipeline.h): the cap on chained DECODE rows per batch (0: none)
+    uint32_t chain_group_rows() const;
+    // a DECODE row of `s` is queued: learn its answer-to-next-row gap
+    static void note_decode_arrival(Session & s);
     // `internal`: the error answers server-side generation, not a queued frame (the stream
     // is not asked for its next frame and the queue count is untouched)
     void answer_error(StreamSink & sink, const pb::ResponseHeader & hdr, pb::ShardError err,

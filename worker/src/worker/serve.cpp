@@ -175,6 +175,7 @@ int serve_main(int argc, char ** argv) {
     so.queue_limit = o.queue_limit;
     so.max_batch_tokens = o.max_batch_tokens;
     so.max_prefill_chunk_tokens = o.max_prefill_chunk;
+    so.pipeline_groups = o.pipeline_groups;
     so.max_message_bytes = o.max_message_bytes;
     so.session_ttl_s = o.session_ttl_s;
     so.evict_idle_s = o.evict_idle_s;

@@ -34,6 +34,10 @@ void usage() {
         "  --queue-limit K           frames received and not yet answered, default 64\n"
         "  --max-batch-tokens N      rows per decode call, default 512\n"
         "  --max-prefill-chunk N     rows per PREFILL step, default 256\n"
+        "  --pipeline-groups N       chained head: split the decode rows of its sessions into N groups,\n"
+        "                            so that each Shard of the route computes one group while the next\n"
+        "                            Shard computes another (0: auto = one group per Shard when the route\n"
+        "                            leaves this host, off when every hop is local; 1: off; at most 16)\n"
         "  --max-message-bytes N     gRPC message limit, default 64 MiB\n"
         "  --session-ttl-s S         evict sessions idle this long, default 600\n"
         "  --evict-idle-s S          under pressure, LRU sessions idle this long may be evicted, default 30\n"
@@ -154,6 +158,13 @@ int parse_serve_options(int argc, char ** argv, ServeOptions * o) {
         else if (a == "--queue-limit") ok = num32(&o->queue_limit);
         else if (a == "--max-batch-tokens") ok = num32(&o->max_batch_tokens);
         else if (a == "--max-prefill-chunk") ok = num32(&o->max_prefill_chunk);
+        else if (a == "--pipeline-groups") {
+            ok = num32(&o->pipeline_groups);
+            if (ok && o->pipeline_groups > 16) {
+                std::fprintf(stderr, "dgr-worker: error: --pipeline-groups wants 0 (auto) .. 16\n");
+                return 2;
+            }
+        }
         else if (a == "--max-message-bytes") ok = num(&o->max_message_bytes);
         else if (a == "--session-ttl-s") ok = dbl(&o->session_ttl_s);
         else if (a == "--evict-idle-s") ok = dbl(&o->evict_idle_s);

@@ -45,6 +45,7 @@ struct ChainState {
     uint64_t                        step = 0;    // next step number downstream
     bool                            opened = false;
     bool                            colocated = false;  // every hop is on this host (shares our cores)
+    uint32_t                        stages = 0;  // Shards of the route from this one on (this one included)
     std::string                     failed;      // the link ended: the next frame gets this error
     std::unique_ptr<pb::SamplingParams> fwd_sampling;  // goes with the next forwarded StepFrame
     // a forwarded step waits for the route's answer, answered with this header
@@ -82,6 +83,8 @@ struct Session {
     bool     busy = false;      // a step is queued or in the batch
     bool     decoding = false;  // its last completed step was a DECODE (a next one is likely)
     uint32_t reserved = 0;      // KV cells reserved by the queued step
+    Clock::time_point answered_at{};  // its last step was answered (or forwarded downstream)
+    double   gap_s = 0.0;       // EWMA: answered -> its next DECODE row queued here (pipeline.h)
     std::unique_ptr<PartialStep> partial;
     ChainState      chain;
     GenerationState gen;

@@ -1,0 +1,31 @@
+#include "worker/pipeline.h"
+
+#include <algorithm>
+
+namespace dgr::worker {
+
+uint32_t pipeline_groups(uint32_t option, uint32_t stages, bool colocated) {
+    if (option >= 1) return std::min(option, kMaxPipelineGroups);
+    if (colocated || stages < 2) return 1;
+    return std::min(stages, kMaxPipelineGroups);
+}
+
+uint32_t pipeline_group_rows(uint32_t active, uint32_t groups) {
+    if (groups <= 1 || active <= 1) return 0;
+    return (active + groups - 1) / groups;
+}
+
+bool worth_waiting(std::chrono::steady_clock::time_point answered, double gap_s,
+                   std::chrono::steady_clock::time_point deadline) {
+    if (gap_s <= 0.0) return true;
+    const auto predicted = answered + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                          std::chrono::duration<double>(gap_s));
+    return predicted <= deadline;
+}
+
+double next_gap(double ewma_s, double observed_s) {
+    if (observed_s < 0.0) return ewma_s;
+    return ewma_s > 0.0 ? 0.7 * ewma_s + 0.3 * observed_s : observed_s;
+}
+
+}  // namespace dgr::worker

@@ -1,0 +1,43 @@
+// Pipeline-aware scheduling of chained routes (docs/worker.md, "Pipelined routes"). Pure
+// policy, no state: the scheduler asks it how many groups the decode rows of its chained
+// sessions form, how many rows one batch may take, and whether a gather should wait for a
+// session whose next row is predicted to arrive at a given time.
+//
+// Why groups: on a route of S Shards on S hosts, a head that computes every ready session in
+// one batch makes the Shards take turns (the head idles while the rows travel down the route and
+// back; the tail idles while the head computes). Split into G >= S groups, the head computes
+// group B while the next Shard computes group A, and so on: every Shard stays busy once there
+// are at least S groups of rows in flight. With server-side generation the groups stay
+// staggered by themselves: a group's rows come back together and are computed together.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+
+namespace dgr::worker {
+
+// Largest --pipeline-groups value.
+constexpr uint32_t kMaxPipelineGroups = 16;
+
+// Groups for the sessions of a route of `stages` Shards (this one included). `option` is
+// --pipeline-groups: 0 = auto (one group per stage when the route leaves this host, one group
+// when every hop is on this host: co-located Shards usually share the cores, so overlapping
+// them only slows both), 1 = off (one batch of every ready row, the Shards take turns),
+// N >= 2 = N groups whatever the placement.
+uint32_t pipeline_groups(uint32_t option, uint32_t stages, bool colocated);
+
+// Rows of chained DECODE steps one batch may take when `active` chained sessions decode in
+// `groups` groups: ceil(active / groups); 0 = no cap (one group, or at most one session).
+uint32_t pipeline_group_rows(uint32_t active, uint32_t groups);
+
+// Gather: wait for a session's next row only when it is predicted to arrive by `deadline`
+// (its last answer at `answered` plus the gap it usually takes, an EWMA; gap <= 0: unknown,
+// wait). A session of the other pipeline group arrives a whole stage compute later: waiting for
+// it until the deadline would only idle this Shard.
+bool worth_waiting(std::chrono::steady_clock::time_point answered, double gap_s,
+                   std::chrono::steady_clock::time_point deadline);
+
+// Updates the EWMA of a session's answer-to-next-row gap with one observation.
+double next_gap(double ewma_s, double observed_s);
+
+}  // namespace dgr::worker
