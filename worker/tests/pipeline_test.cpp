@@ -59,17 +59,17 @@ void test_gather_waits_only_for_rows_due_before_the_deadline() {
     CHECK(next_gap(0.010, -1.0) == 0.010, "negative ignored");
 }
 
-constexpr int32_t kPrompt = 4;  // prompt tokens per session: rows at positions >= kPrompt are DECODE rows
-
-// Records, per decode call, how many DECODE rows it held.
+// Records, per decode call, how many DECODE rows (positions >= the prompt length) and how many
+// prompt rows it held.
 class RecordingBackend final : public FakeBackend {
 public:
-    using FakeBackend::FakeBackend;
+    RecordingBackend(const FakeModelOptions & o, int32_t prompt_len) : FakeBackend(o), prompt_len_(prompt_len) {}
     BackendStatus decode(const DecodeBatch & batch, std::string * error) override {
-        const int n = (int) std::count_if(batch.pos.begin(), batch.pos.end(), [](int32_t p) { return p >= kPrompt; });
-        if (n > 0) {
+        const int n = (int) std::count_if(batch.pos.begin(), batch.pos.end(), [&](int32_t p) { return p >= prompt_len_; });
+        {
             std::lock_guard<std::mutex> lk(mu);
-            decode_rows.push_back(n);
+            if (n > 0) decode_rows.push_back(n);
+            if (batch.n_rows() > n) prompt_rows.push_back(batch.n_rows() - n);
         }
         return FakeBackend::decode(batch, error);
     }
@@ -77,9 +77,14 @@ public:
         std::lock_guard<std::mutex> lk(mu);
         return decode_rows;
     }
+    std::vector<int> prompt_calls() {
+        std::lock_guard<std::mutex> lk(mu);
+        return prompt_rows;
+    }
 private:
+    int32_t prompt_len_;
     std::mutex mu;
-    std::vector<int> decode_rows;
+    std::vector<int> decode_rows, prompt_rows;
 };
 
 class Sink final : public StreamSink {
@@ -122,7 +127,7 @@ FakeModelOptions shard(uint32_t a, uint32_t b, uint32_t delay_ms) {
     o.n_layer = 8;
     o.layer_start = a;
     o.layer_end = b;
-    o.kv_cells = 512;
+    o.kv_cells = 1024;
     o.n_seq_max = 8;
     o.decode_delay_ms = delay_ms;
     return o;
@@ -131,10 +136,10 @@ FakeModelOptions shard(uint32_t a, uint32_t b, uint32_t delay_ms) {
 SchedulerOptions sched_options(uint32_t groups) {
     SchedulerOptions o;
     o.max_sessions = 8;
-    o.kv_cells = 512;
-    o.max_session_positions = 64;
-    o.max_prefill_chunk_tokens = 16;
-    o.max_batch_tokens = 64;
+    o.kv_cells = 1024;
+    o.max_session_positions = 128;
+    o.max_prefill_chunk_tokens = 64;
+    o.max_batch_tokens = 128;
     o.pipeline_groups = groups;
     return o;
 }
@@ -192,11 +197,17 @@ pb::SessionRequest opening(const std::string & sid, const std::vector<int32_t> &
     return req;
 }
 
-// A two-Shard chained route in this process; `groups` is the head's --pipeline-groups.
-// Returns the head's decode calls (row counts); checks every session's tokens.
-std::vector<int> run_route(uint32_t groups, int sessions, int n_tokens) {
+struct RouteRun {
+    std::vector<int> head_decode_rows;  // per head decode call: its DECODE rows
+    std::vector<int> tail_prompt_rows;  // per tail decode call: its prompt rows
+    uint64_t head_pieces = 0;
+};
+
+// A two-Shard chained route in this process; `groups` is the head's --pipeline-groups. Every
+// session's tokens are checked against the whole model.
+RouteRun run_route(uint32_t groups, int sessions, int n_tokens, int prompt_len = 4) {
     // the tail: its own scheduler behind a gRPC server on loopback
-    FakeBackend tail_backend(shard(4, 8, 2));
+    RecordingBackend tail_backend(shard(4, 8, 2), prompt_len);
     Metrics tail_metrics;
     Scheduler tail(tail_backend, tail_metrics, sched_options(1));
     tail.start();
@@ -207,9 +218,9 @@ std::vector<int> run_route(uint32_t groups, int sessions, int n_tokens) {
     builder.RegisterService(&service);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     CHECK(server && port > 0, "tail server did not start");
-    std::vector<int> rows;
+    RouteRun run;
     {
-        RecordingBackend head_backend(shard(0, 4, 2));
+        RecordingBackend head_backend(shard(0, 4, 2), prompt_len);
         Metrics head_metrics;
         Scheduler head(head_backend, head_metrics, sched_options(groups));
         head.start();
@@ -218,7 +229,9 @@ std::vector<int> run_route(uint32_t groups, int sessions, int n_tokens) {
         std::vector<std::shared_ptr<Sink>> sinks;
         std::vector<std::vector<int32_t>> prompts;
         for (int i = 0; i < sessions; ++i) {
-            prompts.push_back({(int32_t) (10 + i), (int32_t) (20 + 3 * i), (int32_t) (30 + i), 7});
+            std::vector<int32_t> p;
+            for (int k = 0; k < prompt_len; ++k) p.push_back((int32_t) ((10 + i * 7 + k * 13) % 250));
+            prompts.push_back(p);
             sinks.push_back(std::make_shared<Sink>());
             CHECK(head.post_frame(sinks.back(),
                                   std::make_unique<pb::SessionRequest>(opening("s" + std::to_string(i), prompts.back(), fp,
@@ -231,28 +244,55 @@ std::vector<int> run_route(uint32_t groups, int sessions, int n_tokens) {
             CHECK(got == reference(prompts[i], n_tokens), "session %d: tokens differ from the whole model", i);
         }
         head.stop(grpc::Status(grpc::StatusCode::UNAVAILABLE, "test over"));
-        rows = head_backend.rows();
+        run.head_decode_rows = head_backend.rows();
+        run.head_pieces = head_metrics.prefill_pieces.load();
     }
     server->Shutdown();
     tail.stop(grpc::Status(grpc::StatusCode::UNAVAILABLE, "test over"));
-    return rows;
+    run.tail_prompt_rows = tail_backend.prompt_calls();
+    return run;
 }
+
+int most(const std::vector<int> & v) { return v.empty() ? 0 : *std::max_element(v.begin(), v.end()); }
 
 void test_head_splits_chained_decode_rows_into_groups() {
     // 6 sessions over 2 Shards, 2 groups: at most 3 decode rows per head batch
-    const std::vector<int> rows = run_route(2, 6, 10);
-    CHECK(!rows.empty(), "the head made no decode calls");
-    const int most = rows.empty() ? 0 : *std::max_element(rows.begin(), rows.end());
-    CHECK(most <= 3, "a head batch took %d chained decode rows; the group is 3", most);
+    const RouteRun r2 = run_route(2, 6, 10);
+    CHECK(!r2.head_decode_rows.empty(), "the head made no decode calls");
+    CHECK(most(r2.head_decode_rows) <= 3, "a head batch took %d chained decode rows; the group is 3",
+          most(r2.head_decode_rows));
     // 3 groups: at most 2
-    const std::vector<int> rows3 = run_route(3, 6, 6);
-    const int most3 = rows3.empty() ? 0 : *std::max_element(rows3.begin(), rows3.end());
-    CHECK(most3 <= 2, "a head batch took %d chained decode rows; the group is 2", most3);
+    const RouteRun r3 = run_route(3, 6, 6);
+    CHECK(most(r3.head_decode_rows) <= 2, "a head batch took %d chained decode rows; the group is 2",
+          most(r3.head_decode_rows));
 }
 
 void test_one_group_keeps_the_tokens() {
-    // --pipeline-groups 1 (off) on the same route: the same tokens (checked inside)
+    // --pipeline-groups 1 (off) on the same route: the same tokens (checked inside), no pieces
     run_route(1, 3, 6);
+    const RouteRun r = run_route(1, 1, 6, 64);
+    CHECK(r.head_pieces == 0, "groups 1 split a prompt into %llu pieces", (unsigned long long) r.head_pieces);
+    CHECK(most(r.tail_prompt_rows) == 64, "the tail computed the 64-token prompt in calls of %d rows",
+          most(r.tail_prompt_rows));
+}
+
+void test_long_prompt_goes_down_the_route_in_pieces() {
+    // one 64-token prompt, 2 groups: two pieces of 32 rows, forwarded one by one; the tokens
+    // after it are the whole model's
+    const RouteRun r = run_route(2, 1, 4, 64);
+    CHECK(r.head_pieces == 2, "the head split the prompt into %llu pieces, want 2", (unsigned long long) r.head_pieces);
+    CHECK(most(r.tail_prompt_rows) == 32 && r.tail_prompt_rows.size() == 2,
+          "the tail computed the prompt in %zu calls, the largest %d rows (want 2 x 32)", r.tail_prompt_rows.size(),
+          most(r.tail_prompt_rows));
+    CHECK(pipeline_group_rows(1, 2) == 0, "one session's decode is never capped");
+}
+
+void test_piece_rows() {
+    CHECK(prefill_piece_rows(256, 2) == 64, "256 rows, 2 stages: 4 pieces of 64");
+    CHECK(prefill_piece_rows(128, 2) == 32, "128 rows: 4 pieces of 32");
+    CHECK(prefill_piece_rows(64, 3) == 32, "never below kMinPrefillPiece");
+    CHECK(prefill_piece_rows(16, 2) == 16, "a short prompt is not split");
+    CHECK(prefill_piece_rows(256, 1) == 256, "one group: not split");
 }
 
 }  // namespace
@@ -261,8 +301,10 @@ int main() {
     test_groups_follow_the_stages();
     test_group_rows_split_ready_sessions();
     test_gather_waits_only_for_rows_due_before_the_deadline();
+    test_piece_rows();
     test_head_splits_chained_decode_rows_into_groups();
     test_one_group_keeps_the_tokens();
+    test_long_prompt_goes_down_the_route_in_pieces();
     if (g_failures) {
         std::fprintf(stderr, "pipeline_test: %d failure(s)\n", g_failures);
         return 1;

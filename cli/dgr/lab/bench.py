@@ -37,7 +37,8 @@ from ..errors import DgrError
 
 SCHEMA = "dgr.bench.route_hosts/1"
 COUNTERS = ("dgr_decode_busy_seconds_total", "dgr_decode_only_busy_seconds_total", "dgr_decode_only_batches_total",
-            "dgr_decode_only_rows_total", "dgr_queue_wait_seconds_sum", "dgr_queue_wait_seconds_count")
+            "dgr_decode_only_rows_total", "dgr_queue_wait_seconds_sum", "dgr_queue_wait_seconds_count",
+            "dgr_gather_wait_seconds_total", "dgr_pipeline_held_rows_total")
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,11 @@ def _where(before: list[dict[str, float]], after: list[dict[str, float]], wall: 
                        "decode_compute_ms_per_batch": 1e3 * d["dgr_decode_only_busy_seconds_total"] / n if n else 0.0,
                        "rows_per_batch": d["dgr_decode_only_rows_total"] / n if n else 0.0,
                        "mean_queue_wait_ms": 1e3 * d["dgr_queue_wait_seconds_sum"] / d["dgr_queue_wait_seconds_count"]
-                       if d["dgr_queue_wait_seconds_count"] else 0.0})
+                       if d["dgr_queue_wait_seconds_count"] else 0.0,
+                       # pipelined scheduling (docs/worker.md): time spent gathering rows into a
+                       # batch, and chained rows a head left for the next group's batch
+                       "gather_wait_share": d["dgr_gather_wait_seconds_total"] / wall if wall > 0 else 0.0,
+                       "pipeline_held_rows": d["dgr_pipeline_held_rows_total"]})
     rows = stages[0]["rows_per_batch"] if stages else 0.0
     step_ms = 1e3 * rows / decode_tok_s if decode_tok_s > 0 and rows else 0.0
     compute = sum(s["decode_compute_ms_per_batch"] for s in stages)

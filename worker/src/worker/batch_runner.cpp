@@ -47,10 +47,20 @@ void Scheduler::run_batch() {
             later.pop_back();
         }
     }
-    while (!prefill_q_.empty() && rows + prefill_q_.front()->n <= B) {
-        rows += prefill_q_.front()->n;
-        items.push_back(std::move(prefill_q_.front()));
-        prefill_q_.pop_front();
+    // PREFILL oldest first while it fits; of a split step (pipeline.h) one piece per batch, so
+    // that the next piece is computed while this one is downstream
+    for (auto it = prefill_q_.begin(); it != prefill_q_.end();) {
+        Work & w = **it;
+        if (w.piece && std::any_of(items.begin(), items.end(), [&](const std::unique_ptr<Work> & x) {
+                return x->piece && x->session_id == w.session_id;
+            })) {
+            ++it;
+            continue;
+        }
+        if (rows + w.n > B) break;
+        rows += w.n;
+        items.push_back(std::move(*it));
+        it = prefill_q_.erase(it);
     }
     if (items.empty()) return;
     // rows ordered by sequence id: with one KV stream per sequence llama.cpp puts only
@@ -119,8 +129,9 @@ void Scheduler::run_batch() {
         Session & s = *sess[k];
         s.positions += w.n;
         table_.kv_used += w.n;
-        table_.kv_reserved -= s.reserved;
-        s.reserved = 0;
+        const uint32_t freed = w.piece_more ? std::min(s.reserved, w.n) : s.reserved;  // a piece: its rows only
+        table_.kv_reserved -= freed;
+        s.reserved -= freed;
         s.busy = false;
         s.decoding = w.decode;
         s.last_step = (int64_t) w.header.step();
@@ -211,7 +222,8 @@ void Scheduler::fail_batch(std::vector<std::unique_ptr<Work>> & items, std::vect
         Work & w = *items[k];
         Session & s = *sess[k];
         auto sink = s.sink;
-        if (st == BackendStatus::resource_exhausted) {
+        absorb_pieces(w);
+        if (st == BackendStatus::resource_exhausted && !w.piece) {  // a piece: the route is ahead; drop
             s.busy = false;
             s.gen.active = false;
             table_.kv_reserved -= s.reserved;

@@ -3,6 +3,7 @@
 // with what the route's tail answered. The scheduler never waits on the network: replies and
 // the link's end come back as events.
 #include "worker/errors.h"
+#include "worker/pipeline.h"
 #include "worker/scheduler.h"
 
 #include <algorithm>
@@ -80,14 +81,66 @@ void Scheduler::open_chain(Session & s, const pb::StepFrame & sf) {
         [this, sid, gen](const grpc::Status & st) { post_downstream_end(sid, gen, st); });
 }
 
+void Scheduler::queue_prefill(Session & s, std::unique_ptr<Work> w) {
+    const uint32_t groups = s.chain.down ? pipeline_groups(opts_.pipeline_groups, s.chain.stages, s.chain.colocated) : 1;
+    const uint32_t piece = prefill_piece_rows(w->n, groups);
+    if (piece >= w->n) {
+        prefill_q_.push_back(std::move(w));
+        return;
+    }
+    const uint32_t E = info_.n_embd;
+    for (uint32_t a = 0; a < w->n; a += piece) {
+        const uint32_t m = std::min(piece, w->n - a);
+        const bool last = a + m == w->n;
+        auto p = std::make_unique<Work>();
+        p->session_id = w->session_id;
+        p->generation = w->generation;
+        p->pos0 = w->pos0 + a;
+        p->n = m;
+        if (info_.head) {
+            p->tokens.assign(w->tokens.begin() + a, w->tokens.begin() + a + m);
+        } else {
+            p->rows.assign(w->rows.begin() + (size_t) a * E, w->rows.begin() + (size_t) (a + m) * E);
+        }
+        p->sample = last && w->sample;
+        p->header = w->header;
+        p->t0 = w->t0;
+        p->t_ready = w->t_ready;
+        p->internal = last ? w->internal : true;
+        p->piece = true;
+        p->piece_more = !last;
+        prefill_q_.push_back(std::move(p));
+    }
+    metrics_.prefill_pieces += (w->n + piece - 1) / piece;
+}
+
+void Scheduler::absorb_pieces(Work & w) {
+    if (!w.piece || !w.piece_more) return;
+    for (auto it = prefill_q_.begin(); it != prefill_q_.end();) {
+        if ((*it)->session_id == w.session_id && (*it)->piece) {
+            if (!(*it)->internal) w.internal = false;  // this failure answers the client's frame
+            it = prefill_q_.erase(it);
+        } else {
+            ++it;
+        }
+    }
+    w.piece_more = false;
+}
+
 void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r) {
     ChainState & c = s.chain;
     s.busy = true;
-    c.awaiting = true;
-    c.pending_header = r.header();
-    c.pending_internal = w.internal;
-    c.pending_t0 = w.t0;
-    if (!w.internal) queued_--;  // in flight downstream, no longer queued here
+    if (w.piece_more) {
+        // an early piece of a split PREFILL step: its answer is only checked (pieces_in_flight)
+        c.pieces_in_flight++;
+        c.piece_header = r.header();
+    } else {
+        c.awaiting = true;
+        c.pending_header = r.header();
+        c.pending_internal = w.internal;
+        c.pending_t0 = w.t0;
+        if (!w.internal) queued_--;  // in flight downstream, no longer queued here
+    }
     if (!c.failed.empty()) {
         DownReplyEvent ev{s.id, s.generation, {}};
         *ev.resp.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE, c.failed, true);
@@ -149,15 +202,23 @@ void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r) {
 
 void Scheduler::on(DownReplyEvent & ev) {
     Session * sp = table_.find(ev.session_id);
-    if (!sp || sp->generation != ev.generation || !sp->chain.awaiting) return;
+    if (!sp || sp->generation != ev.generation || !(sp->chain.awaiting || sp->chain.pieces_in_flight > 0)) return;
     Session & s = *sp;
-    s.chain.awaiting = false;
-    s.busy = false;
-    s.last_used = Clock::now();
     const pb::SessionResponse & d = ev.resp;
-    const bool internal = s.chain.pending_internal;
-    const pb::ResponseHeader hdr = s.chain.pending_header;
-    const Clock::time_point t0 = s.chain.pending_t0;
+    s.last_used = Clock::now();
+    // answers come in order: an early piece's before the step's last one
+    const bool early_piece = s.chain.pieces_in_flight > 0;
+    if (early_piece) {
+        s.chain.pieces_in_flight--;
+        if (d.result_case() == pb::SessionResponse::kTail) return;  // computed downstream; the step goes on
+    } else {
+        s.chain.awaiting = false;
+        s.busy = false;
+    }
+    // an early piece that failed answers the client's frame (still queued or in flight here)
+    const bool internal = early_piece ? !has_unanswered_frame(s) : s.chain.pending_internal;
+    const pb::ResponseHeader hdr = early_piece ? s.chain.piece_header : s.chain.pending_header;
+    const Clock::time_point t0 = early_piece ? Clock::now() : s.chain.pending_t0;
     auto sink = s.sink;
     if (d.result_case() != pb::SessionResponse::kTail) {
         pb::ShardError e = d.has_error() ? d.error()
@@ -211,7 +272,7 @@ void Scheduler::on(DownEndEvent & ev) {
     if (!s || s->generation != ev.generation || !s->chain.down) return;
     std::string why = "ended the session stream: " + code_name(ev.status.error_code());
     if (!ev.status.error_message().empty()) why += ": " + ev.status.error_message();
-    if (s->chain.awaiting) {
+    if (s->chain.awaiting || s->chain.pieces_in_flight > 0) {
         DownReplyEvent rep{ev.session_id, ev.generation, {}};
         *rep.resp.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE, why, true);  // the endpoint is prefixed there
         return on(rep);

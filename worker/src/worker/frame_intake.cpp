@@ -222,8 +222,12 @@ void Scheduler::on(FrameEvent & ev) {
     w->header.mutable_computed_range()->set_start(s->effective_start);
     w->header.mutable_computed_range()->set_end(info_.layer_end);
     w->t_ready = Clock::now();
-    if (w->decode) note_decode_arrival(*s);
-    (w->decode ? decode_q_ : prefill_q_).push_back(std::move(w));
+    if (w->decode) {
+        note_decode_arrival(*s);
+        decode_q_.push_back(std::move(w));
+    } else {
+        queue_prefill(*s, std::move(w));
+    }
 }
 
 bool Scheduler::check_session_state(FrameEvent & ev, Intake & in, Session * s, bool * opening) {

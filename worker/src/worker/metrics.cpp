@@ -117,6 +117,8 @@ std::vector<pm::MetricFamily> Metrics::families(const Gauges & g) const {
     f.push_back(counter("dgr_decode_only_rows_total", "Rows of decode calls without prompt rows.", d(decode_only_rows)));
     f.push_back(counter("dgr_pipeline_held_rows_total",
                         "Chained decode rows left for the next pipeline group's batch.", d(pipeline_held_rows)));
+    f.push_back(counter("dgr_prefill_pieces_total", "Pieces of PREFILL steps split to overlap along a chained route.",
+                        d(prefill_pieces)));
     f.push_back(counter("dgr_gather_wait_seconds_total", "Seconds spent waiting to gather rows into a batch.",
                         gather_wait_seconds.load()));
     f.push_back(counter("dgr_batches_total", "Decode calls.", d(batches)));

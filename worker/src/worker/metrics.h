@@ -91,6 +91,7 @@ public:
     // pipelined routes: chained DECODE rows left for the next group's batch, and the time the
     // scheduler waited to gather rows into a batch (docs/worker.md, Pipelined routes)
     std::atomic<uint64_t> pipeline_held_rows{0};
+    std::atomic<uint64_t> prefill_pieces{0};  // pieces of PREFILL steps split to overlap (pipeline.h)
     std::atomic<double> gather_wait_seconds{0.0};
     std::atomic<uint64_t> generated_tokens{0};   // tokens fed back by server-side generation
     Histogram step_latency;     // seconds from frame received to response handed to gRPC

@@ -23,6 +23,12 @@ bool worth_waiting(std::chrono::steady_clock::time_point answered, double gap_s,
     return predicted <= deadline;
 }
 
+uint32_t prefill_piece_rows(uint32_t n, uint32_t groups) {
+    if (groups <= 1 || n <= kMinPrefillPiece) return n;
+    const uint32_t k = 2 * groups;
+    return std::min(n, std::max(kMinPrefillPiece, (n + k - 1) / k));
+}
+
 double next_gap(double ewma_s, double observed_s) {
     if (observed_s < 0.0) return ewma_s;
     return ewma_s > 0.0 ? 0.7 * ewma_s + 0.3 * observed_s : observed_s;

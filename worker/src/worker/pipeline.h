@@ -37,6 +37,15 @@ uint32_t pipeline_group_rows(uint32_t active, uint32_t groups);
 bool worth_waiting(std::chrono::steady_clock::time_point answered, double gap_s,
                    std::chrono::steady_clock::time_point deadline);
 
+// Chunked prefill over a pipelined route: a chained Shard splits one PREFILL step of `n` rows
+// into pieces and forwards piece i while it computes piece i+1, so the Shards of the route
+// overlap on one long prompt too. Returns the rows per piece: n (no split) when `groups` <= 1,
+// else ceil(n / (2 * groups)) but at least kMinPrefillPiece rows (smaller pieces cost more
+// than the overlap gains on CPUs). With S Shards and k pieces a step takes about k + S - 1
+// piece times instead of k * S.
+constexpr uint32_t kMinPrefillPiece = 32;
+uint32_t prefill_piece_rows(uint32_t n, uint32_t groups);
+
 // Updates the EWMA of a session's answer-to-next-row gap with one observation.
 double next_gap(double ewma_s, double observed_s);
 

@@ -234,7 +234,7 @@ bool Scheduler::has_unanswered_frame(const Session & s) const {
     if (s.chain.awaiting) return !s.chain.pending_internal;
     for (const auto * q : {&decode_q_, &prefill_q_}) {
         for (const auto & w : *q) {
-            if (w->session_id == s.id) return !w->internal;
+            if (w->session_id == s.id && !w->internal) return true;  // (a split step's last piece)
         }
     }
     return false;

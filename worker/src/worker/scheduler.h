@@ -102,6 +102,10 @@ private:
         Clock::time_point t0;
         Clock::time_point t_ready;
         bool internal = false;  // fed back by server-side generation (no client frame behind it)
+        // a piece of a split PREFILL step (pipeline.h prefill_piece_rows); more pieces follow
+        // unless it is the last (which carries the client's frame: internal == false)
+        bool piece = false;
+        bool piece_more = false;
     };
     struct Intake;  // frame_intake.cpp: one frame's fields and response header
 
@@ -122,6 +126,10 @@ private:
     uint32_t chain_group_rows() const;
     // a DECODE row of `s` is queued: learn its answer-to-next-row gap
     static void note_decode_arrival(Session & s);
+    // queues a PREFILL step, split into pieces on a pipelined chained session
+    void queue_prefill(Session & s, std::unique_ptr<Work> w);
+    // a piece failed: the session's later pieces leave the queue; this one answers the frame
+    void absorb_pieces(Work & w);
     // `internal`: the error answers server-side generation, not a queued frame (the stream
     // is not asked for its next frame and the queue count is untouched)
     void answer_error(StreamSink & sink, const pb::ResponseHeader & hdr, pb::ShardError err,

@@ -46,6 +46,8 @@ struct ChainState {
     bool                            opened = false;
     bool                            colocated = false;  // every hop is on this host (shares our cores)
     uint32_t                        stages = 0;  // Shards of the route from this one on (this one included)
+    uint32_t                        pieces_in_flight = 0;  // forwarded PREFILL pieces before the step's last
+    pb::ResponseHeader              piece_header;          // their step's header (for errors)
     std::string                     failed;      // the link ended: the next frame gets this error
     std::unique_ptr<pb::SamplingParams> fwd_sampling;  // goes with the next forwarded StepFrame
     // a forwarded step waits for the route's answer, answered with this header
