@@ -42,6 +42,9 @@ def serve(
     queue_limit: Optional[int] = typer.Option(None, "--queue-limit", help="Unanswered frames (default 64)."),
     max_batch_tokens: Optional[int] = typer.Option(None, "--max-batch-tokens", help="Rows per decode call (default 512)."),
     max_prefill_chunk: Optional[int] = typer.Option(None, "--max-prefill-chunk", help="Rows per PREFILL step (default 256)."),
+    pipeline_groups: Optional[int] = typer.Option(
+        None, "--pipeline-groups", min=0, max=16,
+        help="Chained head: decode groups that overlap along the route (0 auto: one per Shard off-host; 1 off)."),
     metrics_listen: Optional[str] = typer.Option(None, "--metrics-listen", help="HOST:PORT for Prometheus text."),
     drain_timeout_s: Optional[float] = typer.Option(None, "--drain-timeout-s", help="SIGTERM drain deadline (default 10)."),
     session_ttl_s: Optional[float] = typer.Option(None, "--session-ttl-s", help="Idle session TTL (default 600)."),
@@ -73,7 +76,7 @@ def serve(
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca, threads=threads,
         max_sessions=max_sessions, ctx_per_session=ctx_per_session, kv_budget_mb=kv_budget_mb,
         kv_cells=kv_cells, queue_limit=queue_limit, max_batch_tokens=max_batch_tokens,
-        max_prefill_chunk=max_prefill_chunk, metrics_listen=metrics_listen, drain_timeout_s=drain_timeout_s,
+        max_prefill_chunk=max_prefill_chunk, pipeline_groups=pipeline_groups, metrics_listen=metrics_listen, drain_timeout_s=drain_timeout_s,
         session_ttl_s=session_ttl_s, memory_budget_mb=memory_budget_mb, chain_peers=chain_peers,
         chain_tls_ca=chain_tls_ca, io_nice=io_nice, allow_remote=allow_remote)
     argv = [str(binary), "serve", *args.argv()]
