@@ -10,7 +10,7 @@
 
 namespace dgr::worker {
 
-FakeBackend::FakeBackend(const FakeModelOptions & o) : delay_ms_(o.decode_delay_ms) {
+FakeBackend::FakeBackend(const FakeModelOptions & o) : delay_ms_(o.decode_delay_ms), row_delay_us_(o.row_delay_us) {
     info_.architecture = "fake";
     info_.n_layer = o.n_layer;
     info_.layer_start = o.layer_start;
@@ -63,7 +63,10 @@ BackendStatus FakeBackend::decode(const DecodeBatch & b, std::string * error) {
         }
         next[s]++;
     }
-    if (delay_ms_) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
+    if (delay_ms_ || row_delay_us_) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_) +
+                                    std::chrono::microseconds((uint64_t) row_delay_us_ * (uint64_t) b.n_rows()));
+    }
     std::vector<float> h((size_t) n * E);
     for (int32_t i = 0; i < n; ++i) {
         if (info_.head) {

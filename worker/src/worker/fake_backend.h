@@ -25,6 +25,7 @@ struct FakeModelOptions {
     uint32_t n_seq_max = 16;
     uint32_t max_batch_tokens = 512;
     uint32_t decode_delay_ms = 0;  // sleep per decode call (tests of queues, drain, crashes)
+    uint32_t row_delay_us = 0;     // and per row (a compute cost that grows with the batch: pipelining)
 };
 
 class FakeBackend : public ModelBackend {
@@ -51,6 +52,7 @@ protected:
 private:
     BackendInfo info_;
     uint32_t delay_ms_ = 0;
+    uint32_t row_delay_us_ = 0;
     // cum_[seq][layer - start] holds prefix sums, one n_embd row per cached position
     std::vector<std::vector<std::vector<float>>> cum_;
     std::vector<uint32_t> held_;  // positions held per sequence

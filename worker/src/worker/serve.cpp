@@ -67,6 +67,7 @@ int serve_main(int argc, char ** argv) {
         f.n_seq_max = o.max_sessions;
         f.max_batch_tokens = o.max_batch_tokens;
         f.decode_delay_ms = o.fake_delay_ms;
+        f.row_delay_us = o.fake_row_delay_us;
         backend = std::make_unique<FakeBackend>(f);
         const uint64_t budget = (uint64_t) (o.memory_budget_mb * 1048576.0);
         if (budget && backend->info().kv_bytes > budget) {

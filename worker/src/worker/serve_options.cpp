@@ -18,6 +18,7 @@ void usage() {
         "  --layers A:B              layer range served (default: all)\n"
         "  --n-layer N --n-embd E --n-vocab V   fake model shape (default 8, 8, 320)\n"
         "  --fake-delay-ms N         fake model: sleep N ms per decode call (tests)\n"
+        "  --fake-row-delay-us N     fake model: and N us per row of the call (a batch-size cost)\n"
         "  --listen HOST:PORT        default 127.0.0.1:50151; port 0 picks a free port\n"
         "  --allow-remote            allow a non-loopback --listen without TLS\n"
         "  --tls-cert F --tls-key F  serve TLS; --tls-client-ca F: require client certs (mTLS)\n"
@@ -142,6 +143,7 @@ int parse_serve_options(int argc, char ** argv, ServeOptions * o) {
         else if (a == "--n-embd") ok = num32(&o->n_embd);
         else if (a == "--n-vocab") ok = num32(&o->n_vocab);
         else if (a == "--fake-delay-ms") ok = num32(&o->fake_delay_ms);
+        else if (a == "--fake-row-delay-us") ok = num32(&o->fake_row_delay_us);
         else if (a == "--listen") ok = str(&o->listen);
         else if (a == "--allow-remote") o->allow_remote = true;
         else if (a == "--kv-unified") o->kv_unified = true;

@@ -13,6 +13,7 @@ struct ServeOptions {
     uint32_t layer_start = 0, layer_end = 0;
     uint32_t n_layer = 8, n_embd = 8, n_vocab = 320;  // fake model shape
     uint32_t fake_delay_ms = 0;
+    uint32_t fake_row_delay_us = 0;
     std::string listen = "127.0.0.1:50151";
     bool allow_remote = false;
     bool kv_unified = false;
