@@ -3,9 +3,12 @@ and the CLI's input checks (no lab, no model needed)."""
 
 from __future__ import annotations
 
+import pytest
+
 from typer.testing import CliRunner
 
-from dgr.lab.bench import even_split, summary, targets
+from dgr.errors import DgrError
+from dgr.lab.bench import balanced_split, even_split, summary, targets
 from dgr.main import app
 
 
@@ -57,6 +60,25 @@ def test_even_split():
     assert even_split(30, 2) == [(0, 15), (15, 30)]
     assert even_split(30, 3) == [(0, 10), (10, 20), (20, 30)]
     assert even_split(30, 4)[-1][1] == 30
+
+
+def test_balanced_split_weighs_the_output_matrix_on_the_tail():
+    # equal layers and no output: even
+    assert balanced_split([1] * 8, 0, 2) == [(0, 4), (4, 8)]
+    # the tail's output matrix weighs 4 layers: the head takes more layers
+    assert balanced_split([1] * 8, 4, 2) == [(0, 6), (6, 8)]
+    # SmolLM2-135M Q4_1's shape: 30 layers of 2216448 bytes, a 30083328-byte output matrix
+    split = balanced_split([2216448] * 30, 30083328, 2)
+    assert split == [(0, 22), (22, 30)]
+    # the largest stage is the least possible: no other cut does better
+    cost = lambda c: max(c * 2216448, (30 - c) * 2216448 + 30083328)  # noqa: E731
+    assert cost(22) == min(cost(c) for c in range(1, 30))
+    # three hosts: contiguous, covering, each non-empty
+    s3 = balanced_split([5, 1, 1, 1, 1, 5], 2, 3)
+    assert s3[0][0] == 0 and s3[-1][1] == 6 and all(a < b for a, b in s3)
+    assert all(x[1] == y[0] for x, y in zip(s3, s3[1:]))
+    with pytest.raises(DgrError):
+        balanced_split([1, 1], 0, 3)
 
 
 def test_bench_hosts_bad_input_is_one_line():

@@ -75,7 +75,8 @@ def check(
 @app.command("route")
 def route(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
-    split: str = typer.Option("0:15,15:30", "--split", help="Shard ranges of the route."),
+    split: str = typer.Option("0:15,15:30", "--split",
+                              help="Shard ranges of the route (with --hosts, unless given: balanced by weight bytes)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every side (default: CPU count)."),
     n_prompt: int = typer.Option(128, "--n-prompt"),
     n_gen: int = typer.Option(64, "--n-gen"),
