@@ -137,6 +137,15 @@ void Scheduler::run_batch() {
         s.last_step = (int64_t) w.header.step();
         s.last_used = Clock::now();
         s.answered_at = s.last_used;
+        if (w.piece_more) {
+            // the step's next piece can be computed from now on (its queue wait starts here)
+            for (auto & q : prefill_q_) {
+                if (q->session_id == w.session_id && q->piece) {
+                    q->t_ready = s.last_used;
+                    break;
+                }
+            }
+        }
         int32_t sampled = -1;
         bool finished = false;
         pb::SessionResponse r = answer_of(w, s, first_row[k], last_row[k], &sampled, &finished);
