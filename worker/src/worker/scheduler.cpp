@@ -441,7 +441,8 @@ uint32_t Scheduler::chain_group_rows() const {
 }
 
 void Scheduler::note_decode_arrival(Session & s) {
-    if (s.answered_at != Clock::time_point{}) {
+    // decode -> decode only: the gap after a prompt includes the rest of the route's prefill
+    if (s.decoding && s.answered_at != Clock::time_point{}) {
         s.gap_s = next_gap(s.gap_s, std::chrono::duration<double>(Clock::now() - s.answered_at).count());
     }
 }
