@@ -67,12 +67,12 @@ def test_balanced_split_weighs_the_output_matrix_on_the_tail():
     assert balanced_split([1] * 8, 0, 2) == [(0, 4), (4, 8)]
     # the tail's output matrix weighs 4 layers: the head takes more layers
     assert balanced_split([1] * 8, 4, 2) == [(0, 6), (6, 8)]
-    # SmolLM2-135M Q4_1's shape: 30 layers of 2216448 bytes, a 30083328-byte output matrix
-    split = balanced_split([2216448] * 30, 30083328, 2)
-    assert split == [(0, 22), (22, 30)]
+    # SmolLM2-135M Q4_1's shape: 30 layers of 3540096 weights, a 28311552-weight output matrix
+    split = balanced_split([3540096] * 30, 28311552, 2)
+    assert split == [(0, 19), (19, 30)]
     # the largest stage is the least possible: no other cut does better
-    cost = lambda c: max(c * 2216448, (30 - c) * 2216448 + 30083328)  # noqa: E731
-    assert cost(22) == min(cost(c) for c in range(1, 30))
+    cost = lambda c: max(c * 3540096, (30 - c) * 3540096 + 28311552)  # noqa: E731
+    assert cost(19) == min(cost(c) for c in range(1, 30))
     # three hosts: contiguous, covering, each non-empty
     s3 = balanced_split([5, 1, 1, 1, 1, 5], 2, 3)
     assert s3[0][0] == 0 and s3[-1][1] == 6 and all(a < b for a, b in s3)

@@ -69,6 +69,11 @@ public:
         {
             std::lock_guard<std::mutex> lk(mu);
             if (n > 0) decode_rows.push_back(n);
+            std::vector<int32_t> seqs;
+            for (int i = 0; i < batch.n_rows(); ++i) {
+                if (batch.pos[i] >= prompt_len_) seqs.push_back(batch.seq[i]);
+            }
+            if (!seqs.empty()) decode_seqs.push_back(seqs);
             if (batch.n_rows() > n) prompt_rows.push_back(batch.n_rows() - n);
         }
         return FakeBackend::decode(batch, error);
@@ -76,6 +81,10 @@ public:
     std::vector<int> rows() {
         std::lock_guard<std::mutex> lk(mu);
         return decode_rows;
+    }
+    std::vector<std::vector<int32_t>> seqs() {
+        std::lock_guard<std::mutex> lk(mu);
+        return decode_seqs;
     }
     std::vector<int> prompt_calls() {
         std::lock_guard<std::mutex> lk(mu);
@@ -85,6 +94,7 @@ private:
     int32_t prompt_len_;
     std::mutex mu;
     std::vector<int> decode_rows, prompt_rows;
+    std::vector<std::vector<int32_t>> decode_seqs;  // per call: the sequence ids of its DECODE rows
 };
 
 class Sink final : public StreamSink {
@@ -199,6 +209,7 @@ pb::SessionRequest opening(const std::string & sid, const std::vector<int32_t> &
 
 struct RouteRun {
     std::vector<int> head_decode_rows;  // per head decode call: its DECODE rows
+    std::vector<std::vector<int32_t>> head_decode_seqs;  // and their sequence ids
     std::vector<int> tail_prompt_rows;  // per tail decode call: its prompt rows
     uint64_t head_pieces = 0;
 };
@@ -245,6 +256,7 @@ RouteRun run_route(uint32_t groups, int sessions, int n_tokens, int prompt_len =
         }
         head.stop(grpc::Status(grpc::StatusCode::UNAVAILABLE, "test over"));
         run.head_decode_rows = head_backend.rows();
+        run.head_decode_seqs = head_backend.seqs();
         run.head_pieces = head_metrics.prefill_pieces.load();
     }
     server->Shutdown();
@@ -261,6 +273,12 @@ void test_head_splits_chained_decode_rows_into_groups() {
     CHECK(!r2.head_decode_rows.empty(), "the head made no decode calls");
     CHECK(most(r2.head_decode_rows) <= 3, "a head batch took %d chained decode rows; the group is 3",
           most(r2.head_decode_rows));
+    // each group is a block of consecutive sequence ids (one llama.cpp ubatch)
+    for (const auto & seqs : r2.head_decode_seqs) {
+        for (int32_t q : seqs) {
+            CHECK(pipeline_block(q, 3) == pipeline_block(seqs[0], 3), "a head batch mixed sequences %d and %d", seqs[0], q);
+        }
+    }
     // 3 groups: at most 2
     const RouteRun r3 = run_route(3, 6, 6);
     CHECK(most(r3.head_decode_rows) <= 2, "a head batch took %d chained decode rows; the group is 2",
@@ -287,6 +305,12 @@ void test_long_prompt_goes_down_the_route_in_pieces() {
     CHECK(pipeline_group_rows(1, 2) == 0, "one session's decode is never capped");
 }
 
+void test_blocks_of_sequence_ids() {
+    CHECK(pipeline_block(0, 4) == 0 && pipeline_block(3, 4) == 0, "0..3 one block");
+    CHECK(pipeline_block(4, 4) == 1 && pipeline_block(7, 4) == 1, "4..7 the next");
+    CHECK(pipeline_block(5, 0) == 0, "no cap: one block");
+}
+
 void test_piece_rows() {
     CHECK(prefill_piece_rows(256, 2) == 64, "256 rows, 2 stages: 4 pieces of 64");
     CHECK(prefill_piece_rows(128, 2) == 32, "128 rows: 4 pieces of 32");
@@ -302,6 +326,7 @@ int main() {
     test_group_rows_split_ready_sessions();
     test_gather_waits_only_for_rows_due_before_the_deadline();
     test_piece_rows();
+    test_blocks_of_sequence_ids();
     test_head_splits_chained_decode_rows_into_groups();
     test_one_group_keeps_the_tokens();
     test_long_prompt_goes_down_the_route_in_pieces();

@@ -76,7 +76,7 @@ def check(
 def route(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
     split: str = typer.Option("0:15,15:30", "--split",
-                              help="Shard ranges of the route (with --hosts, unless given: balanced by weight bytes)."),
+                              help="Shard ranges of the route (with --hosts, unless given: balanced by weights per stage)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every side (default: CPU count)."),
     n_prompt: int = typer.Option(128, "--n-prompt"),
     n_gen: int = typer.Option(64, "--n-gen"),

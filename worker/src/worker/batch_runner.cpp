@@ -3,6 +3,7 @@
 // step's answer (sampled token or boundary rows), forwarded downstream on a chained session,
 // and server-side generation's next row.
 #include "worker/errors.h"
+#include "worker/pipeline.h"
 #include "worker/scheduler.h"
 
 #include <algorithm>
@@ -21,9 +22,13 @@ void Scheduler::run_batch() {
     const uint32_t decode_cap = prefill_q_.empty() ? B : B - opts_.max_prefill_chunk_tokens;
     std::vector<std::unique_ptr<Work>> items;
     uint32_t rows = 0;
-    // pipelined route (pipeline.h): at most one group's worth of chained DECODE rows; the rest
-    // stay queued, in order, for the next batch, computed while this group is downstream
+    // pipelined route (pipeline.h): one group of chained DECODE rows, the group being a block of
+    // consecutive sequence ids (pipeline_block) so that llama.cpp computes it as one ubatch
+    // (with one KV stream per sequence it splits a batch at every gap in the ids); the block is
+    // that of the oldest queued chained row. The rest stay queued, in order, for the next batch,
+    // computed while this group is downstream.
     const uint32_t group = chain_group_rows();
+    int64_t block = -1;
     uint32_t chained = 0;
     std::deque<std::unique_ptr<Work>> later;
     while (!decode_q_.empty() && rows + 1 <= decode_cap) {
@@ -31,7 +36,9 @@ void Scheduler::run_batch() {
         decode_q_.pop_front();
         const Session * s = table_.find(w->session_id);
         if (group > 0 && s && s->chain.down) {
-            if (chained >= group) {
+            const int64_t b = pipeline_block(s->seq, group);
+            if (block < 0) block = b;
+            if (chained >= group || b != block) {
                 later.push_back(std::move(w));
                 continue;
             }

@@ -15,6 +15,10 @@ uint32_t pipeline_group_rows(uint32_t active, uint32_t groups) {
     return (active + groups - 1) / groups;
 }
 
+int64_t pipeline_block(int32_t seq, uint32_t group_rows) {
+    return group_rows == 0 || seq < 0 ? 0 : (int64_t) seq / group_rows;
+}
+
 bool worth_waiting(std::chrono::steady_clock::time_point answered, double gap_s,
                    std::chrono::steady_clock::time_point deadline) {
     if (gap_s <= 0.0) return true;

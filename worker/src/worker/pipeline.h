@@ -30,6 +30,13 @@ uint32_t pipeline_groups(uint32_t option, uint32_t stages, bool colocated);
 // `groups` groups: ceil(active / groups); 0 = no cap (one group, or at most one session).
 uint32_t pipeline_group_rows(uint32_t active, uint32_t groups);
 
+// The group of a session's rows: the block of `group_rows` consecutive sequence ids its
+// sequence falls in. llama.cpp computes a batch of one-stream-per-sequence KV as one ubatch only
+// over consecutive sequence ids (a batch of sequences 0, 2, 4, 6 is four ubatches, each as
+// slow as a 1-row step: measured 16.4 ms for 2 rows against 7.2 ms for 1 on SmolLM2 0:22), so
+// a group is a block of ids, not any rows that happen to be ready.
+int64_t pipeline_block(int32_t seq, uint32_t group_rows);
+
 // Gather: wait for a session's next row only when it is predicted to arrive by `deadline`
 // (its last answer at `answered` plus the gap it usually takes, an EWMA; gap <= 0: unknown,
 // wait). A session of the other pipeline group arrives a whole stage compute later: waiting for

@@ -380,11 +380,15 @@ void Scheduler::loop() {
             const uint32_t group = chain_group_rows();
             for (;;) {
                 if (!prefill_q_.empty()) break;
-                if (group > 0) {
+                if (group > 0) {  // a full group (block of sequence ids, batch_runner.cpp) is queued
                     uint32_t chained = 0;
+                    int64_t block = -1;
                     for (const auto & w : decode_q_) {
                         const Session * s = table_.find(w->session_id);
-                        if (s && s->chain.down) chained++;
+                        if (!s || !s->chain.down) continue;
+                        const int64_t b = pipeline_block(s->seq, group);
+                        if (block < 0) block = b;
+                        if (b == block) chained++;
                     }
                     if (chained >= group) break;
                 }
