@@ -378,6 +378,9 @@ void Scheduler::loop() {
             const auto short_deadline = after(std::min(0.005, 0.25 * last_decode_s_));
             const auto long_deadline = after(std::min(0.25, 3.0 * last_decode_s_ + 0.005));
             const uint32_t group = chain_group_rows();
+            // a group's members that are downstream and due within one decode call join it, so
+            // that a group split by uneven prompts merges once and then travels together
+            const auto fill_deadline = after(std::min(0.05, last_decode_s_));
             for (;;) {
                 if (!prefill_q_.empty()) break;
                 if (group > 0) {  // a full group (block of sequence ids, batch_runner.cpp) is queued
@@ -391,6 +394,16 @@ void Scheduler::loop() {
                         if (b == block) chained++;
                     }
                     if (chained >= group) break;
+                    if (chained > 0 && Clock::now() < fill_deadline && block_due_by(block, group, fill_deadline) > 0) {
+                        std::deque<Event> more;
+                        {
+                            std::unique_lock<std::mutex> lk(mu_);
+                            cv_.wait_until(lk, fill_deadline, [this] { return !inbox_.empty(); });
+                            more.swap(inbox_);
+                        }
+                        if (!dispatch(more)) return;
+                        continue;
+                    }
                 }
                 const Expected e = expected_decoders(short_deadline);
                 if (e.plain == 0 && e.colocated_chain == 0) break;
@@ -429,6 +442,17 @@ Scheduler::Expected Scheduler::expected_decoders(Clock::time_point deadline) con
             }
         } else if (s.decoding && !s.busy && worth_waiting(s.answered_at, s.gap_s, deadline)) {
             n.plain++;
+        }
+    });
+    return n;
+}
+
+uint32_t Scheduler::block_due_by(int64_t block, uint32_t group, Clock::time_point deadline) const {
+    uint32_t n = 0;
+    table_.for_each([&](const Session & s) {
+        if (s.chain.down && s.chain.awaiting && s.gen.active && pipeline_block(s.seq, group) == block &&
+            worth_waiting(s.answered_at, s.gap_s, deadline)) {
+            n++;
         }
     });
     return n;

@@ -124,6 +124,8 @@ private:
     Expected expected_decoders(Clock::time_point deadline) const;
     // ---- pipelined routes (pipeline.h): the cap on chained DECODE rows per batch (0: none)
     uint32_t chain_group_rows() const;
+    // generating chained sessions of `block` downstream now, next row predicted by `deadline`
+    uint32_t block_due_by(int64_t block, uint32_t group, Clock::time_point deadline) const;
     // a DECODE row of `s` is queued: learn its answer-to-next-row gap
     static void note_decode_arrival(Session & s);
     // queues a PREFILL step, split into pieces on a pipelined chained session
