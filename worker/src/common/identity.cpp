@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <set>
 
@@ -270,6 +271,19 @@ bool GgufHeader::open(const std::string & path, std::string * error) {
             if (r.type >= (uint32_t) GGML_TYPE_COUNT || ggml_blck_size((ggml_type) r.type) <= 0 ||
                 ggml_type_size((ggml_type) r.type) == 0) {
                 throw Corrupt{"tensor '" + r.name + "' has unknown ggml type " + std::to_string(r.type)};
+            }
+            // ggml holds dimensions and element counts as int64: refuse a zero dimension, one that
+            // is negative as int64 and a count that overflows it (as Python's dgr.gguf does)
+            uint64_t n_el = 1;
+            for (size_t d = 0; d < r.dims.size(); ++d) {
+                const std::string ne = "ne" + std::to_string(d) + " = " + std::to_string(r.dims[d]);
+                if (r.dims[d] == 0) throw Corrupt{"tensor '" + r.name + "' has a zero dimension (" + ne + ")"};
+                if (r.dims[d] > (uint64_t) INT64_MAX) {
+                    throw Corrupt{"tensor '" + r.name + "' dimension " + ne + " is negative as a signed 64-bit count"};
+                }
+                if (__builtin_mul_overflow(n_el, r.dims[d], &n_el) || n_el > (uint64_t) INT64_MAX) {
+                    throw Corrupt{"tensor '" + r.name + "': the element count overflows 64 bits"};
+                }
             }
             const uint64_t block = (uint64_t) ggml_blck_size((ggml_type) r.type);
             if (r.dims[0] % block) {
