@@ -43,6 +43,26 @@ struct Corrupt {
     std::string what;
 };
 
+// A name read from the file, for a one-line error: quoted, control bytes as \xNN, at most 120 bytes.
+std::string quoted(const std::string & s) {
+    std::string out = "'";
+    for (size_t i = 0; i < s.size(); ++i) {
+        if (out.size() > 120) {
+            out += "...";
+            break;
+        }
+        const unsigned char c = (unsigned char) s[i];
+        if (c < 0x20 || c == 0x7F || c == '\\' || c == '\'') {
+            char b[8];
+            std::snprintf(b, sizeof b, "\\x%02x", (unsigned) c);
+            out += b;
+        } else {
+            out += char(c);
+        }
+    }
+    return out + "'";
+}
+
 // Bounds-checked little-endian reads over the map.
 struct Cursor {
     const uint8_t * buf;
@@ -232,7 +252,7 @@ bool GgufHeader::open(const std::string & path, std::string * error) {
             p.vtype = cur.u32();
             cur.skip_value(p.vtype);
             p.end = cur.pos;
-            if (!pairs_.emplace(key, p).second) throw Corrupt{"duplicate metadata key '" + key + "'"};
+            if (!pairs_.emplace(key, p).second) throw Corrupt{"duplicate metadata key " + quoted(key)};
         }
         struct Raw {
             std::string name;
@@ -249,7 +269,7 @@ bool GgufHeader::open(const std::string & path, std::string * error) {
             if (!valid_utf8(r.name)) throw Corrupt{"tensor name at offset " + std::to_string(at) + " is not UTF-8"};
             const uint32_t n_dims = cur.u32();
             if (n_dims < 1 || n_dims > kMaxDims) {
-                throw Corrupt{"tensor '" + r.name + "' has " + std::to_string(n_dims) + " dimensions"};
+                throw Corrupt{"tensor " + quoted(r.name) + " has " + std::to_string(n_dims) + " dimensions"};
             }
             for (uint32_t d = 0; d < n_dims; ++d) r.dims.push_back(cur.u64());
             r.type = cur.u32();
@@ -267,42 +287,42 @@ bool GgufHeader::open(const std::string & path, std::string * error) {
         const uint64_t data_offset = (cur.pos + alignment_ - 1) / alignment_ * alignment_;
         std::set<std::string> seen;
         for (Raw & r : raw) {
-            if (!seen.insert(r.name).second) throw Corrupt{"duplicate tensor '" + r.name + "'"};
+            if (!seen.insert(r.name).second) throw Corrupt{"duplicate tensor " + quoted(r.name)};
             if (r.type >= (uint32_t) GGML_TYPE_COUNT || ggml_blck_size((ggml_type) r.type) <= 0 ||
                 ggml_type_size((ggml_type) r.type) == 0) {
-                throw Corrupt{"tensor '" + r.name + "' has unknown ggml type " + std::to_string(r.type)};
+                throw Corrupt{"tensor " + quoted(r.name) + " has unknown ggml type " + std::to_string(r.type)};
             }
             // ggml holds dimensions and element counts as int64: refuse a zero dimension, one that
             // is negative as int64 and a count that overflows it (as Python's dgr.gguf does)
             uint64_t n_el = 1;
             for (size_t d = 0; d < r.dims.size(); ++d) {
                 const std::string ne = "ne" + std::to_string(d) + " = " + std::to_string(r.dims[d]);
-                if (r.dims[d] == 0) throw Corrupt{"tensor '" + r.name + "' has a zero dimension (" + ne + ")"};
+                if (r.dims[d] == 0) throw Corrupt{"tensor " + quoted(r.name) + " has a zero dimension (" + ne + ")"};
                 if (r.dims[d] > (uint64_t) INT64_MAX) {
-                    throw Corrupt{"tensor '" + r.name + "' dimension " + ne + " is negative as a signed 64-bit count"};
+                    throw Corrupt{"tensor " + quoted(r.name) + " dimension " + ne + " is negative as a signed 64-bit count"};
                 }
                 if (__builtin_mul_overflow(n_el, r.dims[d], &n_el) || n_el > (uint64_t) INT64_MAX) {
-                    throw Corrupt{"tensor '" + r.name + "': the element count overflows 64 bits"};
+                    throw Corrupt{"tensor " + quoted(r.name) + ": the element count overflows 64 bits"};
                 }
             }
             const uint64_t block = (uint64_t) ggml_blck_size((ggml_type) r.type);
             if (r.dims[0] % block) {
-                throw Corrupt{"tensor '" + r.name + "': ne0 " + std::to_string(r.dims[0]) +
+                throw Corrupt{"tensor " + quoted(r.name) + ": ne0 " + std::to_string(r.dims[0]) +
                               " is not a multiple of the block size " + std::to_string(block)};
             }
             // ggml_row_size(type, ne0) * ne1 * ne2 * ne3, overflow-checked
             uint64_t n_bytes = 0;
             bool overflow = __builtin_mul_overflow(r.dims[0] / block, (uint64_t) ggml_type_size((ggml_type) r.type), &n_bytes);
             for (size_t d = 1; d < r.dims.size(); ++d) overflow |= __builtin_mul_overflow(n_bytes, r.dims[d], &n_bytes);
-            if (overflow) throw Corrupt{"tensor '" + r.name + "' is too large"};
+            if (overflow) throw Corrupt{"tensor " + quoted(r.name) + " is too large"};
             if (r.off % alignment_) {
-                throw Corrupt{"tensor '" + r.name + "' data offset " + std::to_string(r.off) + " is not aligned to " +
+                throw Corrupt{"tensor " + quoted(r.name) + " data offset " + std::to_string(r.off) + " is not aligned to " +
                               std::to_string(alignment_)};
             }
             uint64_t start = 0, end = 0;
             if (__builtin_add_overflow(data_offset, r.off, &start) || __builtin_add_overflow(start, n_bytes, &end) ||
                 end > size_) {
-                throw Corrupt{"tensor '" + r.name + "' ends past the end of the file (" + std::to_string(size_) +
+                throw Corrupt{"tensor " + quoted(r.name) + " ends past the end of the file (" + std::to_string(size_) +
                               " bytes)"};
             }
             tensors_.push_back(GgufTensor{std::move(r.name), r.type, std::move(r.dims), start, n_bytes});
@@ -463,8 +483,8 @@ bool local_recipe_for(const std::string & path, LocalRecipe * out, std::string *
     RecipeFingerprintFields & f = out->fields;
     if (!adapter_for(id.architecture, &f.arch_adapter, &f.arch_adapter_version)) {
         if (error) {
-            *error = path + ": architecture '" + id.architecture +
-                     "' has no dgr adapter; unsupported architectures fail closed (supported: llama, gemma3, qwen3, qwen3moe)";
+            *error = path + ": architecture " + quoted(id.architecture) +
+                     " has no dgr adapter; unsupported architectures fail closed (supported: llama, gemma3, qwen3, qwen3moe)";
         }
         return false;
     }
