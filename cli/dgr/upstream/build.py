@@ -139,20 +139,31 @@ def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> No
         raise DgrError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}); last lines:\n" + "\n".join(tail[-15:]))
 
 
+def sanitize_build_dir(backend: str = "cpu") -> Path:
+    """build/<backend>-asan: the dgr targets built with AddressSanitizer + UBSan (`dgr build --sanitize`)."""
+    return paths.build_dir() / f"{backend}-asan"
+
+
 def build(backend: str = "cpu", *, jobs: int | None = None, clean: bool = False,
-          targets: tuple[str, ...] = DEFAULT_TARGETS, extra_cmake: tuple[str, ...] = ()) -> BuildResult:
-    """Build ``targets`` in build/<backend>/; concurrent calls on one tree wait for each other."""
+          targets: tuple[str, ...] = DEFAULT_TARGETS, extra_cmake: tuple[str, ...] = (),
+          sanitize: bool = False) -> BuildResult:
+    """Build ``targets`` in build/<backend>/; concurrent calls on one tree wait for each other.
+
+    ``sanitize``: build in build/<backend>-asan/ with the dgr targets (worker core, worker, tools,
+    CTest programs; not llama.cpp) compiled with -fsanitize=address,undefined."""
     flags = check_toolchain(backend)
+    bdir = sanitize_build_dir(backend) if sanitize else paths.backend_build_dir(backend)
+    if sanitize:
+        extra_cmake = (*extra_cmake, "-DDGR_SANITIZE=ON")
     paths.build_dir().mkdir(parents=True, exist_ok=True)
-    with open(paths.build_dir() / f".build-{backend}.lock", "w") as lock:
+    with open(paths.build_dir() / f".build-{bdir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _build_locked(backend, flags, jobs=jobs, clean=clean, targets=targets, extra_cmake=extra_cmake)
+        return _build_locked(backend, flags, bdir, jobs=jobs, clean=clean, targets=targets, extra_cmake=extra_cmake)
 
 
-def _build_locked(backend: str, flags: list[str], *, jobs: int | None, clean: bool,
+def _build_locked(backend: str, flags: list[str], bdir: Path, *, jobs: int | None, clean: bool,
                   targets: tuple[str, ...], extra_cmake: tuple[str, ...]) -> BuildResult:
     pin, tree, digest = _ensure_sources()
-    bdir = paths.backend_build_dir(backend)
     if clean and bdir.exists():
         shutil.rmtree(bdir)
     bdir.mkdir(parents=True, exist_ok=True)
