@@ -71,8 +71,9 @@ def test_built_worker_reports_pin_digest_and_backend(native_bin):
     assert bad.returncode == 2 and "unknown argument" in bad.stderr
 
 
-def test_sanitize_builds_in_its_own_tree_with_the_sanitizer_option(monkeypatch):
+def test_sanitize_builds_in_its_own_tree_with_the_sanitizer_option(monkeypatch, tmp_path):
     seen = {}
+    monkeypatch.setattr(build_mod.paths, "build_dir", lambda: tmp_path)  # its own lock files
 
     def fake_locked(backend, flags, bdir, **kw):
         seen.update(backend=backend, bdir=bdir, **kw)
