@@ -212,6 +212,7 @@ inline int run(int argc, char ** argv) {
 #endif
     const auto t0 = std::chrono::steady_clock::now();
     uint64_t tried = 0, interesting = 0;
+    const std::vector<std::string> corpus = seeds();  // also the target's setup, in both modes
     if (!files.empty()) {
         for (const char * f : files) {
             bool ok = false;
@@ -228,7 +229,6 @@ inline int run(int argc, char ** argv) {
             ++tried;
         }
     } else {
-        const std::vector<std::string> corpus = seeds();
         if (corpus.empty()) {
             std::fprintf(stderr, "%s: empty seed corpus\n", name());
             return 2;
