@@ -215,6 +215,18 @@ def _bad(message: str, tensor: str | None = None) -> ShardProtocolError:
     return ShardProtocolError(pb.ERROR_REASON_BAD_BUNDLE, message, tensor=tensor)
 
 
+def _gaps(p: _Pending, most: int) -> list[int]:
+    """The first ``most`` fragment indices not received; bounded work whatever fragment_count says
+    (every index past the last received one is missing)."""
+    out: list[int] = []
+    for i in range(p.meta.fragment_count):
+        if len(out) >= most:
+            break
+        if i not in p.parts:
+            out.append(i)
+    return out
+
+
 class BundleAssembler:
     """Collects the bundle(s) of one step, validating as they arrive.
 
@@ -294,8 +306,9 @@ class BundleAssembler:
         return bool(self._tensors) and all(len(p.parts) == p.meta.fragment_count for p in self._tensors.values())
 
     def missing(self) -> dict[str, list[int]]:
-        return {name: [i for i in range(p.meta.fragment_count) if i not in p.parts]
-                for name, p in self._tensors.items() if len(p.parts) != p.meta.fragment_count}
+        """Missing fragment indices per incomplete tensor (at most the first 1024 each, as the
+        worker lists them: fragment_count is the sender's word, up to 2**32 - 1)."""
+        return {name: _gaps(p, 1024) for name, p in self._tensors.items() if len(p.parts) != p.meta.fragment_count}
 
     def finish(self) -> dict[str, np.ndarray]:
         """Reassemble and verify; arrays in native byte order, in arrival order of names."""
@@ -305,7 +318,7 @@ class BundleAssembler:
         for name, p in self._tensors.items():
             t = p.meta
             if len(p.parts) != t.fragment_count:
-                gaps = [i for i in range(t.fragment_count) if i not in p.parts]
+                gaps = _gaps(p, 9)
                 shown = ", ".join(map(str, gaps[:8])) + (" ..." if len(gaps) > 8 else "")
                 raise _bad(f"missing fragment(s) {shown} of {t.fragment_count}", name)
             data = b"".join(p.parts[i] for i in range(t.fragment_count))
