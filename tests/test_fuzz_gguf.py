@@ -179,7 +179,7 @@ def test_fuzz_gguf_readers(seeds: dict[str, bytes], tmp_path: Path) -> None:
     out = os.environ.get("DGR_FUZZ_SUMMARY_DIR")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "fuzz-gguf-python.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (Path(out) / "fuzz-gguf-python.json").write_text(json.dumps(summary) + "\n")
     assert tried >= 1000
     assert outcomes["ok"] < tried  # the corpus really is corrupt
     assert refused_required >= tried // 2
