@@ -16,7 +16,7 @@ def baseline(
     model: Optional[Path] = typer.Option(None, "--model", help="Source GGUF (default: embedded SmolLM2-135M Q4_1)."),
     out: Path = typer.Option(Path("baseline.json"), "--out", help="Where to write the results JSON."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (both lanes)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every recipe (default: CPU count)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads for every recipe (default: CPU count)."),
     quick: bool = typer.Option(False, "--quick", help="Short prompts and outputs: a smoke run of a few minutes."),
 ) -> None:
     """Transformers/safetensors (fp32, bf16) vs whole-model llama.cpp (F32, Q8_0, Q4_1), side by side."""
@@ -76,18 +76,18 @@ def check(
 def route(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
     split: str = typer.Option("0:15,15:30", "--split", help="Shard ranges of the route."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every side (default: CPU count)."),
-    n_prompt: int = typer.Option(128, "--n-prompt"),
-    n_gen: int = typer.Option(64, "--n-gen"),
-    repeats: int = typer.Option(3, "--repeats"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads for every side (default: CPU count)."),
+    n_prompt: int = typer.Option(128, "--n-prompt", min=1),
+    n_gen: int = typer.Option(64, "--n-gen", min=1),
+    repeats: int = typer.Option(3, "--repeats", min=1),
     rpc: bool = typer.Option(True, "--rpc/--no-rpc",
                              help="Also measure llama.cpp's RPC split (two local rpc-servers; builds them once)."),
     out: Path = typer.Option(Path("route-bench.json"), "--out", help="Where to write the results JSON."),
-    hosts: int = typer.Option(0, "--hosts", help="Run the route over N simulated hosts (`dgr lab`, 1 core/1 thread "
+    hosts: int = typer.Option(0, "--hosts", min=0, help="Run the route over N simulated hosts (`dgr lab`, 1 core/1 thread "
                               "each, mTLS) against one such host; 0: the local route on this machine's cores."),
     rtt_ms: str = typer.Option("0,10", "--rtt-ms", help="With --hosts: added round trips to measure, ms (comma-separated)."),
     sessions: str = typer.Option("1,4,8", "--sessions", help="With --hosts: concurrent session counts."),
-    long_prompt: int = typer.Option(512, "--long-prompt", help="With --hosts: the prompt of the prefill comparison."),
+    long_prompt: int = typer.Option(512, "--long-prompt", min=1, help="With --hosts: the prompt of the prefill comparison."),
 ) -> None:
     """Route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads; --hosts N: across
     simulated hosts."""
@@ -127,7 +127,7 @@ def route(
 @app.command("gate")
 def gate(
     model: Optional[Path] = typer.Option(None, "--model", help="Source GGUF (default: embedded SmolLM2-135M Q4_1)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads per shard (default: CPU count - 1)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads per shard (default: CPU count - 1)."),
     quick: bool = typer.Option(False, "--quick", help="Short prompts and outputs: a smoke run."),
     contract: Path = typer.Option(Path("evidence/DGR-001/performance-contract.json"), "--contract",
                                   help="The locked DGR-001 contract the GGUF routes are judged against."),
@@ -157,10 +157,10 @@ def gate(
 def worker(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
     sessions: str = typer.Option("1,2,4,8", "--sessions", help="Concurrent session counts."),
-    threads: int = typer.Option(2, "--threads"),
-    n_prompt: int = typer.Option(32, "--n-prompt"),
-    n_gen: int = typer.Option(64, "--n-gen"),
-    repeats: int = typer.Option(3, "--repeats"),
+    threads: int = typer.Option(2, "--threads", min=1),
+    n_prompt: int = typer.Option(32, "--n-prompt", min=1),
+    n_gen: int = typer.Option(64, "--n-gen", min=1),
+    repeats: int = typer.Option(3, "--repeats", min=1),
     out: Path = typer.Option(Path("worker-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """One dgr-worker (whole model): aggregate decode tok/s per session count next to llama-batched-bench."""
@@ -184,10 +184,10 @@ def serve(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
     split: Optional[str] = typer.Option(None, "--split", help="The 2-shard route (default: the model's layers halved)."),
     levels: str = typer.Option("1,4,8", "--levels", help="Concurrent streaming requests per level."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every worker and llama-server "
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads for every worker and llama-server "
                                           "(default: CPU count)."),
-    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per answer (generated through EOS)."),
-    repeats: int = typer.Option(2, "--repeats", help="Rotations of all lanes per level (median reported)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Tokens per answer (generated through EOS)."),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="Rotations of all lanes per level (median reported)."),
     llama_server: bool = typer.Option(True, "--llama-server/--no-llama-server",
                                       help="Run the llama-server lane (built on first use)."),
     out: Path = typer.Option(Path("serve-bench.json"), "--out", help="Where to write the results JSON."),

@@ -14,7 +14,7 @@ app = typer.Typer()
 @app.callback(invoke_without_command=True)
 def build(
     backend: str = typer.Option("cpu", "--backend", help="cpu | vulkan | cuda | hip | metal"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel jobs (default: CPU count)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Parallel jobs (default: CPU count)."),
     clean: bool = typer.Option(False, "--clean", help="Delete build/<backend>/ first."),
     target: Optional[List[str]] = typer.Option(None, "--target", help="Ninja target(s) (default dgr-worker)."),
     tests: bool = typer.Option(False, "--tests", help="Also build the CTest programs (dgr-tests)."),

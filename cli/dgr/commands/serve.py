@@ -21,19 +21,19 @@ def serve(
                                               "(repeat); serve that route instead of starting workers."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. Anything but loopback needs "
                              "--api-key and --tls-cert/--tls-key."),
-    port: int = typer.Option(8080, "--port", help="TCP port to listen on."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="TCP port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DGR_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1 and /api (env DGR_API_KEY)."),
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate: serve HTTPS."),
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients send (default: the GGUF "
                                              "file's stem; with --shard, the artifact id)."),
-    max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", help="Requests that run at once "
+    max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", min=1, help="Requests that run at once "
                                                  "(default: the workers' session slots)."),
-    queue: int = typer.Option(64, "--queue", help="Requests that may wait for a slot; beyond that: 429."),
-    max_sessions: int = typer.Option(8, "--max-sessions", help="Local route: sessions per worker."),
-    ctx_per_session: int = typer.Option(2048, "--ctx-per-session", help="Local route: positions per session."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Local route: threads per worker "
+    queue: int = typer.Option(64, "--queue", min=0, help="Requests that may wait for a slot; beyond that: 429."),
+    max_sessions: int = typer.Option(8, "--max-sessions", min=1, help="Local route: sessions per worker."),
+    ctx_per_session: int = typer.Option(2048, "--ctx-per-session", min=1, help="Local route: positions per session."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Local route: threads per worker "
                                           "(default: CPU count)."),
     slices: bool = typer.Option(False, "--slices", help="Local route: per-range slice files."),
     fake: bool = typer.Option(False, "--fake", hidden=True, help="Fake-model workers (tests)."),
