@@ -3,8 +3,8 @@
 //
 // A fuzz program defines the libFuzzer entry point
 //     extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size);
-// plus the driver's three hooks (below): its name and default input count, its seed corpus,
-// and an optional structure-aware mutation. It then `#include "fuzz_driver.h"` once, in the
+// plus the driver's hooks (below): its name and default input count, its seed corpus, a
+// structure-aware mutation and whether the last input decoded. It then `#include "fuzz_driver.h"` once, in the
 // file that has no main(): the driver is main().
 //
 // Each input is a seed (or an earlier input that the target reported as decoded through the
