@@ -12,7 +12,6 @@ whatever the rest of it holds); the others (a flipped bit may land in tensor dat
 from __future__ import annotations
 
 import random
-import struct
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -34,7 +33,6 @@ class Field:
 class Layout:
     fields: tuple[Field, ...]
     header_end: int   # end of the tensor info table (before alignment padding)
-    data_end: int     # end of the last tensor's data
     n_tensors: int
     size: int
 
@@ -79,7 +77,7 @@ def layout(data: bytes) -> Layout:
             itype = take("arr_type", 4, owner)
             count = take("arr_count", 8, owner)
             for i in range(count):
-                if vtype in scalar and itype in scalar and i > 2:
+                if itype in scalar and i > 2:  # a long scalar array: its first items are enough
                     pos += scalar[itype] * (count - i)
                     break
                 value(itype, owner)
@@ -90,29 +88,17 @@ def layout(data: bytes) -> Layout:
     take("version", 4)
     n_tensors = take("n_tensors", 8)
     n_kv = take("n_kv", 8)
-    alignment = 32
     for _ in range(n_kv):
         key = string("key_len", "key")
-        vtype = take("vtype", 4, key)
-        start = pos
-        value(vtype, key)
-        if key == "general.alignment":
-            alignment = int.from_bytes(data[start:start + 4], "little")
-    ends = []
-    offsets = []
+        value(take("vtype", 4, key), key)
     for _ in range(n_tensors):
         name = string("name_len", "name")
         n_dims = take("n_dims", 4, name)
         for _ in range(n_dims):
             take("dim", 8, name)
         take("ggml_type", 4, name)
-        offsets.append(take("tensor_offset", 8, name))
-    header_end = pos
-    data_offset = -(-header_end // alignment) * alignment
-    data_end = data_offset + (max(offsets) if offsets else 0)
-    # the last tensor's size: up to the file end (the writer pads each tensor to the alignment)
-    ends.append(len(data))
-    return Layout(tuple(fields), header_end, max(data_end, header_end), n_tensors, len(data))
+        take("tensor_offset", 8, name)
+    return Layout(tuple(fields), pos, n_tensors, len(data))
 
 
 def _put(buf: bytearray, f: Field, value: int) -> None:
@@ -226,6 +212,3 @@ def corpus(data: bytes, seed: int, n: int) -> Iterator[Corruption]:
     for _ in range(n):
         yield corrupt_once(data, lay, rng)
 
-
-def u64(data: bytes, at: int) -> int:
-    return struct.unpack_from("<Q", data, at)[0]
