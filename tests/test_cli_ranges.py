@@ -71,7 +71,7 @@ def _dgr(*args: str) -> subprocess.CompletedProcess:
     (["serve", "--port", "70000"], "--port", "less than or equal to 65535"),
     (["worker", "serve", "--fake-model", "--max-sessions", "100000"], "--max-sessions", "less than or equal to 256"),
     (["worker", "serve", "--fake-model", "--drain-timeout-s", "-1"], "--drain-timeout-s", "greater than or equal to 0"),
-    (["gguf", "synth", "--layers", "0", "out.gguf"], "--layers", "greater than or equal to 1"),
+    (["gguf", "synth", "--layers", "0", "--out", "out.gguf"], "--layers", "greater than or equal to 1"),
     (["lab", "up", "--loss", "1"], "--loss", "less than or equal to 0.999"),
 ])
 def test_out_of_range_values_are_one_line_errors(args: list[str], option: str, bound: str, tmp_path) -> None:
@@ -93,3 +93,16 @@ def test_other_usage_errors_are_one_line_too_and_help_still_works() -> None:
     assert r.returncode == 0 and "--max-tokens" in r.stdout and "x>=1" in r.stdout
     r = _dgr("route")  # a bare group shows its help, as before
     assert r.returncode == 2 and "Usage" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("layers, why", [("5:2", "need 0 <= START < END"), ("a:b", "write START:END"),
+                                          ("0:99", "outside the model's 2 layers")])
+def test_layer_ranges_are_checked_in_one_line(layers: str, why: str, tmp_path) -> None:
+    from dgr.gguf.synth import SynthSpec, synthesize
+
+    model = synthesize(SynthSpec(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64), tmp_path / "m.gguf")
+    r = _dgr("gguf", "slice", str(model), f"--layers={layers}", "--out", str(tmp_path / "s.gguf"))
+    last = r.stderr.strip().splitlines()[-1]  # after any progress lines
+    assert r.returncode == 1 and last.startswith("dgr: error: ") and why in last, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "s.gguf").exists()
