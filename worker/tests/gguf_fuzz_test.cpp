@@ -13,6 +13,9 @@
 // input that opens must satisfy what the rest of the worker relies on: every dimension in
 // [1, INT64_MAX], every tensor's bytes inside the file, its size the product of its dimensions
 // in its type; the digests, identity and recipe then run over it. A refusal must be one line.
+// Given files (a corpus, e.g. tests/test_fuzz_gguf.py's) it runs exactly those; with
+// DGR_FUZZ_VERDICTS=FILE it writes "opened" or "refused" there, one line per input run, for
+// comparing the C++ and Python readers.
 #include "common/identity.h"
 
 #include "ggml.h"
@@ -37,6 +40,7 @@ namespace {
 bool g_decoded = false;
 int g_fd = -1;       // the input file: an anonymous memory file (memfd), opened by path
 std::string g_path;  // /proc/self/fd/N
+FILE * g_verdicts = nullptr;  // DGR_FUZZ_VERDICTS: one line per input, "opened" or "refused"
 
 // ---- a small GGUF writer that records its structural fields --------------------------------
 
@@ -194,7 +198,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     std::string error;
     {
         dgr::GgufHeader g;
-        if (!g.open(g_path, &error)) {
+        const bool opened = g.open(g_path, &error);
+        if (g_verdicts) std::fprintf(g_verdicts, "%s\n", opened ? "opened" : "refused");
+        if (!opened) {
             one_line(error);
             return 0;
         }
@@ -293,6 +299,14 @@ std::vector<std::string> seeds() {
         std::exit(2);
     }
     g_path = "/proc/self/fd/" + std::to_string(g_fd);
+    if (const char * v = std::getenv("DGR_FUZZ_VERDICTS")) {
+        g_verdicts = std::fopen(v, "w");
+        if (!g_verdicts) {
+            std::perror("gguf_fuzz: DGR_FUZZ_VERDICTS");
+            std::exit(2);
+        }
+        std::atexit([] { std::fclose(g_verdicts); });
+    }
 
     std::vector<FieldAt> f;
     g_seeds.push_back(gguf_file(kModelKvs, [](Builder & b) { model_kvs(b, false); }, model_tensors(), 32, &f));
