@@ -50,6 +50,7 @@ using google::protobuf::Reflection;
 namespace {
 
 bool g_decoded = false;
+FILE * g_verdicts = nullptr;  // DGR_FUZZ_VERDICTS: one line per input (compared with Python's checks)
 uint64_t g_protobuf_logs = 0;  // protobuf's parse complaints (invalid UTF-8 ...), counted, not printed
 
 void count_protobuf_log(google::protobuf::LogLevel level, const char *, int, const std::string & msg) {
@@ -168,7 +169,12 @@ void run_bundle(const pb::TensorBundle & b, uint32_t rows, const pb::GetCapabili
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     g_decoded = false;
     pb::SessionRequest req;
-    if (!req.ParseFromArray(data, int(size))) {
+    const bool parsed = req.ParseFromArray(data, int(size));
+    if (g_verdicts) {  // check_request with the capability: the reason, "ok" or "undecodable"
+        const B::Result v = parsed ? B::check_request(req, &capability()) : B::Result{};
+        std::fprintf(g_verdicts, "%s\n", !parsed ? "undecodable" : v ? v->reason_name().c_str() : "ok");
+    }
+    if (!parsed) {
         // not a frame: the worker answers INVALID_ARGUMENT; still try the bytes as a bare bundle
         pb::TensorBundle b;
         if (b.ParseFromArray(data, int(size))) run_bundle(b, 1, capability());
@@ -224,7 +230,15 @@ bool decoded() { return g_decoded; }
 
 std::vector<std::string> seeds() {
     google::protobuf::SetLogHandler(count_protobuf_log);
+    if (const char * v = std::getenv("DGR_FUZZ_VERDICTS")) {
+        g_verdicts = std::fopen(v, "w");
+        if (!g_verdicts) {
+            std::perror("frame_fuzz: DGR_FUZZ_VERDICTS");
+            std::exit(2);
+        }
+    }
     std::atexit([] {
+        if (g_verdicts) std::fclose(g_verdicts);
         std::printf("frame_fuzz: outcomes per stage:");
         for (const auto & [k, n] : g_outcomes) std::printf(" [%s: %llu]", k.c_str(), (unsigned long long) n);
         std::printf("\nframe_fuzz: %llu protobuf parse complaints silenced\n", (unsigned long long) g_protobuf_logs);
