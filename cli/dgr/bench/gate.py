@@ -91,10 +91,7 @@ async def score_text(endpoints: Sequence[str], ids: Sequence[int], *, chunk: int
     """Teacher-forced scoring through the route, chunk by chunk (one session per chunk): each
     position's top-1 id and the logprob of the text's next token (clipped at the k-th logprob
     when it is not among the top k)."""
-    from ..route.driver import RouteDriver, Sampling, _Stream
-
-    from ..protocol.bundle import frame_payload_checksum
-    from ..shard.v1 import shard_runtime_pb2 as pb
+    from ..route.driver import RouteDriver, Sampling
 
     d = await RouteDriver(list(endpoints), chain=False).connect()
     argmax: list[int] = []
@@ -105,50 +102,22 @@ async def score_text(endpoints: Sequence[str], ids: Sequence[int], *, chunk: int
             part = list(ids[c0:c0 + chunk + 1])
             if len(part) < 2:
                 break
-            sid = f"score-{c0}"
-            streams = [_Stream(s, d.timeout) for s in d.shards]
-            try:
-                for pos in range(len(part) - 1):
-                    payload: Any = part[pos]
-                    resp = None
-                    for i, st in enumerate(streams):
-                        if pos == 0:
-                            span = pb.TokenSpan(token_ids=[part[0]]) if i == 0 else payload
-                            h = d._header(st.shard, sid, 1, st.step, pb.PHASE_PREFILL, 0, 1,
-                                          pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_EMPTY), f"{sid}/p0")
-                            h.payload_checksum.CopyFrom(frame_payload_checksum(span))
-                            f = pb.StepFrame(header=h, sample=True)
-                            if i == 0:
-                                f.tokens.CopyFrom(span)
-                            else:
-                                f.bundle.CopyFrom(span)
-                            if i == len(streams) - 1:
-                                f.sampling.CopyFrom(Sampling(top_logprobs=top, ignore_eog=True).to_proto())
-                            resp = await st.exchange(pb.SessionRequest(step=f))
-                        else:
-                            fd = pb.FastDecodeFrame(session_id=sid, route_epoch=1, step=st.step, position=pos,
-                                                    request_id=f"{sid}/d{pos}")
-                            if i == 0:
-                                fd.token_id = payload
-                            else:
-                                fd.bundle.CopyFrom(payload)
-                            resp = await st.exchange(pb.SessionRequest(fast_decode=fd))
-                        st.step += 1
-                        if i < len(streams) - 1:
-                            payload = resp.boundary
-                    tok = resp.tail.tokens[0]
-                    tops = {t.token_id: t.logprob for t in tok.top_logprobs}
-                    nxt = part[pos + 1]
-                    argmax.append(tok.token_id)
-                    if nxt in tops:
-                        nll -= tops[nxt]
-                    else:
-                        nll -= min(tops.values())
-                        clipped += 1
-                    n += 1
-            finally:
-                for st in streams:
-                    await d._release(st, sid, 1)
+            # teacher forcing: output k is the route's prediction after part[:k + 1]
+            r = await d.generate([part[0]], max_tokens=len(part) - 1, session_id=f"score-{c0}",
+                                 sampling=Sampling(top_logprobs=top, ignore_eog=True), stop_on_eog=False,
+                                 forced_tokens=part[1:])
+            if r.error is not None:
+                raise r.error
+            for pos, (tok, top_k) in enumerate(zip(r.tokens, r.top_logprobs)):
+                tops = dict(top_k)
+                nxt = part[pos + 1]
+                argmax.append(tok)
+                if nxt in tops:
+                    nll -= tops[nxt]
+                else:
+                    nll -= min(tops.values())
+                    clipped += 1
+                n += 1
     finally:
         await d.close()
     return {"argmax": argmax, "n_scored": n, "nll_sum": nll, "clipped": clipped,

@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 
 from ..errors import DgrError
+from .channel import open_channel
 from ..shard.v1 import shard_runtime_pb2 as pb
 
 # ---- framing --------------------------------------------------------------------------------
@@ -147,9 +148,8 @@ class RelayBridge:
         self.frames_forwarded = 0
 
     async def start(self) -> "RelayBridge":
-        opts = [("grpc.max_send_message_length", self.max_frame), ("grpc.max_receive_message_length", self.max_frame)]
-        self._channel = (grpc.aio.secure_channel(self.target, self.credentials, options=opts) if self.credentials
-                         else grpc.aio.insecure_channel(self.target, options=opts))
+        self._channel = open_channel(self.target, credentials=self.credentials, aio=True,
+                                     max_message_bytes=self.max_frame)
         self._server = await asyncio.start_server(self._serve, self.host, self.port, ssl=self.ssl)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
