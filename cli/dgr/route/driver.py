@@ -30,21 +30,20 @@ import itertools
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
-from typing import Any
-
-import grpc
-
-from ..errors import DgrError
 from ..protocol.client import AsyncWorkerClient
-from ..protocol.errors import BadResponse, ShardError, StepTimeout, StreamClosed, WorkerError
+from ..protocol.errors import WorkerError
 from ..protocol.stream import AsyncSessionStream
 from ..protocol.stream import Sampling  # re-exported: one Sampling class for the client and the route driver
 from ..protocol.tls import TlsFiles  # noqa: F401  (RouteDriver(tls=…))
 from ..shard.v1 import shard_runtime_pb2 as pb
+from .generation import Collector, GenerationResult, run_chained, run_stepwise
+from .shards import RouteError, RouteSessionError, ShardHandle, route_error  # noqa: F401  (re-exported)
 from .telemetry import GenerationTelemetry, NodeTiming
+
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_TOKENS_PER_ANSWER", "GenerationResult", "RouteDriver", "RouteError",
+           "RouteSessionError", "Sampling", "ShardHandle", "route_error"]
 
 DEFAULT_TIMEOUT_S = 60.0
 # generated tokens per answer from a chained head (GenerateParams.tokens_per_answer)
@@ -53,111 +52,8 @@ RELEASE_TIMEOUT_S = 2.0
 PROBE_TIMEOUT_S = 2.0      # chained mode: capability probe that finds a silent shard after a failure
 
 
-class RouteError(DgrError):
-    """The route cannot be used (incomplete, incompatible, unreachable)."""
-
-
-class RouteSessionError(DgrError):
-    """One route session failed; names the Shard and the structured reason."""
-
-    def __init__(self, shard: "ShardHandle", reason: str, message: str, *, grpc_code: int | None = None) -> None:
-        self.shard_endpoint = shard.endpoint
-        self.shard_range = (shard.start, shard.end)
-        self.reason = reason
-        self.detail = message
-        self.grpc_code = grpc_code
-        super().__init__(f"shard {shard.endpoint} [{shard.start}:{shard.end}) failed: {reason}: {message}")
-
-
-@dataclass
-class ShardHandle:
-    endpoint: str
-    client: AsyncWorkerClient          # the one protocol client (channel, TLS, relayed hops)
-    capability: pb.GetCapabilityResponse
-
-    @property
-    def channel(self) -> Any:
-        return self.client.channel
-
-    @property
-    def stub(self) -> Any:
-        return self.client.stub
-
-    @property
-    def start(self) -> int:
-        return self.capability.identity.range.start
-
-    @property
-    def end(self) -> int:
-        return self.capability.identity.range.end
-
-
-STREAM_ERRORS = (WorkerError, ShardError, StepTimeout, BadResponse)
-
-
-def route_error(shard: ShardHandle, exc: Exception) -> RouteSessionError:
-    """A failure of one shard's session stream (protocol.errors types) as RouteSessionError."""
-    if isinstance(exc, ShardError):
-        return RouteSessionError(shard, exc.reason_name, exc.proto.message, grpc_code=exc.grpc_code)
-    if isinstance(exc, StepTimeout):
-        return RouteSessionError(shard, "DEADLINE_EXCEEDED", f"no answer within {exc.timeout:.0f}s")
-    if isinstance(exc, StreamClosed):
-        known = exc.status_known and exc.code != grpc.StatusCode.OK
-        return RouteSessionError(shard, exc.code.name if known else "STREAM_CLOSED", exc.details)
-    if isinstance(exc, WorkerError):
-        return RouteSessionError(shard, exc.code.name, exc.details, grpc_code=exc.code.value[0])
-    if isinstance(exc, BadResponse):
-        return RouteSessionError(shard, exc.reason, exc.message)
-    raise TypeError(f"not a stream error: {exc!r}")
-
-
-@dataclass
-class GenerationResult:
-    session_id: str
-    prompt_tokens: list[int]
-    tokens: list[int]
-    finish_reason: str
-    telemetry: GenerationTelemetry
-    error: RouteSessionError | None = None
-    # per sampled token when Sampling.top_logprobs > 0: [(token id, logprob), ...] most likely first
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-
-
 def exc_shard(driver: "RouteDriver", exc: RouteSessionError) -> ShardHandle:
     return next(s for s in driver.shards if s.endpoint == exc.shard_endpoint)
-
-
-def _bundle_bytes(b: pb.TensorBundle) -> int:
-    return sum(len(f.data) for t in b.tensors for f in t.fragments)
-
-
-class _Gen:
-    """What one generation collected so far (shared by both modes)."""
-
-    def __init__(self, max_tokens: int, stop_on_eog: bool, top_logprobs: bool,
-                 on_token: Callable[[int], Awaitable[None] | None] | None) -> None:
-        self.max_tokens = max_tokens
-        self.stop_on_eog = stop_on_eog
-        self.want_top = top_logprobs
-        self.on_token = on_token
-        self.out: list[int] = []
-        self.top: list[list[tuple[int, float]]] = []
-        self.forced: list[int] | None = None   # teacher forcing (stepwise): the tokens fed back
-        self.finish = "length"
-
-    async def emit(self, tok: pb.SampledToken) -> bool:
-        """Records one sampled token; True when the generation is complete."""
-        self.out.append(tok.token_id)
-        if self.want_top:
-            self.top.append([(t.token_id, t.logprob) for t in tok.top_logprobs])
-        if self.on_token is not None:
-            r = self.on_token(tok.token_id)
-            if asyncio.iscoroutine(r):
-                await r
-        if self.stop_on_eog and tok.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            self.finish = pb.FinishReason.Name(tok.finish_reason).removeprefix("FINISH_REASON_").lower()
-            return True
-        return len(self.out) >= self.max_tokens
 
 
 class RouteDriver:
@@ -318,16 +214,18 @@ class RouteDriver:
             streams = [await self.open_stream(s, sid, epoch, sampling=sampling if s is self.shards[-1] else None)
                        for s in shards]
         self._active[sid] = epoch
-        g = _Gen(max_tokens, stop_on_eog, bool(sampling.top_logprobs), on_token)
+        g = Collector(max_tokens, stop_on_eog, bool(sampling.top_logprobs), on_token)
         g.forced = list(forced_tokens) if forced_tokens is not None else None
         t0 = time.perf_counter()
         try:
             if not prompt_tokens:
                 raise RouteError("the prompt is empty")
             if chained:
-                await self._run_chained(streams[0], prompt_tokens, tel, g, t0)
+                await run_chained(self.head, self.shards[-1], streams[0], prompt_tokens, chunk=self.chunk_tokens,
+                                  tokens_per_answer=self.tokens_per_answer, tel=tel, g=g, t0=t0)
             else:
-                await self._run_stepwise(list(zip(shards, streams)), prompt_tokens, tel, g, t0)
+                await run_stepwise(list(zip(shards, streams)), prompt_tokens, chunk=self.chunk_tokens, tel=tel,
+                                   g=g, t0=t0)
             tel.status = "completed"
             return GenerationResult(sid, list(prompt_tokens), g.out, g.finish, tel, top_logprobs=g.top)
         except RouteSessionError as exc:
@@ -367,138 +265,6 @@ class RouteDriver:
                                                       return_exceptions=True), RELEASE_TIMEOUT_S)
             except asyncio.TimeoutError:
                 pass
-
-    async def _run_stepwise(self, route: list[tuple[ShardHandle, AsyncSessionStream]], prompt_tokens: Sequence[int],
-                            tel: GenerationTelemetry, g: _Gen, t0: float) -> None:
-        n = len(prompt_tokens)
-        chunk = self.chunk_tokens
-        last_hop = len(route) - 1
-        for ci, a in enumerate(range(0, n, chunk)):
-            b = min(n, a + chunk)
-            last = b == n
-            boundary: pb.TensorBundle | None = None
-            resp = None
-            step_id = f"{tel.request_id}/p{ci}"   # work id of this route step, same on every seam
-            for i, (sh, st) in enumerate(route):
-                if boundary is None:    # the head takes token ids
-                    req = st.input_frame(pb.PHASE_PREFILL, prompt_tokens[a:b], sample=last, start=a, end=b,
-                                         request_id=step_id)
-                else:                   # the next shard the previous one's boundary bundle, as received
-                    req = st.input_frame(pb.PHASE_PREFILL, bundle=boundary, sample=last, start=a, end=b,
-                                         request_id=step_id)
-                    st.seam_bytes_in += _bundle_bytes(boundary)
-                try:
-                    resp = await st.exchange(req)
-                except STREAM_ERRORS as exc:
-                    raise route_error(sh, exc) from None
-                st.step += 1
-                if i < last_hop:
-                    boundary = resp.boundary
-            tok_out = resp.tail.tokens if resp is not None else []
-        tel.ttft_s = time.perf_counter() - t0
-        tel.prefill_s = tel.ttft_s
-        if not tok_out:
-            raise RouteSessionError(self.shards[-1], "BAD_RESPONSE", "the tail returned no token after prefill")
-        pos = n
-        t_dec = time.perf_counter()
-        try:
-            while True:
-                if await g.emit(tok_out[0]):
-                    break
-                k = pos - n
-                token = g.forced[k] if g.forced is not None and k < len(g.forced) else tok_out[0].token_id
-                boundary = None
-                step_id = f"{tel.request_id}/d{pos}"
-                for i, (sh, st) in enumerate(route):
-                    if boundary is None:
-                        req = st.fast_decode(token, position=pos, request_id=step_id)
-                    else:
-                        req = st.fast_decode(bundle=boundary, position=pos, request_id=step_id)
-                        st.seam_bytes_in += _bundle_bytes(boundary)
-                    try:
-                        resp = await st.exchange(req)
-                    except STREAM_ERRORS as exc:
-                        raise route_error(sh, exc) from None
-                    st.step += 1
-                    if i < last_hop:
-                        boundary = resp.boundary
-                tok_out = resp.tail.tokens
-                if not tok_out:
-                    raise RouteSessionError(self.shards[-1], "BAD_RESPONSE", "the tail returned no token")
-                pos += 1
-        finally:
-            tel.decode_s = time.perf_counter() - t_dec
-
-    async def _run_chained(self, st: AsyncSessionStream, prompt_tokens: Sequence[int], tel: GenerationTelemetry,
-                           g: _Gen, t0: float) -> None:
-        """One stream to the head: prefill chunks (the opening one names the chain), the last
-        one asks the head to generate; then read one response per token."""
-        n = len(prompt_tokens)
-        chunk = self.chunk_tokens     # the head forwards each chunk as is: it must fit every shard
-        resp: pb.SessionResponse | None = None
-        for ci, a in enumerate(range(0, n, chunk)):
-            b = min(n, a + chunk)
-            last = b == n
-            req = st.input_frame(pb.PHASE_PREFILL, prompt_tokens[a:b], sample=last, start=a, end=b,
-                                 request_id=f"{tel.request_id}/p{ci}")
-            if last:
-                req.step.generate.CopyFrom(pb.GenerateParams(max_tokens=max(1, g.max_tokens),
-                                                             continue_after_finish=not g.stop_on_eog,
-                                                             tokens_per_answer=self.tokens_per_answer))
-            try:
-                resp = await st.exchange(req)
-            except STREAM_ERRORS as exc:
-                raise route_error(self.head, exc) from None
-            self._check_chained(resp, st.step, pb.PHASE_PREFILL, a)
-            st.step += 1
-        assert resp is not None
-        tel.ttft_s = time.perf_counter() - t0
-        tel.prefill_s = tel.ttft_s
-        tok_out = resp.tail.tokens
-        if not tok_out:
-            raise RouteSessionError(self.shards[-1], "BAD_RESPONSE", "the tail returned no token after prefill")
-        pos = n
-        t_dec = time.perf_counter()
-        try:
-            # an answer holds one token, or several in order (tokens_per_answer), one step each
-            pending = list(tok_out[:1])
-            while not await self._emit_all(g, pending):
-                try:
-                    resp = await st.next_generated()
-                except STREAM_ERRORS as exc:
-                    raise route_error(self.head, exc) from None
-                pending = list(resp.tail.tokens)
-                self._check_chained(resp, st.step + max(0, len(pending) - 1), pb.PHASE_DECODE, pos)
-                if not pending:
-                    raise RouteSessionError(self.shards[-1], "BAD_RESPONSE", "the tail returned no token")
-                if resp.header.positions.end != pos + len(pending):
-                    raise RouteSessionError(
-                        self.head, "BAD_RESPONSE",
-                        f"chained head answered {len(pending)} token(s) for positions "
-                        f"[{resp.header.positions.start}:{resp.header.positions.end})")
-                st.step += len(pending)
-                pos += len(pending)
-        finally:
-            tel.decode_s = time.perf_counter() - t_dec
-
-    @staticmethod
-    async def _emit_all(g: _Gen, tokens: Sequence[pb.SampledToken]) -> bool:
-        """Emits tokens in order; True once the generation is done (the rest is not emitted)."""
-        for t in tokens:
-            if await g.emit(t):
-                return True
-        return False
-
-    def _check_chained(self, resp: pb.SessionResponse, step: int, phase: int, start: int) -> None:
-        """A chained head answers each step with the tail's output, in order."""
-        h = resp.header
-        kind = resp.WhichOneof("result")
-        if kind != "tail" or h.step != step or h.phase != phase or h.positions.start != start:
-            raise RouteSessionError(
-                self.head, "BAD_RESPONSE",
-                f"chained head answered {kind or 'no result'} for step {h.step} ({pb.Phase.Name(h.phase)}, "
-                f"positions [{h.positions.start}:{h.positions.end})); expected a tail output for step {step} "
-                f"({pb.Phase.Name(phase)}) at position {start}")
 
     def _named_shard(self, message: str) -> ShardHandle | None:
         """The downstream shard an error message names (the farthest along the route)."""
