@@ -186,14 +186,9 @@ def environment_manifest(backend: str = "cpu", model: Path | None = None,
     from ..upstream import patchstack
     from ..upstream import pin as pin_mod
 
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from ..bench.stats import cpu_model
+
+    cpu = cpu_model()
     pin = pin_mod.load_pin()
     env: dict[str, Any] = {
         "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from .. import __version__, paths
 from ..errors import DgrError
 from .hf_export import prepare, require_baseline_extra, sha256_file
+from .stats import cpu_model, percentile, positional_agreement, prefix_agreement  # noqa: F401
 from .llama_lane import CommandLog, Measured, backend_for, batched_bench, llama_bench, run_measured, run_probe
 
 RESULTS_SCHEMA = "dgr.bench.baseline/1"
@@ -75,14 +76,7 @@ def load_inputs() -> tuple[str, list[str]]:
 
 
 def hardware(cfg: BaselineConfig) -> dict[str, Any]:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     ncpu = os.cpu_count() or 0
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu = None
@@ -96,32 +90,6 @@ def hardware(cfg: BaselineConfig) -> dict[str, Any]:
     return {"class": f"{cfg.device}-{platform.machine()}-{ncpu}cpu" + (f"-{gpu}" if gpu else ""),
             "device": cfg.device, "machine": platform.machine(), "cpu": cpu, "logical_cpus": ncpu,
             "memory_bytes": mem, "gpu": gpu, "threads": cfg.threads, "os": platform.platform()}
-
-
-# ---- statistics helpers (pure) -------------------------------------------------------------
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def prefix_agreement(a: list[int], b: list[int]) -> float:
-    """Share of ``b`` (the reference) reproduced before the first differing token."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n / len(b) if b else 1.0
-
-
-def positional_agreement(a: list[int], b: list[int]) -> float:
-    n = min(len(a), len(b))
-    return sum(1 for i in range(n) if a[i] == b[i]) / n if n else 1.0
 
 
 # ---- the run -------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import DgrError
+from .stats import percentile
 
 SCHEMA = "dgr.bench.gate/1"
 SAFETENSORS = "safetensors-fp32"
@@ -164,7 +165,7 @@ def timing(endpoints: Sequence[str], pids: Sequence[int], ranges: Sequence[str],
         "prefill_tok_s": s0.prefill_tok_s if c == 1 else rep.aggregate_prefill_tok_s,
         "decode_tok_s": s0.decode_tok_s if c == 1 else (rep.concurrent_decode_tok_s or rep.aggregate_decode_tok_s),
         "aggregate_decode_window_tok_s": rep.aggregate_decode_tok_s,
-        "token_latency_p50_s": _pct(gaps, 0.50), "token_latency_p95_s": _pct(gaps, 0.95),
+        "token_latency_p50_s": percentile(gaps, 0.50), "token_latency_p95_s": percentile(gaps, 0.95),
         "seam_bytes_per_decode_token": rep.seam_bytes_per_decode_token,
         "hop_decode_rtt_s": rep.hop_decode_rtt_s,
         "workers": [{"range": w.range, "rss_peak_bytes": w.rss_peak_bytes, "kv_cells_peak": w.kv_cells_peak,
@@ -173,15 +174,6 @@ def timing(endpoints: Sequence[str], pids: Sequence[int], ranges: Sequence[str],
                      "sessions_left": w.sessions_left, "kv_cells_left": w.kv_cells_left} for w in stats],
         "driver_cpu_s": rep.driver_cpu_s,
     }
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def _peak_rss(pid: int) -> int:
