@@ -40,7 +40,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..errors import DgrError
 # the results and the summary (re-exported: callers read them from here)
@@ -62,8 +62,8 @@ class RouteBenchConfig:
     driver_overhead: bool = True
 
 
-def _prompt(n: int, seed: int, n_vocab: int = 49152) -> list[int]:
-    # deterministic token ids away from the special-token range
+def synthetic_prompt(n: int, seed: int, n_vocab: int = 49152) -> list[int]:
+    """``n`` deterministic token ids (an LCG from ``seed``) away from the special-token range."""
     x, out = seed * 2654435761 % (1 << 32), []
     for _ in range(n):
         x = (1103515245 * x + 12345) % (1 << 31)
@@ -99,7 +99,7 @@ async def _measure(endpoints: list[str], n_prompt: int, n_gen: int, sessions: in
 
     from ..route.sessions import run_sessions
 
-    prompts = [_prompt(n_prompt, seed + i) for i in range(sessions)]
+    prompts = [synthetic_prompt(n_prompt, seed + i) for i in range(sessions)]
     m0 = _compute_counters(endpoints)
     c0 = _cpu_times()
     rep = await run_sessions(endpoints, [""] * sessions, token_prompts=prompts, max_tokens=n_gen,
@@ -224,17 +224,25 @@ def _seam_floor(model: Path, *, split: int, threads: int, sessions: int, n_promp
             "two_process_decode_tok_s": sessions * 1e3 / m["two_process_ms_per_step"]}
 
 
+def batched_bench_by_batch(exe: Path, model: Path, *, threads: int, n_prompt: int, n_gen: int,
+                           npl: Sequence[int], extra: Sequence[str] = (), prefix: Sequence[str] = ()) -> dict[str, Any]:
+    """llama-batched-bench (aggregate pp and tg per batch size of ``npl``, after an ``n_prompt``
+    prefill each) as the results JSON holds it; ``extra``/``prefix`` as :mod:`dgr.bench.llama_tools`."""
+    from .llama_tools import batched_bench
+
+    ctx = max(2048, (n_prompt + n_gen) * max(npl) + 64)
+    rows, m = batched_bench(exe, model, threads=threads, n_prompt=n_prompt, n_gen=n_gen, npl=npl, ctx=ctx, batch=2048,
+                            extra=extra, prefix=prefix)
+    return {"command": m.shown,
+            "by_batch": {str(b): {"pp_tok_s": r.speed_pp, "tg_tok_s": r.speed_tg} for b, r in rows.items()}}
+
+
 def _batched_bench(model: Path, threads: int, n_prompt: int, n_gen: int, npl: tuple[int, ...],
                    backend: str) -> dict[str, Any]:
     from ..upstream.build import tool_binary
 
-    from .llama_tools import batched_bench
-
-    exe = tool_binary("llama-batched-bench", backend)
-    ctx = max(2048, (n_prompt + n_gen) * max(npl) + 64)
-    rows, m = batched_bench(exe, model, threads=threads, n_prompt=n_prompt, n_gen=n_gen, npl=npl, ctx=ctx, batch=2048)
-    return {"command": m.shown,
-            "by_batch": {str(b): {"pp_tok_s": r.speed_pp, "tg_tok_s": r.speed_tg} for b, r in rows.items()}}
+    return batched_bench_by_batch(tool_binary("llama-batched-bench", backend), model, threads=threads,
+                                  n_prompt=n_prompt, n_gen=n_gen, npl=npl)
 
 
 async def _driver_overhead(n_tokens: int = 300) -> dict[str, Any]:

@@ -21,12 +21,15 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import DgrError
 from ..protocol.tls import TlsFiles
 from . import system as sx
 from .hosts import Host, Lab
+
+if TYPE_CHECKING:
+    from ..route.supervisor import WorkerArgs
 
 
 @dataclass
@@ -102,18 +105,19 @@ class LabRoute:
                 slice_gguf(self.model, LayerRange(a, b), path, progress=False)
             self.files.append(path)
 
-    def worker_args(self, i: int) -> list[str]:
+    def worker_args(self, i: int) -> "WorkerArgs":
+        """The worker's options for shard ``i`` (its host's TLS identity and thread count)."""
+        from ..route.supervisor import WorkerArgs
+
         h, (a, b) = self.placement[i], self.split[i]
         t = host_tls(self.lab, h)
-        model = ["--fake-model", "--n-layer", str(self.split[-1][1])] if self.fake else \
-            ["--model", str(self.files[i]), "--fingerprint", self.fingerprint, "--artifact-id", self.artifact_id,
-             "--threads", str(h.threads)]
-        args = [*model, "--layers", f"{a}:{b}", "--max-sessions", str(self.max_sessions), "--ctx-per-session", str(self.ctx),
-                "--tls-cert", str(t.cert), "--tls-key", str(t.key), "--tls-client-ca", str(t.ca),
-                "--chain-tls-ca", str(t.ca), "--chain-peers", ",".join(x.ip for x in self.lab.hosts)]
-        if self.memory_budget and h.worker_budget_mb:
-            args += ["--memory-budget-mb", str(h.worker_budget_mb)]
-        return args + self.extra_args
+        model: dict[str, Any] = dict(fake_model=True, n_layer=self.split[-1][1]) if self.fake else \
+            dict(model=self.files[i], fingerprint=self.fingerprint, artifact_id=self.artifact_id, threads=h.threads)
+        return WorkerArgs(**model, layers=(a, b), max_sessions=self.max_sessions, ctx_per_session=self.ctx,
+                          tls_cert=t.cert, tls_key=t.key, tls_client_ca=t.ca, chain_tls_ca=t.ca,
+                          chain_peers=",".join(x.ip for x in self.lab.hosts),
+                          memory_budget_mb=h.worker_budget_mb if self.memory_budget and h.worker_budget_mb else None,
+                          extra=tuple(self.extra_args))
 
     def start(self) -> list[str]:
         from ..route.local import ensure_worker
@@ -132,7 +136,7 @@ class LabRoute:
                     raise DgrError(f"worker for layers {a}:{b} on {h.name} did not start: {exc}") from None
                 direct = w.target
                 ep = self.lab.expose(h, w.port)
-                p = Placed(h, (a, b), w, direct, ep, argv=[str(binary), "serve", "--listen", f"{h.ip}:0", *args])
+                p = Placed(h, (a, b), w, direct, ep, argv=[str(binary), "serve", "--listen", f"{h.ip}:0", *args.argv()])
                 if self.relay:
                     p.relay = self._start_relay(h, direct)
                 self.placed.append(p)
