@@ -19,19 +19,22 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import platform
 import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .. import __version__, paths
 from ..errors import DgrError
 from .hf_export import prepare, require_baseline_extra, sha256_file
 from .stats import cpu_model, percentile, positional_agreement, prefix_agreement  # noqa: F401
 from .llama_lane import CommandLog, Measured, backend_for, batched_bench, llama_bench, run_measured, run_probe
+
+_log = logging.getLogger(__name__)
 
 RESULTS_SCHEMA = "dgr.bench.baseline/1"
 DATA_DIR = paths.PACKAGE_DIR / "data"
@@ -260,8 +263,7 @@ def _drift(rec: dict, ref: dict, logits, ref_logits) -> dict[str, Any]:
     return out
 
 
-def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
-                 progress: Callable[[str], None] = print) -> dict[str, Any]:
+def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None) -> dict[str, Any]:
     """Measure every recipe; returns the ``dgr.bench.baseline/1`` document."""
     import math
     import tempfile
@@ -279,7 +281,7 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
 
     src_sha = sha256_file(source)
     art_root = model_dir() / "baseline" / src_sha[:16]
-    manifest = prepare(source, art_root, threads=cfg.threads, log=log, progress=progress)
+    manifest = prepare(source, art_root, threads=cfg.threads, log=log)
     hf_dir = art_root / manifest["artifacts"]["safetensors"]["path"]
     text, prompts = load_inputs()
     text_ids, prompt_ids = _tokenize(hf_dir, text, prompts)
@@ -299,7 +301,7 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
         work = Path(owned_tmp.name)
     try:
         for name, dtype in HF_RECIPES.items():
-            progress(f"measuring {name}")
+            _log.info(f"measuring {name}")
             try:
                 recipes[name], logits[name] = _hf_recipe(name, dtype, hf_dir, cfg, inputs, work, log)
             except DgrError as exc:
@@ -307,7 +309,7 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
                 recipes[name] = {"failures": [exc.one_line()]}
         measured: dict[str, Path] = {}
         for name, key in GGUF_RECIPES.items():
-            progress(f"measuring {name} (probe)")
+            _log.info(f"measuring {name} (probe)")
             try:
                 model = art_root / manifest["artifacts"][key]["path"]
                 recipes[name], logits[name] = _gguf_recipe(name, model, cfg, inputs, work, log)
@@ -317,7 +319,7 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
                 recipes[name] = {"failures": [exc.one_line()]}
         hf_ok = {n: d for n, d in HF_RECIPES.items() if not recipes[n].get("failures")}
         if measured or hf_ok:
-            progress(f"{cfg.rounds} interleaved timing round(s) over {', '.join([*hf_ok, *measured])}")
+            _log.info(f"{cfg.rounds} interleaved timing round(s) over {', '.join([*hf_ok, *measured])}")
             try:
                 _speed_rounds(hf_ok, measured, recipes, cfg, hf_dir, inputs, work, log)
             except DgrError as exc:

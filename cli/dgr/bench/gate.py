@@ -29,14 +29,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ..errors import DgrError
 from .stats import percentile
+
+_log = logging.getLogger(__name__)
 
 SCHEMA = "dgr.bench.gate/1"
 SAFETENSORS = "safetensors-fp32"
@@ -188,7 +191,7 @@ def _peak_rss(pid: int) -> int:
 
 # ---- the run ------------------------------------------------------------------------------------
 
-def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] = print) -> dict[str, Any]:
+def run_gate(source: Path, cfg: GateConfig) -> dict[str, Any]:
     """Measure every route and yardstick; returns the ``dgr.bench.gate/1`` document."""
     from contextlib import ExitStack
 
@@ -200,10 +203,10 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
     from .hf_route import HfRoute, whole_model_greedy
 
     require_baseline_extra()
-    ensure_worker(cfg.backend, log=progress)
+    ensure_worker(cfg.backend)
     log = CommandLog()
     art_root = model_dir() / "baseline" / sha256_file(source)[:16]
-    manifest = prepare(source, art_root, threads=cfg.threads, log=log, progress=progress)
+    manifest = prepare(source, art_root, threads=cfg.threads, log=log)
     arts = manifest["artifacts"]
     hf_dir = art_root / arts["safetensors"]["path"]
     n_layer = int(manifest["model"]["n_layer"])
@@ -222,7 +225,7 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
         "artifacts": {k: {m: v.get(m) for m in ("bytes", "sha256", "made_by", "format")} for k, v in arts.items()},
         "routes": {}, "whole": {}, "commands": log.entries}
     with ExitStack() as stack:
-        progress(f"starting the safetensors route ({', '.join(ranges)}, transformers shard workers)")
+        _log.info(f"starting the safetensors route ({', '.join(ranges)}, transformers shard workers)")
         hf = stack.enter_context(HfRoute(hf_dir, cfg.split, threads=cfg.threads, max_sessions=max_s,
                                          ctx_per_session=ctx, artifact_id=arts["safetensors"]["sha256"]))
         routes: dict[str, tuple[list[str], list[int], int]] = {
@@ -230,7 +233,7 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
         wholes: dict[str, Any] = {}
         for name, key in GGUF_ROUTES.items():
             model = art_root / arts[key]["path"]
-            progress(f"starting the {name} route ({', '.join(ranges)}) and its whole-model dgr-worker")
+            _log.info(f"starting the {name} route ({', '.join(ranges)}) and its whole-model dgr-worker")
             lr = stack.enter_context(LocalRoute(model, cfg.split, threads=cfg.threads, max_sessions=max_s,
                                                 ctx_per_session=ctx, backend=cfg.backend))
             lw = stack.enter_context(LocalRoute(model, [(0, n_layer)], threads=cfg.threads, max_sessions=max_s,
@@ -241,7 +244,7 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
             asyncio.run(greedy(eps, [inp["prompts"][0]], 2))
         # quality: greedy tokens and teacher-forced scoring, per route and per whole model
         for name, (eps, pids, nbytes) in routes.items():
-            progress(f"{name} route: greedy tokens of {len(inp['prompts'])} fixed prompts, scoring "
+            _log.info(f"{name} route: greedy tokens of {len(inp['prompts'])} fixed prompts, scoring "
                      f"{len(inp['score'])} text tokens")
             doc["routes"][name] = {"endpoints": eps, "ranges": ranges, "artifact_bytes": nbytes,
                                    "greedy": asyncio.run(greedy(eps, inp["prompts"], cfg.quality_tokens)),
@@ -249,22 +252,22 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
                                                                    top=cfg.top_logprobs)),
                                    "timing": {}}
         for name, (eps, pids, model) in wholes.items():
-            progress(f"{name} whole model (1 dgr-worker): greedy tokens and scoring")
+            _log.info(f"{name} whole model (1 dgr-worker): greedy tokens and scoring")
             doc["whole"][name] = {"greedy": asyncio.run(greedy(eps, inp["prompts"], cfg.quality_tokens)),
                                   "score": asyncio.run(score_text(eps, inp["score"], chunk=cfg.score_chunk,
                                                                   top=cfg.top_logprobs)),
                                   "worker_timing": {}, "llama_bench": {}, "llama_batched_bench": {}}
-        progress("transformers whole model (parity reference of the safetensors route)")
+        _log.info("transformers whole model (parity reference of the safetensors route)")
         doc["transformers_whole"] = {"greedy": [r["tokens"] for r in whole_model_greedy(
             hf_dir, inp["prompts"], cfg.quality_tokens, threads=cfg.threads)]}
         # speed: per concurrency, every route and whole model back to back
         for c in cfg.concurrency:
             prompts = inp["perf"][:c]
             for name, (eps, pids, _b) in routes.items():
-                progress(f"{c} session(s): {name} route")
+                _log.info(f"{c} session(s): {name} route")
                 doc["routes"][name]["timing"][str(c)] = timing(eps, pids, ranges, prompts, cfg.n_gen)
             for name, (eps, pids, model) in wholes.items():
-                progress(f"{c} session(s): {name} whole model ("
+                _log.info(f"{c} session(s): {name} whole model ("
                          + ("dgr-worker, llama-bench)" if c == 1 else f"llama-batched-bench B={c})"))
                 w = doc["whole"][name]
                 if c == 1:   # the contract's TTFT and p95 baselines: the whole model through the same driver

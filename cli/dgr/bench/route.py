@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import platform
 import statistics
@@ -40,13 +41,14 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ..errors import DgrError
 # the results and the summary (re-exported: callers read them from here)
 from .route_report import (TARGET_RATIOS, _floor_summary, _median_profile, _rpc_summary, derive,  # noqa: F401
                            floor_lines, profile_lines, repeat_lines, steal_lines, summary)
 
+_log = logging.getLogger(__name__)
 SCHEMA = "dgr.bench.route/1"
 
 @dataclass(frozen=True)
@@ -275,13 +277,13 @@ async def _driver_overhead(n_tokens: int = 300) -> dict[str, Any]:
             "chained": {"mode": cmode, "driver_cpu_per_token_s": ccpu / n_tokens, "wall_per_token_s": cwall / n_tokens}}
 
 
-def run_route_bench(model: Path, cfg: RouteBenchConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_route_bench(model: Path, cfg: RouteBenchConfig) -> dict[str, Any]:
     from ..gguf.inspect import open_gguf
     from ..route.local import LocalRoute, ensure_worker
 
-    say = progress or (lambda _m: None)
+    say = _log.info
     threads = cfg.threads or os.cpu_count() or 1
-    ensure_worker(cfg.backend, log=say)
+    ensure_worker(cfg.backend)
     with open_gguf(model) as gf:
         n_layer, n_embd = int(gf.n_layer), int(gf.hparam("embedding_length"))
     if cfg.split[-1][1] != n_layer:

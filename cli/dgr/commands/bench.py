@@ -25,7 +25,7 @@ def baseline(
 
     src = resolve_model(model)
     cfg = bl.BaselineConfig.make(device=device, threads=threads, quick=quick)
-    doc = bl.run_baseline(src, cfg, progress=lambda s: typer.echo(s, err=True))
+    doc = bl.run_baseline(src, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     typer.echo(bl.summary(doc))
@@ -110,7 +110,7 @@ def route(
         hcfg = hb.HostsBenchConfig(hosts=hosts, split=tuple(parse_split(split)) if split_given else None,
                                    n_prompt=n_prompt, n_gen=n_gen, long_prompt=long_prompt, sessions=levels,
                                    rtts_ms=rtts, repeats=repeats, rpc=rpc)
-        doc = hb.run_hosts_bench(resolve_model(model), hcfg, progress=lambda s: typer.echo(s, err=True))
+        doc = hb.run_hosts_bench(resolve_model(model), hcfg)
         out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         typer.echo(hb.summary(doc))
         typer.echo(f"results written to {out}")
@@ -118,7 +118,7 @@ def route(
 
     cfg = rb.RouteBenchConfig(split=tuple(parse_split(split)), threads=threads or 0, n_prompt=n_prompt,
                               n_gen=n_gen, repeats=repeats, rpc=rpc)
-    doc = rb.run_route_bench(resolve_model(model), cfg, progress=lambda s: typer.echo(s, err=True))
+    doc = rb.run_route_bench(resolve_model(model), cfg)
     out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     typer.echo(rb.summary(doc))
     typer.echo(f"results written to {out}")
@@ -140,8 +140,7 @@ def gate(
     from ..gguf.models import resolve_model
 
     c = bc.load_contract(contract)
-    doc = g.run_gate(resolve_model(model), g.GateConfig.make(threads=threads, quick=quick),
-                     progress=lambda m: typer.echo(m, err=True))
+    doc = g.run_gate(resolve_model(model), g.GateConfig.make(threads=threads, quick=quick))
     out.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
     judged = gj.judge(c, {n: gj.results_for(doc, n) for n in g.GGUF_ROUTES})
     for n, j in judged.items():
@@ -173,7 +172,7 @@ def worker(
                                repeats=repeats)
     bin_dir = paths.backend_build_dir("cpu") / "bin"
     doc = wb.run_worker_bench(resolve_model(model), cfg, worker_bin=bin_dir / "dgr-worker",
-                              batched_bench=bin_dir / "llama-batched-bench", progress=lambda s: typer.echo(s, err=True))
+                              batched_bench=bin_dir / "llama-batched-bench")
     out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     typer.echo(wb.summary(doc))
     typer.echo(f"results written to {out}")
@@ -207,7 +206,7 @@ def serve(
         raise DgrError("--levels must be positive, --repeats >= 1, --max-tokens >= 2")
     cfg = sb.ServeBenchConfig(split=tuple(parse_split(split)) if split else (), levels=lv, threads=threads or 0,
                               max_tokens=max_tokens, repeats=repeats, llama_server=llama_server)
-    doc = sb.run_serve_bench(resolve_model(model), cfg, progress=lambda s: typer.echo(s, err=True))
+    doc = sb.run_serve_bench(resolve_model(model), cfg)
     out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     typer.echo(sb.summary(doc))
     typer.echo(f"results written to {out}")

@@ -23,15 +23,18 @@ compute), mean queue wait, seam bytes per decode token per hop, and the link pro
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import platform
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import DgrError
+
+_log = logging.getLogger(__name__)
 
 SCHEMA = "dgr.bench.route_hosts/1"
 COUNTERS = ("dgr_decode_busy_seconds_total", "dgr_decode_only_busy_seconds_total", "dgr_decode_only_batches_total",
@@ -199,12 +202,12 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def run_hosts_bench(model: Path, cfg: HostsBenchConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
     from ..gguf.inspect import open_gguf
     from .hosts import Lab, LabConfig
     from .route import LabRoute
 
-    say = progress or (lambda _m: None)
+    say = _log.info
     if cfg.hosts < 2:
         raise DgrError("--hosts must be >= 2 for a route across hosts")
     with open_gguf(model) as gf:
@@ -241,12 +244,12 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig, *, progress: Callable[[s
                                "route_long_prefill": [], "whole_long_prefill": [], "rpc": []}
         lcfg = LabConfig(hosts=cfg.hosts, name=cfg.lab_name, cores_per_host=1, threads=1, rtt_ms=rtt)
         say(f"lab: {cfg.hosts} hosts, 1 core/1 thread each, added RTT {rtt:g} ms")
-        with Lab.up(lcfg, log=say) as lab:
+        with Lab.up(lcfg) as lab:
             res["lab"] = {k: lab.state[k] for k in ("subnet", "gateway", "shaping", "cgroup_mode", "hosts")}
             route = LabRoute(lab, model, split, slices=True, memory_budget=False, max_sessions=max_s,
-                             ctx_per_session=ctx, backend=cfg.backend, log=say)
+                             ctx_per_session=ctx, backend=cfg.backend)
             whole = LabRoute(lab, model, [(0, n_layer)], placement=["h1"], slices=False, memory_budget=False,
-                             max_sessions=max_s, ctx_per_session=ctx, backend=cfg.backend, log=say)
+                             max_sessions=max_s, ctx_per_session=ctx, backend=cfg.backend)
             with route, whole:
                 res["route_placement"], res["whole_placement"] = route.describe(), whole.describe()
                 rd, wd = [p.direct for p in route.placed], [p.direct for p in whole.placed]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import os
 import re
 import shlex
@@ -34,10 +35,12 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ..errors import DgrError
 from . import system as sx
+
+_log = logging.getLogger(__name__)
 
 LAB_NET = ipaddress.ip_network("198.18.0.0/15")
 NAME_RE = re.compile(r"^[a-z0-9]{1,6}$")
@@ -174,8 +177,7 @@ class Lab:
     # ---- up -------------------------------------------------------------------------------
 
     @classmethod
-    def up(cls, cfg: LabConfig, *, log: Callable[[str], None] | None = None) -> "Lab":
-        log = log or (lambda _m: None)
+    def up(cls, cfg: LabConfig) -> "Lab":
         cfg.validate()
         reason = sx.preflight()
         if reason:
@@ -192,14 +194,14 @@ class Lab:
         lab._save()
         try:
             with lab._trap():
-                lab._build(cfg, log)
+                lab._build(cfg)
         except BaseException:
-            log("lab creation failed or was interrupted: removing what was created")
-            lab.down(log=log)
+            _log.warning("lab creation failed or was interrupted: removing what was created")
+            lab.down()
             raise
         return lab
 
-    def _build(self, cfg: LabConfig, log: Callable[[str], None]) -> None:
+    def _build(self, cfg: LabConfig) -> None:
         st = self.state
         self.dir.mkdir(parents=True, exist_ok=True)
         self._created("dir", str(self.dir))
@@ -225,7 +227,7 @@ class Lab:
         st["allowed_cpus"] = allowed
         self._save()
         bridge = f"{sx.LINK_PREFIX}{cfg.name}br"
-        log(f"lab {cfg.name}: bridge {bridge} {st['gateway']}/{net.prefixlen}, {cfg.hosts} host(s), "
+        _log.info(f"lab {cfg.name}: bridge {bridge} {st['gateway']}/{net.prefixlen}, {cfg.hosts} host(s), "
             f"cgroups {mode}, delay by {mech}" + (f", rate {cfg.rate_mbit} Mbit/s (tbf)" if cfg.rate_mbit else ""))
         sx.run(["ip", "link", "add", bridge, "type", "bridge"])
         self._created("link", bridge)
@@ -268,14 +270,14 @@ class Lab:
             h = Host(name, ns, veth, ip, cpus, threads, cfg.memory_mb, cgs, shares)
             st["hosts"].append(asdict(h))
             self._save()
-            log(f"  {name}: netns {ns}, {ip}, CPUs {cpus}{' (shared with ' + ','.join(shares) + ')' if shares else ''}, "
+            _log.info(f"  {name}: netns {ns}, {ip}, CPUs {cpus}{' (shared with ' + ','.join(shares) + ')' if shares else ''}, "
                 f"{threads} thread(s)" + (f", memory {cfg.memory_mb} MiB" if cfg.memory_mb else ""))
         from .pki import make_pki
 
         pki = make_pki(self.dir / "pki", {h["name"]: [h["ip"]] for h in st["hosts"]})
         st["pki"] = pki.to_json()
         self._save()
-        log(f"  mTLS: throwaway CA {pki.ca} (per-host certs, SAN = host IP; driver cert client.pem)")
+        _log.info(f"  mTLS: throwaway CA {pki.ca} (per-host certs, SAN = host IP; driver cert client.pem)")
 
     def _pick_subnet(self, cfg: LabConfig) -> ipaddress.IPv4Network:
         taken = [ipaddress.ip_interface(a).network for a in sx.root_addresses()]
@@ -431,10 +433,9 @@ class Lab:
 
     # ---- down -----------------------------------------------------------------------------
 
-    def down(self, *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    def down(self) -> dict[str, Any]:
         """Removes everything this lab created (processes, namespaces, links, cgroups, files),
         in reverse order; idempotent. Returns what was removed and anything that could not be."""
-        log = log or (lambda _m: None)
         removed: dict[str, list] = {"processes": [], "netns": [], "links": [], "cgroups": [], "dirs": []}
         left: list[str] = []
         pids: set[int] = set()
@@ -475,10 +476,10 @@ class Lab:
                 shutil.rmtree(val, ignore_errors=True)
                 removed["dirs"].append(val)
         if left:
-            log("could not remove: " + ", ".join(left))
+            _log.warning("could not remove: " + ", ".join(left))
         else:
             self.path.unlink(missing_ok=True)
-        log(f"lab {self.name} down: {len(removed['processes'])} process(es), {len(removed['netns'])} namespace(s), "
+        _log.info(f"lab {self.name} down: {len(removed['processes'])} process(es), {len(removed['netns'])} namespace(s), "
             f"{len(removed['links'])} link(s), {len(removed['cgroups'])} cgroup(s) removed")
         return {"removed": removed, "left": left}
 

@@ -15,18 +15,21 @@ driver -> head and the head -> next hops both cross it.
 
 from __future__ import annotations
 
+import logging
 import re
 import shlex
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import DgrError
 from ..protocol.tls import TlsFiles
 from . import system as sx
 from .hosts import Host, Lab
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..route.supervisor import WorkerArgs
@@ -63,7 +66,7 @@ class LabRoute:
                  placement: Sequence[str] | None = None, slices: bool = True, max_sessions: int = 8,
                  ctx_per_session: int = 2048, relay: bool = False, memory_budget: bool = True,
                  extra_args: Sequence[str] = (), backend: str = "cpu", slice_dir: Path | None = None,
-                 log: Callable[[str], None] | None = None, fake: bool = False) -> None:
+                 fake: bool = False) -> None:
         hosts = lab.hosts
         self.fake = fake
         self.lab, self.model, self.split = lab, model, list(split)
@@ -75,7 +78,6 @@ class LabRoute:
         self.relay, self.memory_budget = relay, memory_budget
         self.extra_args, self.backend = list(extra_args), backend
         self.slice_dir = slice_dir
-        self.log = log or (lambda _m: None)
         self.placed: list[Placed] = []
         self.files: list[Path] = []
         self.fingerprint = self.artifact_id = ""
@@ -101,7 +103,7 @@ class LabRoute:
         for a, b in self.split:
             path = out / f"{self.model.stem}.{a}-{b}.gguf"
             if not path.is_file():
-                self.log(f"slicing layers {a}:{b} -> {path}")
+                _log.info(f"slicing layers {a}:{b} -> {path}")
                 slice_gguf(self.model, LayerRange(a, b), path, progress=False)
             self.files.append(path)
 
@@ -123,7 +125,7 @@ class LabRoute:
         from ..route.local import ensure_worker
         from ..route.supervisor import WorkerProcess, WorkerStartError
 
-        binary = ensure_worker(self.backend, log=self.log)
+        binary = ensure_worker(self.backend)
         self._prepare()
         creds = self.tls.grpc_credentials()
         try:
@@ -140,7 +142,7 @@ class LabRoute:
                 if self.relay:
                     p.relay = self._start_relay(h, direct)
                 self.placed.append(p)
-                self.log(f"worker [{a}:{b}) on {h.name} (CPUs {h.cpus}, {h.threads} thread(s)"
+                _log.info(f"worker [{a}:{b}) on {h.name} (CPUs {h.cpus}, {h.threads} thread(s)"
                          + (f", budget {h.worker_budget_mb} MiB" if self.memory_budget and h.worker_budget_mb else "")
                          + f") pid {w.pid} at {direct}" + (f" via {ep}" if ep != direct else "")
                          + (f", relay {p.relay}" if p.relay else ""))

@@ -14,7 +14,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import DgrError
 from .sessions import WorkerStats
@@ -107,7 +107,7 @@ class LocalRoute:
                  slices: bool = False, threads: int | None = None, max_sessions: int = 8,
                  ctx_per_session: int = 2048, extra_args: Sequence[str] = (),
                  backend: str | Sequence[str] = "cpu",
-                 slice_dir: Path | None = None, log: Callable[[str], None] | None = None,
+                 slice_dir: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.model = model
         self.split = list(split)
@@ -124,7 +124,6 @@ class LocalRoute:
         self.backend = self.backends[0]
         self.plan = ""
         self.slice_dir = slice_dir
-        self.log = log or _log.info  # a caller's own sink, else this module's logger
         self.workers: list[Any] = []
         self.files: list[Path] = []
         self.fingerprint = ""
@@ -167,7 +166,7 @@ class LocalRoute:
         for a, b in self.split:
             path = out_dir / f"{self.model.stem}.{a}-{b}.gguf"
             if not path.is_file():
-                self.log(f"slicing layers {a}:{b} -> {path}")
+                _log.info(f"slicing layers {a}:{b} -> {path}")
                 slice_gguf(self.model, LayerRange(a, b), path, progress=False)
             self.files.append(path)
 
@@ -186,7 +185,7 @@ class LocalRoute:
                                                             env=backend_env(self.backends[i], self.env)))
                 except WorkerStartError as exc:
                     raise DgrError(f"worker for layers {a}:{b} did not start: {exc}") from None
-                self.log(f"worker [{a}:{b}) {self.backends[i]} pid {self.workers[-1].pid} on {self.workers[-1].target}")
+                _log.info(f"worker [{a}:{b}) {self.backends[i]} pid {self.workers[-1].pid} on {self.workers[-1].target}")
         except BaseException:
             self.stop()
             raise
@@ -219,13 +218,13 @@ class LocalRoute:
         return out
 
 
-def ensure_worker(backend: str = "cpu", log: Callable[[str], None] | None = None) -> Path:
+def ensure_worker(backend: str = "cpu") -> Path:
     """The dgr-worker binary, built first when missing (patched llama.cpp + worker)."""
     from ..upstream import build as build_mod
 
     try:
         return build_mod.worker_binary(backend)
     except DgrError:
-        (log or _log.info)(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
+        _log.info(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
         build_mod.build(backend)
         return build_mod.worker_binary(backend)
