@@ -189,7 +189,7 @@ def environment_manifest(backend: str = "cpu", model: Path | None = None,
     from ..upstream import patchstack
     from ..upstream import pin as pin_mod
 
-    from ..bench.stats import cpu_model
+    from ..procfs import cpu_model
 
     cpu = cpu_model()
     pin = pin_mod.load_pin()

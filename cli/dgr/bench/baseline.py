@@ -31,7 +31,8 @@ from typing import Any
 from .. import __version__, paths
 from ..errors import DgrError
 from .hf_export import prepare, require_baseline_extra, sha256_file
-from .stats import cpu_model, percentile, positional_agreement, prefix_agreement  # noqa: F401
+from ..procfs import cpu_model
+from .stats import percentile, positional_agreement, prefix_agreement  # noqa: F401
 from .llama_lane import CommandLog, Measured, backend_for, batched_bench, llama_bench, run_measured, run_probe
 
 _log = logging.getLogger(__name__)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import DgrError
+from ..procfs import status_bytes
 from .stats import percentile
 
 _log = logging.getLogger(__name__)
@@ -179,16 +180,6 @@ def timing(endpoints: Sequence[str], pids: Sequence[int], ranges: Sequence[str],
     }
 
 
-def _peak_rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 # ---- the run ------------------------------------------------------------------------------------
 
 def run_gate(source: Path, cfg: GateConfig) -> dict[str, Any]:
@@ -277,9 +268,9 @@ def run_gate(source: Path, cfg: GateConfig) -> dict[str, Any]:
                     b = _batched_bench(model, cfg.threads, cfg.n_prompt, cfg.n_gen, (c,), cfg.backend)
                     w["llama_batched_bench"][str(c)] = {"command": b["command"], **b["by_batch"][str(c)]}
         for name, (eps, pids, _b) in routes.items():
-            doc["routes"][name]["peak_rss_bytes"] = [_peak_rss(p) for p in pids]
+            doc["routes"][name]["peak_rss_bytes"] = [status_bytes(p, "VmHWM") for p in pids]
         for name, (eps, pids, _m) in wholes.items():
-            doc["whole"][name]["peak_rss_bytes"] = _peak_rss(pids[0])
+            doc["whole"][name]["peak_rss_bytes"] = status_bytes(pids[0], "VmHWM")
     return doc
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dgr.errors import DgrError
+from dgr.procfs import status_bytes
 
 START_TIMEOUT_S = 120.0
 
@@ -169,13 +170,7 @@ class LlamaServer:
         raise DgrError(f"llama-server did not become ready within {START_TIMEOUT_S:.0f}s")
 
     def peak_rss_bytes(self) -> int:
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
+        return status_bytes(self.pid, "VmHWM")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

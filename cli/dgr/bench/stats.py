@@ -1,9 +1,7 @@
-"""Small statistics shared by the benchmark reports: percentiles of latencies, agreement of two
-token sequences, and the host's CPU model (recorded next to every measurement)."""
+"""Small statistics shared by the benchmark reports: percentiles of latencies and the agreement
+of two token sequences."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 
@@ -28,14 +26,3 @@ def positional_agreement(a: list[int], b: list[int]) -> float:
     """Share of positions (over the shorter sequence) holding the same token."""
     n = min(len(a), len(b))
     return sum(1 for i in range(n) if a[i] == b[i]) / n if n else 1.0
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo ("" where unknown)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""

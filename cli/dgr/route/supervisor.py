@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from ..procfs import status_bytes
 from ..protocol.client import WorkerClient
 
 REPO = Path(__file__).resolve().parents[3]   # cli/dgr/route/supervisor.py -> the checkout
@@ -176,10 +177,10 @@ class WorkerProcess:
 
     def rss_bytes(self) -> int:
         """VmRSS from /proc/PID/status."""
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("VmRSS not found")
+        rss = status_bytes(self.pid, "VmRSS")
+        if not rss:
+            raise RuntimeError(f"no VmRSS for pid {self.pid} (exited?)")
+        return rss
 
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM, then wait for the exit code (SIGKILL after the timeout)."""
