@@ -19,7 +19,6 @@ import logging
 import re
 import shlex
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -93,19 +92,10 @@ class LabRoute:
             return
         recipe = recipe_for(self.model, backend=self.backend, progress=False)
         self.fingerprint, self.artifact_id = recipe.fingerprint(), recipe.artifact_id
-        if not self.slices:
-            self.files = [self.model] * len(self.split)
-            return
-        from ..gguf.slice import LayerRange, slice_gguf
+        from ..route.local import slice_files
 
-        out = self.slice_dir or Path(tempfile.gettempdir()) / "dgr-slices" / self.artifact_id[:16]
-        out.mkdir(parents=True, exist_ok=True)
-        for a, b in self.split:
-            path = out / f"{self.model.stem}.{a}-{b}.gguf"
-            if not path.is_file():
-                _log.info(f"slicing layers {a}:{b} -> {path}")
-                slice_gguf(self.model, LayerRange(a, b), path, progress=False)
-            self.files.append(path)
+        self.files = slice_files(self.model, self.split, self.artifact_id, self.slice_dir) if self.slices \
+            else [self.model] * len(self.split)
 
     def worker_args(self, i: int) -> "WorkerArgs":
         """The worker's options for shard ``i`` (its host's TLS identity and thread count)."""

@@ -156,19 +156,8 @@ class LocalRoute:
         self.plan = backend_plan(self.backends)
         recipe = recipe_for(self.model, backend=self.backend, backends=self.plan, progress=False)
         self.fingerprint, self.artifact_id = recipe.fingerprint(), recipe.artifact_id
-        if not self.slices:
-            self.files = [self.model] * len(self.split)
-            return
-        from ..gguf.slice import LayerRange, slice_gguf
-
-        out_dir = self.slice_dir or Path(tempfile.gettempdir()) / "dgr-slices" / self.artifact_id[:16]
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for a, b in self.split:
-            path = out_dir / f"{self.model.stem}.{a}-{b}.gguf"
-            if not path.is_file():
-                _log.info(f"slicing layers {a}:{b} -> {path}")
-                slice_gguf(self.model, LayerRange(a, b), path, progress=False)
-            self.files.append(path)
+        self.files = slice_files(self.model, self.split, self.artifact_id, self.slice_dir) if self.slices \
+            else [self.model] * len(self.split)
 
     def start(self) -> list[str]:
         from .supervisor import WorkerProcess, WorkerStartError
@@ -216,6 +205,24 @@ class LocalRoute:
             st.kv_bytes_per_cell = 0 if self.fake or self.model is None else kv_bytes_per_cell(self.model, a, b)
             out.append(st)
         return out
+
+
+def slice_files(model: Path, split: Sequence[tuple[int, int]], artifact_id: str,
+                out_dir: Path | None = None) -> list[Path]:
+    """One slice file per range of ``split``, made once and reused: in ``out_dir``, default
+    <tmp>/dgr-slices/<artifact id prefix>/ (so a changed model never reuses another's slices)."""
+    from ..gguf.slice import LayerRange, slice_gguf
+
+    out_dir = out_dir or Path(tempfile.gettempdir()) / "dgr-slices" / artifact_id[:16]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    for a, b in split:
+        path = out_dir / f"{model.stem}.{a}-{b}.gguf"
+        if not path.is_file():
+            _log.info(f"slicing layers {a}:{b} -> {path}")
+            slice_gguf(model, LayerRange(a, b), path, progress=False)
+        files.append(path)
+    return files
 
 
 def ensure_worker(backend: str = "cpu") -> Path:
