@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 from dgr.errors import DgrError
 
-from .loadgen import LevelResult, LlamaServer, RequestResult, proc_cpu_s, run_level
+from .loadgen import LevelResult, LlamaServer, RequestResult, proc_cpu_s, run_level, wait_healthy
 
 _log = logging.getLogger(__name__)
 
@@ -78,19 +78,9 @@ class _ServeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 60.0) -> "_ServeProcess":
-        import httpx
-
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise DgrError(f"dgr serve exited ({self.proc.returncode}): {(self.proc.stderr.read() or '')[-400:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise DgrError(f"dgr serve did not answer /health within {timeout:.0f}s")
+        wait_healthy(self.proc, self.url, what="dgr serve", timeout=timeout,
+                     output=lambda: self.proc.stderr.read() or "")
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:
