@@ -68,13 +68,9 @@ class HfWorkerProcess:
         return status_bytes(self.proc.pid, "VmHWM")
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        from ..route.supervisor import stop_child
+
+        stop_child(self.proc, 10)
 
 
 class HfRoute:

@@ -189,13 +189,10 @@ class LlamaServer:
         return status_bytes(self.pid, "VmHWM")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from dgr.route.supervisor import stop_child
+
+        if self.proc:
+            stop_child(self.proc, 15)
         self._log.close()
 
     def __enter__(self) -> "LlamaServer":

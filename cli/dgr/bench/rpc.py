@@ -302,14 +302,9 @@ class _Server:
         p, self.proc = self.proc, None
         if p is None:
             return None
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        return p.returncode
+        from ..route.supervisor import stop_child
+
+        return stop_child(p, 5)
 
 
 def _skip(reason: str, **extra: Any) -> dict[str, Any]:

@@ -83,13 +83,9 @@ class _ServeProcess:
         return self
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from dgr.route.supervisor import stop_child
+
+        stop_child(self.proc, 15)
 
 
 async def _driver_level(endpoints: Sequence[str], prompts: Sequence[str], max_tokens: int) -> LevelResult:

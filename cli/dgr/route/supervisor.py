@@ -38,6 +38,19 @@ def default_binary(backend: str = "cpu") -> Path:
     return Path(env) if env else REPO / "build" / backend / "bin" / "dgr-worker"
 
 
+def stop_child(proc: subprocess.Popen, grace: float = 15.0) -> int | None:
+    """Stops a child process: SIGTERM, up to ``grace`` seconds to exit, then SIGKILL; reaps it
+    and returns its exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class WorkerStartError(RuntimeError):
     pass
 
