@@ -78,8 +78,8 @@ class _ServeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 60.0) -> "_ServeProcess":
-        wait_healthy(self.proc, self.url, what="dgr serve", timeout=timeout,
-                     output=lambda: self.proc.stderr.read() or "")
+        wait_healthy(self.proc, self.url, timeout, "dgr serve",
+                     lambda: (self.proc.stderr.read() or "") if self.proc.poll() is not None else "")
         return self
 
     def stop(self) -> None:

@@ -27,15 +27,15 @@ import grpc
 from ..procfs import status_bytes
 from ..protocol.client import WorkerClient
 
-REPO = Path(__file__).resolve().parents[3]   # cli/dgr/route/supervisor.py -> the checkout
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 _METRICS = re.compile(r"metrics on (\S+):(\d+)/metrics")
 
 
 def default_binary(backend: str = "cpu") -> Path:
-    """``$DGR_WORKER_BIN`` or build/<backend>/bin/dgr-worker."""
-    env = os.environ.get("DGR_WORKER_BIN")
-    return Path(env) if env else REPO / "build" / backend / "bin" / "dgr-worker"
+    """``$DGR_WORKER_BIN`` or <build dir>/<backend>/bin/dgr-worker (see build.worker_binary_path)."""
+    from ..upstream.build import worker_binary_path
+
+    return worker_binary_path(backend)
 
 
 def stop_child(proc: subprocess.Popen, grace: float = 15.0) -> int | None:

@@ -223,8 +223,16 @@ def toolchain_record(backend: str) -> dict | None:
         return None
 
 
+def worker_binary_path(backend: str = "cpu") -> Path:
+    """Where the dgr-worker for ``backend`` is: ``$DGR_WORKER_BIN`` when set (one binary for
+    every backend: tests, a prebuilt worker), else ``<build dir>/<backend>/bin/dgr-worker`` (the
+    build dir honours ``$DGR_BUILD_DIR``). The one locator: supervisor and route code call it."""
+    env = os.environ.get("DGR_WORKER_BIN")
+    return Path(env) if env else paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+
+
 def worker_binary(backend: str = "cpu") -> Path:
-    exe = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+    exe = worker_binary_path(backend)
     if not exe.is_file():
         raise DgrError(f"{exe} not built", hint=f"run `dgr build --backend {backend}`")
     return exe
