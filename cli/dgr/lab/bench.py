@@ -61,12 +61,12 @@ def even_split(n_layer: int, hosts: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
-def _counters(targets: list[str], creds: Any) -> list[dict[str, float]]:
+def _counters(targets: list[str], tls: Any) -> list[dict[str, float]]:
     from ..protocol.client import WorkerClient
 
     out = []
     for ep in targets:
-        with WorkerClient(ep, timeout=10, credentials=creds) as c:
+        with WorkerClient(ep, timeout=10, tls=tls) as c:
             s: dict[str, float] = {}
             for m in c.metrics().samples:
                 if not m.labels or m.name.endswith(("_sum", "_count")):
@@ -102,9 +102,8 @@ def measure(endpoints: list[str], direct: list[str], tls: Any, *, n_prompt: int,
     from ..route.driver import Sampling
     from ..route.sessions import run_sessions
 
-    creds = tls.grpc_credentials()
     prompts = [synthetic_prompt(n_prompt, seed + i) for i in range(sessions)]
-    m0 = _counters(direct, creds)
+    m0 = _counters(direct, tls)
     t0 = time.perf_counter()
     rep = asyncio.run(run_sessions(endpoints, [""] * sessions, token_prompts=prompts, max_tokens=n_gen,
                                    sampling=Sampling(ignore_eog=True), stop_on_eog=False, label="bench", tls=tls,
@@ -112,7 +111,7 @@ def measure(endpoints: list[str], direct: list[str], tls: Any, *, n_prompt: int,
     wall = time.perf_counter() - t0
     if not rep.ok:
         raise DgrError("a benchmark session failed: " + "; ".join(s.error or "" for s in rep.sessions if s.error))
-    m1 = _counters(direct, creds)
+    m1 = _counters(direct, tls)
     s0 = rep.sessions[0]
     decode = s0.decode_tok_s if sessions == 1 else (rep.concurrent_decode_tok_s or rep.aggregate_decode_tok_s)
     return {"sessions": sessions, "mode": rep.mode, "n_prompt": n_prompt, "n_gen": n_gen,
