@@ -93,3 +93,25 @@ def test_driver_streams_are_the_protocol_stream(slow_worker):
             await d.close()
 
     asyncio.run(main())
+
+
+@native
+def test_sync_client_loop_runs_only_while_a_sync_client_is_open(slow_worker):
+    """The sync clients' event-loop thread stops when the last sync client closes: an idle
+    extra grpc.aio loop in the process would be woken by every message of the route driver's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading\n"
+        "from dgr.protocol import client as cm\n"
+        f"c = cm.WorkerClient({slow_worker.target!r}); d = cm.WorkerClient({slow_worker.target!r})\n"
+        "assert c.capability().identity.architecture == 'fake' and d.load() is not None\n"
+        "names = lambda: [t.name for t in threading.enumerate()]\n"
+        "assert 'dgr-worker-client' in names(); c.close()\n"
+        "assert 'dgr-worker-client' in names(); d.close(); d.close()\n"
+        "assert cm._CLIENT_LOOP.loop is None and 'dgr-worker-client' not in names(), names()\n"
+        "e = cm.WorkerClient(" + repr(slow_worker.target) + "); assert e.capability(); e.close()\n"
+        "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]

@@ -7,9 +7,10 @@ unary RPCs and Session streams, for asyncio code and for plain (sync) code.
   through a byte relay; its sessions are :class:`~dgr.protocol.stream.AsyncSessionStream`, the
   one Session stream implementation (the route driver uses the same).
 - :class:`WorkerClient` / :class:`SessionStream` offer the same calls without ``await``: each
-  runs the asyncio client's coroutine on one event-loop thread private to this module (started
-  on first use, shared by every sync client of the process) and waits for its result. There is
-  no second implementation of a frame, a deadline or an error.
+  runs the asyncio client's coroutine on one event-loop thread private to this module (shared
+  by the sync clients of the process, started when the first opens and stopped when the last
+  closes) and waits for its result. There is no second implementation of a frame, a deadline
+  or an error.
 
 Every blocking call has a deadline, and the channel sends keepalive pings, so a dead worker
 shows up as :class:`WorkerUnavailable` (gRPC UNAVAILABLE) within a bounded time instead of a
@@ -174,33 +175,65 @@ class AsyncWorkerClient:
 
 # ---- the sync surface: the same coroutines, run on one private event-loop thread --------------
 
-_loop_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_thread: threading.Thread | None = None
+class _ClientLoop:
+    """The event loop the sync clients run on: one daemon thread, started when the first sync
+    client opens and stopped when the last one closes. It is not kept running idle because
+    every event loop of a process that uses grpc.aio is woken by every gRPC completion of the
+    process: an idle extra loop would tax the route driver's own loop on each message."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+
+    def acquire(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                self.thread = threading.Thread(target=self.loop.run_forever, name="dgr-worker-client", daemon=True)
+                self.thread.start()
+            self._users += 1
+            return self.loop
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users > 0 or self.loop is None:
+                return
+            loop, thread, self.loop, self.thread = self.loop, self.thread, None, None
+        if threading.current_thread() is thread:   # closed from a callback on the loop itself
+            loop.call_soon(loop.stop)
+            return
+        asyncio.run_coroutine_threadsafe(_cancel_pending(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        assert thread is not None
+        thread.join()
+        loop.close()
 
 
-def _client_loop() -> asyncio.AbstractEventLoop:
-    """The event loop every sync client runs on (one daemon thread, started on first use)."""
-    global _loop, _loop_thread
-    with _loop_lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            _loop_thread = threading.Thread(target=_loop.run_forever, name="dgr-worker-client", daemon=True)
-            _loop_thread.start()
-        return _loop
+async def _cancel_pending() -> None:
+    """Ends what grpc.aio left scheduled on the loop (it is about to close)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-    if threading.current_thread() is _loop_thread:
+_CLIENT_LOOP = _ClientLoop()
+
+
+def _submit(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> concurrent.futures.Future[T]:
+    if threading.current_thread() is _CLIENT_LOOP.thread:
         coro.close()
         raise RuntimeError("a sync WorkerClient call from its own event-loop thread would deadlock; "
                            "use AsyncWorkerClient in asyncio code")
-    return asyncio.run_coroutine_threadsafe(coro, _client_loop())
+    return asyncio.run_coroutine_threadsafe(coro, loop)
 
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
+def _wait(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> T:
     """Runs ``coro`` on the client loop and returns its result (its deadlines bound the wait)."""
-    return _submit(coro).result()
+    return _submit(coro, loop).result()
 
 
 async def _new_client(target: str, kw: dict[str, Any]) -> AsyncWorkerClient:
@@ -208,17 +241,42 @@ async def _new_client(target: str, kw: dict[str, Any]) -> AsyncWorkerClient:
 
 
 class WorkerClient:
-    """One channel to one worker, sync: every call of :class:`AsyncWorkerClient`, blocking."""
+    """One channel to one worker, sync: every call of :class:`AsyncWorkerClient`, blocking.
+    Close it (or use ``with``): the last sync client to close stops the client loop."""
 
     def __init__(self, target: str, *, timeout: float = 10.0, tls: "TlsFiles | None" = None,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self.aio = _run(_new_client(target, dict(timeout=timeout, tls=tls, credentials=credentials)))
+        self._loop: asyncio.AbstractEventLoop | None = _CLIENT_LOOP.acquire()
+        try:
+            self.aio = _wait(_new_client(target, dict(timeout=timeout, tls=tls, credentials=credentials)), self._loop)
+        except BaseException:
+            self._loop = None
+            _CLIENT_LOOP.release()
+            raise
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            coro.close()
+            raise WorkerError(grpc.StatusCode.CANCELLED, f"the client of {self.target} is closed")
+        return _wait(coro, self._loop)
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self._loop is None:
+            coro.close()
+            raise WorkerError(grpc.StatusCode.CANCELLED, f"the client of {self.target} is closed")
+        return _submit(coro, self._loop)
 
     # -- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
-        _run(self.aio.close())
+        if self._loop is None:
+            return
+        try:
+            self._run(self.aio.close())
+        finally:
+            self._loop = None
+            _CLIENT_LOOP.release()
 
     def __enter__(self) -> "WorkerClient":
         return self
@@ -229,43 +287,43 @@ class WorkerClient:
     # -- unary RPCs ----------------------------------------------------------------------
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """grpc.health.v1 Check: SERVING / NOT_SERVING / UNKNOWN / SERVICE_UNKNOWN."""
-        return _run(self.aio.health(service, timeout))
+        return self._run(self.aio.health(service, timeout))
 
     def wait_ready(self, deadline_s: float = 30.0) -> pb.GetCapabilityResponse:
         """Polls GetCapability until it answers or the deadline passes."""
-        return _run(self.aio.wait_ready(deadline_s))
+        return self._run(self.aio.wait_ready(deadline_s))
 
     def capability(self, *, refresh: bool = False, timeout: float | None = None) -> pb.GetCapabilityResponse:
-        return _run(self.aio.capability(refresh=refresh, timeout=timeout))
+        return self._run(self.aio.capability(refresh=refresh, timeout=timeout))
 
     def metrics(self, timeout: float | None = None) -> pb.GetMetricsResponse:
-        return _run(self.aio.metrics(timeout))
+        return self._run(self.aio.metrics(timeout))
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples named ``name`` whose labels include ``labels``."""
-        return _run(self.aio.metric(name, **labels))
+        return self._run(self.aio.metric(name, **labels))
 
     def load(self) -> pb.LoadSnapshot:
-        return _run(self.aio.load())
+        return self._run(self.aio.load())
 
     def release(self, session_id: str, epoch: int = 0, timeout: float | None = None) -> pb.ReleaseSessionResponse:
-        return _run(self.aio.release(session_id, epoch, timeout))
+        return self._run(self.aio.release(session_id, epoch, timeout))
 
     def cancel(self, session_id: str, epoch: int = 0, timeout: float | None = None) -> pb.CancelSessionResponse:
-        return _run(self.aio.cancel(session_id, epoch, timeout))
+        return self._run(self.aio.cancel(session_id, epoch, timeout))
 
     def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = False) -> list[int]:
-        return _run(self.aio.tokenize(text, add_special=add_special, parse_special=parse_special))
+        return self._run(self.aio.tokenize(text, add_special=add_special, parse_special=parse_special))
 
     def detokenize(self, ids: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False) -> bytes:
-        return _run(self.aio.detokenize(ids, remove_special=remove_special, unparse_special=unparse_special))
+        return self._run(self.aio.detokenize(ids, remove_special=remove_special, unparse_special=unparse_special))
 
     def open_session(self, session_id: str | None = None, epoch: int = 1, *,
                      sampling: Sampling | None = None, step_timeout: float | None = None,
                      stream_deadline: float | None = None,
                      downstream: Sequence[pb.ChainHop] = ()) -> "SessionStream":
         """A Session stream (arguments as :meth:`AsyncWorkerClient.open_session`)."""
-        return SessionStream(self, _run(self.aio.open_session(
+        return SessionStream(self, self._run(self.aio.open_session(
             session_id, epoch, sampling=sampling, step_timeout=step_timeout, stream_deadline=stream_deadline,
             downstream=downstream)))
 
@@ -309,13 +367,13 @@ class SessionStream:
 
     # -- raw frames ----------------------------------------------------------------------
     def send(self, req: pb.SessionRequest) -> None:
-        _run(self.stream.send(req))
+        self.client._run(self.stream.send(req))
 
     def recv(self, timeout: float | None = None) -> pb.SessionResponse:
         """Next response; raises WorkerError when the stream ended with a status, StepTimeout
         (a TimeoutError) when none came within ``timeout`` (default: the step deadline)."""
         t = self.stream.step_timeout if timeout is None else timeout
-        fut = self._pending or _submit(self.stream.recv(timeout=math.inf))
+        fut = self._pending or self.client._submit(self.stream.recv(timeout=math.inf))
         self._pending = None
         try:
             return fut.result(t)
@@ -333,14 +391,16 @@ class SessionStream:
             if raise_errors and resp.HasField("error"):
                 raise ShardError(resp.error, resp.header)
             return resp
-        return _run(self.stream.exchange(req, raise_errors=raise_errors, timeout=timeout))
+        return self.client._run(self.stream.exchange(req, raise_errors=raise_errors, timeout=timeout))
 
     def close(self) -> None:
-        """Half-closes the stream (the worker releases the session)."""
-        _run(self.stream.close())
+        """Half-closes the stream (the worker releases the session); nothing once the client
+        is closed (closing it ended the stream)."""
+        if self.client._loop is not None:
+            self.client._run(self.stream.close())
 
     def cancel_stream(self) -> None:
-        _run(_call_soon(self.stream.cancel))
+        self.client._run(_call_soon(self.stream.cancel))
 
     def wait_closed(self, timeout: float = 10.0) -> grpc.StatusCode:
         """Waits for the stream to end; returns its status code."""
@@ -351,38 +411,38 @@ class SessionStream:
                 return exc.code
             except StepTimeout:
                 raise TimeoutError("stream did not end") from None
-        return _run(self.stream.wait_closed(timeout))
+        return self.client._run(self.stream.wait_closed(timeout))
 
     # -- steps ---------------------------------------------------------------------------
     def prefill_chunk(self, tokens: Sequence[int] | None = None, *, rows: "np.ndarray | None" = None,
                       sample: bool = True) -> pb.SessionResponse:
-        return _run(self.stream.prefill_chunk(tokens, rows=rows, sample=sample))
+        return self.client._run(self.stream.prefill_chunk(tokens, rows=rows, sample=sample))
 
     def prefill(self, tokens: Sequence[int], *, chunk: int | None = None) -> int | None:
-        return _run(self.stream.prefill(tokens, chunk=chunk))
+        return self.client._run(self.stream.prefill(tokens, chunk=chunk))
 
     def decode_step(self, token: int, *, fast: bool = True) -> pb.SessionResponse:
-        return _run(self.stream.decode_step(token, fast=fast))
+        return self.client._run(self.stream.decode_step(token, fast=fast))
 
     def decode(self, token: int, *, fast: bool = True) -> int | None:
-        return _run(self.stream.decode(token, fast=fast))
+        return self.client._run(self.stream.decode(token, fast=fast))
 
     def generate(self, first: int, n: int, *, fast: bool = True) -> list[int]:
-        return _run(self.stream.generate(first, n, fast=fast))
+        return self.client._run(self.stream.generate(first, n, fast=fast))
 
     def read_generated(self, n: int, *, continue_after_finish: bool = False,
                        timeout: float | None = None) -> list[pb.SessionResponse]:
-        return _run(self.stream.read_generated(n, continue_after_finish=continue_after_finish, timeout=timeout))
+        return self.client._run(self.stream.read_generated(n, continue_after_finish=continue_after_finish, timeout=timeout))
 
     def prefill_generate(self, tokens: Sequence[int], n: int, *, continue_after_finish: bool = False,
                          chunk: int | None = None) -> list[int]:
-        return _run(self.stream.prefill_generate(tokens, n, continue_after_finish=continue_after_finish, chunk=chunk))
+        return self.client._run(self.stream.prefill_generate(tokens, n, continue_after_finish=continue_after_finish, chunk=chunk))
 
     def decode_generate(self, token: int, n: int, *, continue_after_finish: bool = False) -> list[int]:
-        return _run(self.stream.decode_generate(token, n, continue_after_finish=continue_after_finish))
+        return self.client._run(self.stream.decode_generate(token, n, continue_after_finish=continue_after_finish))
 
     def truncate(self, position: int) -> pb.SessionResponse:
-        return _run(self.stream.truncate(position))
+        return self.client._run(self.stream.truncate(position))
 
     def release(self) -> pb.SessionResponse:
-        return _run(self.stream.release())
+        return self.client._run(self.stream.release())
