@@ -231,11 +231,6 @@ def _submit(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> co
     return asyncio.run_coroutine_threadsafe(coro, loop)
 
 
-def _wait(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> T:
-    """Runs ``coro`` on the client loop and returns its result (its deadlines bound the wait)."""
-    return _submit(coro, loop).result()
-
-
 async def _new_client(target: str, kw: dict[str, Any]) -> AsyncWorkerClient:
     return AsyncWorkerClient(target, **kw)   # a grpc.aio channel belongs to the loop it is made on
 
@@ -250,23 +245,21 @@ class WorkerClient:
         self.timeout = timeout
         self._loop: asyncio.AbstractEventLoop | None = _CLIENT_LOOP.acquire()
         try:
-            self.aio = _wait(_new_client(target, dict(timeout=timeout, tls=tls, credentials=credentials)), self._loop)
+            self.aio = self._run(_new_client(target, dict(timeout=timeout, tls=tls, credentials=credentials)))
         except BaseException:
             self._loop = None
             _CLIENT_LOOP.release()
             raise
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._loop is None:
-            coro.close()
-            raise WorkerError(grpc.StatusCode.CANCELLED, f"the client of {self.target} is closed")
-        return _wait(coro, self._loop)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         if self._loop is None:
             coro.close()
             raise WorkerError(grpc.StatusCode.CANCELLED, f"the client of {self.target} is closed")
         return _submit(coro, self._loop)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs ``coro`` on the client loop and returns its result (its deadlines bound the wait)."""
+        return self._submit(coro).result()
 
     # -- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
