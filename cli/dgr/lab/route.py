@@ -188,16 +188,10 @@ class LabRoute:
         self.stop()
 
     def stats(self) -> list[Any]:
-        from ..route.local import kv_bytes_per_cell
-        from ..route.sessions import WorkerStats
+        from ..route.local import worker_stats
 
-        out = []
-        for p in self.placed:
-            a, b = p.range
-            st = WorkerStats(f"{a}:{b}", p.endpoint, p.worker.pid)
-            st.kv_bytes_per_cell = 0 if self.fake or self.model is None else kv_bytes_per_cell(self.model, a, b)
-            out.append(st)
-        return out
+        return worker_stats(None if self.fake else self.model, [p.range for p in self.placed],
+                            [p.endpoint for p in self.placed], [p.worker.pid for p in self.placed])
 
     def describe(self) -> list[dict[str, Any]]:
         """Per shard: host, CPUs, threads, budget, pid, addresses and the exact worker command."""

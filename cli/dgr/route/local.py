@@ -199,12 +199,20 @@ class LocalRoute:
         self.stop()
 
     def stats(self) -> list[WorkerStats]:
-        out = []
-        for (a, b), w in zip(self.split, self.workers):
-            st = WorkerStats(f"{a}:{b}", w.target, w.pid)
-            st.kv_bytes_per_cell = 0 if self.fake or self.model is None else kv_bytes_per_cell(self.model, a, b)
-            out.append(st)
-        return out
+        return worker_stats(None if self.fake else self.model, self.split, [w.target for w in self.workers],
+                            [w.pid for w in self.workers])
+
+
+def worker_stats(model: Path | None, split: Sequence[tuple[int, int]], endpoints: Sequence[str],
+                 pids: Sequence[int]) -> list[WorkerStats]:
+    """One :class:`WorkerStats` per worker of a route (KV bytes per cell from ``model``; 0
+    without one, e.g. fake-model workers)."""
+    out = []
+    for (a, b), ep, pid in zip(split, endpoints, pids):
+        st = WorkerStats(f"{a}:{b}", ep, pid)
+        st.kv_bytes_per_cell = 0 if model is None else kv_bytes_per_cell(model, a, b)
+        out.append(st)
+    return out
 
 
 def slice_files(model: Path, split: Sequence[tuple[int, int]], artifact_id: str,
