@@ -176,6 +176,11 @@ class AsyncSessionStream:
         try:
             async with asyncio.timeout(FINAL_STATUS_TIMEOUT_S):
                 resp = await read()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():   # our caller is being cancelled: let it
+                raise
+            return None                                   # the call itself was cancelled
         except Exception:  # noqa: BLE001  (nothing buffered: the write's own error stands)
             return None
         return None if resp is grpc.aio.EOF else resp
