@@ -40,6 +40,7 @@ from ..errors import DgrError
 from ..shard.v1 import shard_runtime_pb2 as pb
 from ..shard.v1 import shard_runtime_pb2_grpc as pbg
 
+from ..protocol.keepalive import keepalive_options
 from ..protocol.tls import TlsFiles  # noqa: F401  (RouteDriver(tls=…))
 from ..protocol.client import Sampling  # re-exported: one Sampling class for the client and the route driver
 from .telemetry import GenerationTelemetry, NodeTiming
@@ -52,10 +53,7 @@ PROBE_TIMEOUT_S = 2.0      # chained mode: capability probe that finds a silent 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
+    *keepalive_options(),   # detection bounds: dgr/protocol/keepalive.py
 ]
 
 
@@ -280,6 +278,7 @@ class RouteDriver:
         self._ids = itertools.count(1)
         self._active: dict[str, int] = {}   # session id -> epoch of sessions in flight
         self._cancelled: set[str] = set()   # sessions cancelled through this driver
+        self._releasing: set[asyncio.Future] = set()   # background releases of failed sessions
 
     async def connect(self, *, validate: bool = True) -> "RouteDriver":
         """Opens channels and reads every shard's capability; ``validate`` checks that the
@@ -367,6 +366,8 @@ class RouteDriver:
         return self.shards[0]
 
     async def close(self) -> None:
+        if self._releasing:
+            await asyncio.wait(list(self._releasing), timeout=RELEASE_TIMEOUT_S + 1)
         for s in self.shards:
             await s.channel.close()
 
@@ -456,11 +457,19 @@ class RouteDriver:
             # bounded: a hung shard must not hold the caller (its session TTL frees it later). In
             # chained mode the head closes its downstream streams; releasing them too is harmless.
             extra = [self._release_shard(s, sid, epoch) for s in self.shards[1:]] if chained else []
-            try:
-                await asyncio.wait_for(asyncio.gather(*(self._release(st, sid, epoch) for st in streams), *extra,
+            release = asyncio.wait_for(asyncio.gather(*(self._release(st, sid, epoch) for st in streams), *extra,
                                                       return_exceptions=True), RELEASE_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                pass
+            if tel.status == "failed":
+                # a failed shard may be silent: release in the background so that the caller
+                # (failover, dgr/route/failover.py) moves on at once; close() waits for it
+                t = asyncio.ensure_future(release)
+                self._releasing.add(t)
+                t.add_done_callback(lambda f: (self._releasing.discard(f), f.cancelled() or f.exception()))
+            else:
+                try:
+                    await release
+                except asyncio.TimeoutError:
+                    pass
 
     async def _run_stepwise(self, streams: list[_Stream], prompt_tokens: Sequence[int], sampling: Sampling,
                             sid: str, epoch: int, tel: GenerationTelemetry, g: _Gen, t0: float) -> None:
