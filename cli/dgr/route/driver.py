@@ -630,6 +630,8 @@ class RouteDriver:
         if len(self.shards) == 1 or exc.shard_endpoint != self.head.endpoint:
             return exc
         shard = self._named_shard(exc.detail)
+        if shard is None and ("ping timeout" in exc.detail or "keepalive" in exc.detail):
+            return exc      # the driver's own connection to the head went silent: the head it is
         if shard is None and exc.reason.removeprefix("ERROR_REASON_") in (
                 "UNAVAILABLE", "DEADLINE_EXCEEDED", "STREAM_CLOSED", "INTERNAL", "UNKNOWN"):
             shard = await self._silent_shard()
