@@ -460,6 +460,9 @@ async def _drill(cfg: DrillConfig, pl: Placement, proxies: LinkProxies | None, l
     detect = [o.detect_s for o in outcomes if o.detect_s is not None]
     first_new = [o.first_new_token_s for o in outcomes if o.first_new_token_s is not None]
     ttft_new = [a["ttft_s"] for o in outcomes for a in o.record["attempts"][1:]]
+    # first new token minus the new route's re-prefill time: detection + forming the route
+    overhead = [o.first_new_token_s - o.record["attempts"][1]["ttft_s"] for o in outcomes
+                if o.first_new_token_s is not None and len(o.record["attempts"]) > 1]
     summary = {
         "sessions": cfg.sessions,
         "sessions_failed_over": sum(1 for o in outcomes if o.restarts),
@@ -473,6 +476,8 @@ async def _drill(cfg: DrillConfig, pl: Placement, proxies: LinkProxies | None, l
         "time_to_detect_s": {"min": min(detect), "max": max(detect)} if detect else None,
         "time_to_first_new_token_s": {"min": min(first_new), "max": max(first_new)} if first_new else None,
         "reprefill_ttft_s": {"min": min(ttft_new), "max": max(ttft_new)} if ttft_new else None,
+        "first_new_token_minus_reprefill_s": {"min": round(min(overhead), 4), "max": round(max(overhead), 4)}
+        if overhead else None,
         "survivors_holding": [s["worker"] for s in survivors
                               if s.get("state") != "ended" and not s.get("idle", False)],
         "routes": fr.routes,
