@@ -32,6 +32,7 @@ bounded; the drill ends only the processes it started.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -158,6 +159,52 @@ class LinkProxies:
         self.thread.join(5)
 
 
+class LabLinks:
+    """The lab's own link proxies (one per exposed service, in the destination host's namespace):
+    blackhole by SIGUSR1/SIGUSR2, shape by the proxy's control file and SIGHUP, only the proxy in
+    front of the given endpoint."""
+
+    def __init__(self, lab: Any) -> None:
+        sh = lab.shaping
+        if sh.get("delay_mechanism") != "proxy":
+            raise DgrError(f"link faults on lab hosts need the lab's link proxy; lab {lab.name} shapes by "
+                           f"{sh.get('delay_mechanism')}: bring it up with --shaper proxy --rtt-ms 0.2")
+        self.lab = lab
+        self.base = {"delay_ms": sh["rtt_ms"] / 2, "jitter_ms": sh["jitter_ms"] / 2, "loss": sh["loss"]}
+        self.links = {pr["listen"]: pr for pr in lab.state["proxies"] if pr.get("listen")}
+
+    def set(self, ep: str, *, blackhole: bool | None = None, delay_ms: float | None = None,
+            loss: float | None = None) -> None:
+        from . import system as sx
+
+        pr = self.links.get(ep)
+        if pr is None or not sx.alive(pr["pid"]) or "dgr.lab.proxy" not in sx.cmdline(pr["pid"]):
+            raise DgrError(f"no running link proxy of lab {self.lab.name} in front of {ep}")
+        if blackhole is not None:
+            os.kill(pr["pid"], signal.SIGUSR1 if blackhole else signal.SIGUSR2)
+        if delay_ms is not None or loss is not None:
+            shape = dict(self.base)
+            if delay_ms:
+                shape["delay_ms"] = self.base["delay_ms"] + delay_ms
+            if loss:
+                shape["loss"] = loss
+            Path(pr["control"]).write_text(json.dumps(shape))
+            os.kill(pr["pid"], signal.SIGHUP)
+
+    def counters(self, ep: str) -> dict[str, Any]:
+        try:
+            return json.loads(Path(self.links[ep]["stats"]).read_text())
+        except (OSError, ValueError, KeyError):
+            return {}
+
+    def close(self) -> None:
+        for ep in self.links:
+            try:
+                self.set(ep, blackhole=False, delay_ms=0.0, loss=0.0)
+            except DgrError:
+                pass
+
+
 # ---- workers ------------------------------------------------------------------------------------
 
 @dataclass
@@ -237,10 +284,7 @@ class Placement:
             lr.start()
             self.tls = lr.tls
             for p in lr.placed:
-                ep = p.endpoint
-                if role == "primary" and self.proxies is not None:
-                    ep = self.proxies.add(p.direct, host=lab.gateway)
-                self.workers.append(DrillWorker(role, p.range, p.worker, p.direct, ep))
+                self.workers.append(DrillWorker(role, p.range, p.worker, p.direct, p.endpoint))
         self.lab = lab
 
     def primary(self) -> list[DrillWorker]:
@@ -519,10 +563,18 @@ def run_drill(cfg: DrillConfig, *, log: Callable[[str], None] | None = None) -> 
     log = log or (lambda _m: None)
     if cfg.fault in LINK_FAULTS and cfg.model is None and cfg.fake_delay_ms < 1:
         raise DgrError("a synthetic link drill needs --fake-delay-ms >= 1 (the sessions must still run)")
-    proxies = LinkProxies() if cfg.fault in LINK_FAULTS else None
-    pl = Placement(cfg, proxies, log)
+    proxies: Any = None
+    if cfg.fault in LINK_FAULTS:
+        if cfg.lab:
+            from .hosts import Lab
+            proxies = LabLinks(Lab.load(cfg.lab))
+        else:
+            proxies = LinkProxies()
+    pl = Placement(cfg, None if cfg.lab else proxies, log)
     try:
         pl.start()
+        if cfg.lab and proxies is not None:
+            proxies = LabLinks(pl.lab)      # the lab as the placement left it (its proxies listed)
         return asyncio.run(_drill(cfg, pl, proxies, log))
     finally:
         pl.stop()

@@ -389,9 +389,11 @@ class Lab:
         stats.parent.mkdir(parents=True, exist_ok=True)
         argv = ["ip", "netns", "exec", h.netns, sys.executable, "-m", "dgr.lab.proxy",
                 "--map", f"{h.ip}:0={h.ip}:{port}", "--delay-ms", str(sh["rtt_ms"] / 2),
-                "--jitter-ms", str(sh["jitter_ms"] / 2), "--loss", str(sh["loss"]), "--stats", str(stats)]
+                "--jitter-ms", str(sh["jitter_ms"] / 2), "--loss", str(sh["loss"]), "--stats", str(stats),
+                "--control", str(stats.with_suffix(".control.json"))]
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.state["proxies"].append({"host": h.name, "pid": p.pid, "target": f"{h.ip}:{port}", "stats": str(stats)})
+        self.state["proxies"].append({"host": h.name, "pid": p.pid, "target": f"{h.ip}:{port}", "stats": str(stats),
+                                      "control": str(stats.with_suffix(".control.json"))})
         self._save()
         line = sx.readline(p, 15.0)
         m = re.search(r"ready (\S+)", line or "")

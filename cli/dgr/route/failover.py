@@ -338,6 +338,7 @@ class FailoverRouter:
         rec.delivered_tokens = len(delivered)
         rec.recomputed_tokens = sum(a.recomputed_tokens for a in rec.attempts)
         out.results = tuple(results)
+        results[-1].telemetry.work = rec.to_json()     # exported with the session's telemetry
         return out
 
     @staticmethod
