@@ -224,3 +224,39 @@ def test_drill_cli_help_and_one_line_errors():
         r = run(*args)
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.strip().startswith("dgr: error:") and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.native
+def test_route_sessions_with_standby_report_work_records(native_bin):
+    """run_sessions (dgr route generate --standby): a killed tail moves the sessions to the standby;
+    the report carries the routes used and the work records (telemetry and summary)."""
+    from dgr.route.sessions import run_sessions
+
+    ws = [start_fake(native_bin, "--layers", r, "--fake-delay-ms", "3") for r in ("0:4", "4:8", "4:8")]
+    try:
+        prompts = [[256, 7, 8, 9], [256, 1]]
+
+        async def main():
+            ref = await run_sessions([w.target for w in ws[:2]], ["a", "b"], token_prompts=prompts, max_tokens=300,
+                                     stop_on_eog=False)
+            killed = []
+
+            def on_text(_i, _t):
+                if not killed:
+                    killed.append(ws[1].proc.kill())
+            rep = await run_sessions([w.target for w in ws[:2]], ["a", "b"], token_prompts=prompts, max_tokens=300,
+                                     stop_on_eog=False, standby=[ws[2].target], on_text=on_text, stream_period=0.05)
+            return ref, rep, killed
+        ref, rep, killed = asyncio.run(main())
+        assert killed and rep.ok, [s.error for s in rep.sessions]
+        assert [s.tokens for s in rep.sessions] == [s.tokens for s in ref.sessions]
+        assert rep.routes[-1] == [ws[0].target, ws[2].target]
+        assert rep.work["restarts"] == 2 and rep.work["delivered_tokens"] == 600
+        doc = rep.to_json()
+        assert doc["work"]["sessions"]["completed"] == 2
+        for s in doc["sessions"]:
+            w = s["telemetry"]["work"]
+            assert w["status"] == "completed" and [a["status"] for a in w["attempts"]] == ["restarted", "completed"]
+    finally:
+        for w in ws:
+            w.kill()
