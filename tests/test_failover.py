@@ -260,3 +260,21 @@ def test_route_sessions_with_standby_report_work_records(native_bin):
     finally:
         for w in ws:
             w.kill()
+
+
+def test_link_proxy_control_file_reshapes_the_link(tmp_path):
+    """The lab proxy's --control file (re-read on SIGHUP): latency and loss at run time; a bad
+    file changes nothing."""
+    from dgr.lab.proxy import Link, LinkSpec, reshape
+
+    link = Link(LinkSpec(delay_ms=0.1))
+    ctl = tmp_path / "c.json"
+    ctl.write_text(json.dumps({"delay_ms": 300, "loss": 0.3}))
+    reshape(link, ctl)
+    assert (link.spec.delay_ms, link.spec.loss, link.spec.jitter_ms) == (300.0, 0.3, 0.0)
+    ctl.write_text(json.dumps({"loss": 2}))
+    reshape(link, ctl)
+    assert link.spec.loss == 0.3
+    ctl.write_text("{not json")
+    reshape(link, ctl)
+    assert link.spec.delay_ms == 300.0

@@ -298,7 +298,10 @@ class Placement:
             _signal(w.proc, signal.SIGCONT)     # never leave a stopped process behind
         for lr in self._lab_routes:
             lr.stop()
-        if not self._lab_routes:
+        if self._lab_routes:
+            # the lab's link proxies in front of these workers go with them
+            self.lab.unexpose({w.target for w in self.workers})
+        else:
             for w in self.workers:
                 try:
                     w.proc.terminate(10)
@@ -546,7 +549,7 @@ async def _drill(cfg: DrillConfig, pl: Placement, proxies: LinkProxies | None, l
         "events": events,
     }
     if proxies is not None:
-        doc["links"] = {ep: proxies.counters(ep) for ep in proxies.links}
+        doc["links"] = {w.endpoint: proxies.counters(w.endpoint) for w in prim if w.endpoint in proxies.links}
     return doc
 
 

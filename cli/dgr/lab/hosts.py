@@ -406,6 +406,15 @@ class Lab:
         self._save()
         return ep
 
+    def unexpose(self, targets: set[str]) -> int:
+        """Stops the link proxies this lab started in front of ``targets`` (``ip:port`` of the
+        services) and forgets them; returns how many."""
+        gone = [pr for pr in self.state["proxies"] if pr["target"] in targets]
+        sx.stop_pids([pr["pid"] for pr in gone if sx.alive(pr["pid"]) and "dgr.lab.proxy" in sx.cmdline(pr["pid"])])
+        self.state["proxies"] = [pr for pr in self.state["proxies"] if pr not in gone]
+        self._save()
+        return len(gone)
+
     def proxy_stats(self) -> list[dict[str, Any]]:
         out = []
         for pr in self.state["proxies"]:

@@ -206,7 +206,7 @@ async def serve(maps: list[tuple[tuple[str, int], tuple[str, int]]], spec: LinkS
 
     def dump() -> None:
         if stats is not None:
-            doc = {**asdict(link.counters), "blackhole": not link.open.is_set(), "spec": asdict(spec),
+            doc = {**asdict(link.counters), "blackhole": not link.open.is_set(), "spec": asdict(link.spec),
                    "maps": [f"{a[0]}:{a[1]}={b[0]}:{b[1]}" for a, b in maps]}
             tmp = stats.with_suffix(".tmp")
             tmp.write_text(json.dumps(doc))
