@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from dgr.errors import DgrError
 
@@ -133,6 +133,25 @@ def proc_cpu_s(pid: int) -> float:
     return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_healthy(proc: "subprocess.Popen[str]", url: str, timeout: float, what: str,
+                 output: Callable[[], str]) -> None:
+    """Polls ``url``/health (bounded by ``timeout``) until it answers 200; a process that exits
+    first, or a timeout, raises DgrError with the end of its ``output()``."""
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise DgrError(f"{what} exited ({proc.returncode}): {output()[-400:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise DgrError(f"{what} did not answer /health within {timeout:.0f}s")
+
+
 class LlamaServer:
     """Stock ``llama-server`` at the pin on 127.0.0.1 (whole model, its OpenAI API)."""
 
@@ -158,22 +177,18 @@ class LlamaServer:
         return self.proc.pid if self.proc else 0
 
     def start(self) -> "LlamaServer":
-        import httpx
-
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)
-        end = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                self._log.seek(0)
-                raise DgrError(f"llama-server exited ({self.proc.returncode}): {self._log.read()[-400:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise DgrError(f"llama-server did not become ready within {START_TIMEOUT_S:.0f}s")
+
+        def output() -> str:
+            self._log.seek(0)
+            return self._log.read()
+
+        try:
+            wait_healthy(self.proc, self.url, START_TIMEOUT_S, "llama-server", output)
+        except DgrError:
+            self.stop()
+            raise
+        return self
 
     def peak_rss_bytes(self) -> int:
         try:

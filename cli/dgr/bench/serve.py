@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 from dgr.errors import DgrError
 
-from .loadgen import LevelResult, LlamaServer, RequestResult, proc_cpu_s, run_level
+from .loadgen import LevelResult, LlamaServer, RequestResult, proc_cpu_s, run_level, wait_healthy
 
 TARGETS = {
     "gateway_vs_driver_decode": 0.95,
@@ -75,19 +75,9 @@ class _ServeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 60.0) -> "_ServeProcess":
-        import httpx
-
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise DgrError(f"dgr serve exited ({self.proc.returncode}): {(self.proc.stderr.read() or '')[-400:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise DgrError(f"dgr serve did not answer /health within {timeout:.0f}s")
+        wait_healthy(self.proc, self.url, timeout, "dgr serve",
+                     lambda: (self.proc.stderr.read() or "") if self.proc.poll() is not None else "")
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:
