@@ -13,6 +13,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -278,3 +279,35 @@ def test_link_proxy_control_file_reshapes_the_link(tmp_path):
     ctl.write_text("{not json")
     reshape(link, ctl)
     assert link.spec.delay_ms == 300.0
+
+
+@pytest.mark.native
+def test_cancel_through_the_failover_router_is_not_restarted(native_bin):
+    """A cancelled session ends cancelled on every shard and is never restarted elsewhere."""
+    ws = [start_fake(native_bin, "--layers", r, "--fake-delay-ms", "3") for r in ("0:4", "4:8", "4:8")]
+    try:
+        async def main():
+            fr = await FailoverRouter([w.target for w in ws[:2]]).connect()
+            fr.finder.endpoints.append(ws[2].target)
+            try:
+                got = asyncio.Event()
+                t = asyncio.create_task(fr.generate([256, 1, 2], max_tokens=2000, stop_on_eog=False,
+                                                    session_id="c1", on_token=lambda _t: got.set()))
+                await asyncio.wait_for(got.wait(), 10)
+                held = await fr.cancel("c1")
+                return held, await asyncio.wait_for(t, 30), fr.routes
+            finally:
+                await fr.close()
+        held, r, routes = asyncio.run(main())
+        assert any(held)
+        assert r.record.status == "cancelled" and r.record.restarts == 0 and len(routes) == 1
+        assert [w.status for w in r.record.attempts[0].shards] == ["cancelled", "cancelled"]
+        assert 0 < len(r.tokens) < 2000
+        for w in ws:
+            with w.client() as c:
+                end = time.monotonic() + 10
+                while (ld := c.load()).active_sessions or ld.kv_cells_used:
+                    assert time.monotonic() < end, ld
+    finally:
+        for w in ws:
+            w.kill()

@@ -234,6 +234,8 @@ class FailoverRouter:
         self.routes: list[list[str]] = []         # every route used, in order
         self._lock = asyncio.Lock()
         self.on_event = on_event or (lambda _k, _d: None)
+        self._current: dict[str, tuple[RouteDriver, str, int]] = {}   # session -> its running attempt
+        self._cancel: set[str] = set()
 
     async def connect(self) -> "FailoverRouter":
         self.route = await RouteDriver(self.endpoints, **self.driver_kw).connect()
@@ -267,6 +269,16 @@ class FailoverRouter:
             log.info("failover: new route %s (failed: %s)", eps, sorted(self.failed))
             return d
 
+    async def cancel(self, session_id: str) -> list[bool]:
+        """Cancels a session wherever it runs now (its current attempt, on every Shard of that
+        route); it is not restarted afterwards. Returns per Shard whether it held anything."""
+        self._cancel.add(session_id)
+        cur = self._current.get(session_id)
+        if cur is None:
+            return []
+        d, asid, ep = cur
+        return await d.cancel(asid, ep)
+
     async def generate(self, prompt_tokens: Sequence[int], *, max_tokens: int = 32,
                        sampling: Sampling = Sampling(), session_id: str | None = None, epoch: int = 1,
                        on_token: Callable[[int], Awaitable[None] | None] | None = None,
@@ -294,8 +306,12 @@ class FailoverRouter:
             ctx = list(prompt_tokens) + delivered
             asid = sid if attempt == 0 else f"{sid}~r{attempt}"
             t0 = time.monotonic()
-            res = await driver.generate(ctx, max_tokens=max_tokens - before, sampling=sampling, session_id=asid,
-                                        epoch=epoch + attempt, on_token=tok, stop_on_eog=stop_on_eog)
+            self._current[sid] = (driver, asid, epoch + attempt)
+            try:
+                res = await driver.generate(ctx, max_tokens=max_tokens - before, sampling=sampling, session_id=asid,
+                                            epoch=epoch + attempt, on_token=tok, stop_on_eog=stop_on_eog)
+            finally:
+                self._current.pop(sid, None)
             results.append(res)
             a = AttemptRecord(attempt, asid, epoch + attempt, list(driver.endpoints), "completed", len(ctx), before,
                               len(delivered) - before, ttft_s=res.telemetry.ttft_s, total_s=time.monotonic() - t0)
@@ -307,6 +323,8 @@ class FailoverRouter:
                 break
             a.error, a.failed_shard = str(exc), exc.shard_endpoint
             kind = classify(exc)
+            if sid in self._cancel and res.telemetry.status != "cancelled":
+                res.telemetry.status = "cancelled"    # cancelled while the attempt was failing
             if res.telemetry.status == "cancelled" or kind == "fatal":
                 a.status = rec.status = "cancelled" if res.telemetry.status == "cancelled" else "failed"
                 rec.error, out.error = str(exc), exc
@@ -335,6 +353,7 @@ class FailoverRouter:
             rec.restarts = attempt
             self.on_event("restart", {"session": sid, "attempt": attempt, "delivered": len(delivered),
                                       "route": list(driver.endpoints)})
+        self._cancel.discard(sid)
         rec.delivered_tokens = len(delivered)
         rec.recomputed_tokens = sum(a.recomputed_tokens for a in rec.attempts)
         out.results = tuple(results)
