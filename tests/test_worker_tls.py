@@ -66,3 +66,42 @@ def test_mutual_tls(worker_bin: Path, pki: Path):
         no_cert = grpc.ssl_channel_credentials(root_certificates=ca)
         with WorkerClient(w.target, timeout=3, credentials=no_cert) as c, pytest.raises(WorkerError):
             c.capability()
+
+
+def test_one_channel_factory_makes_tls_and_mutual_tls_for_every_client(worker_bin: Path, pki: Path):
+    """``tls=TlsFiles(...)`` (protocol.channel.open_channel): a CA alone is TLS, a CA with a
+    certificate and key is mutual TLS; the sync client, the asyncio client and the route driver
+    all open their channels through it."""
+    import asyncio
+
+    from dgr.protocol.client import AsyncWorkerClient
+    from dgr.protocol.tls import TlsFiles
+    from dgr.route.driver import RouteDriver, RouteError
+
+    mtls = TlsFiles(pki / "ca.pem", pki / "client.pem", pki / "client.key")
+    server_only = TlsFiles(pki / "ca.pem")
+    with WorkerProcess.start(["--fake-model", "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
+                              "--tls-client-ca", str(pki / "ca.pem")], binary=worker_bin,
+                             credentials=mtls.grpc_credentials()) as w:
+        with WorkerClient(w.target, timeout=5, tls=mtls) as c, c.open_session() as s:
+            assert s.prefill([1, 2, 3]) is not None
+        with WorkerClient(w.target, timeout=3, tls=server_only) as c, pytest.raises(WorkerError):
+            c.capability()   # the worker requires a client certificate
+
+        async def through_async_client_and_driver() -> list[int]:
+            async with AsyncWorkerClient(w.target, timeout=5, tls=mtls) as ac:
+                s = await ac.open_session()
+                first = await s.prefill([1, 2, 3])
+                await s.close()
+            d = await RouteDriver([w.target], tls=mtls, timeout=5).connect()
+            try:
+                r = await d.generate([1, 2, 3], max_tokens=3, stop_on_eog=False)
+            finally:
+                await d.close()
+            assert r.error is None
+            assert r.tokens[0] == first     # same worker, same prompt: the same first token
+            with pytest.raises(RouteError, match="unreachable"):
+                await RouteDriver([w.target], tls=server_only, timeout=3).connect()
+            return r.tokens
+
+        assert len(asyncio.run(through_async_client_and_driver())) == 3

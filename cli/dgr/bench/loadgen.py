@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dgr.errors import DgrError
+from dgr.procfs import status_bytes
 
 START_TIMEOUT_S = 120.0
 
@@ -191,22 +192,13 @@ class LlamaServer:
         return self
 
     def peak_rss_bytes(self) -> int:
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
+        return status_bytes(self.pid, "VmHWM")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from dgr.route.supervisor import stop_child
+
+        if self.proc:
+            stop_child(self.proc, 15)
         self._log.close()
 
     def __enter__(self) -> "LlamaServer":

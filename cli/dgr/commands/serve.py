@@ -89,10 +89,10 @@ def serve(
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     if not fake:
-        rt.ensure_worker(log=log)
+        rt.ensure_worker()
     opts.model_id = opts.model_id or (src.stem if src else "fake")
     with rt.LocalRoute(src, rng, fake=fake, slices=slices, threads=threads or os.cpu_count() or 1,
-                       max_sessions=max_sessions, ctx_per_session=ctx_per_session, log=log) as lr:
+                       max_sessions=max_sessions, ctx_per_session=ctx_per_session) as lr:
         log(f"route {','.join(f'{a}:{b}' for a, b in rng)} on {len(rng)} local worker(s)")
         try:
             asyncio.run(serve_route(lr.endpoints, opts, on_ready=ready))
@@ -125,10 +125,10 @@ def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Op
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     if not fake:
-        rt.ensure_worker(log=log)
+        rt.ensure_worker()
     opts.model_id = opts.model_id or (src.stem if src else "fake")
     with LabRoute(lab, src, rng, placement=placement, max_sessions=max_sessions, ctx_per_session=ctx_per_session,
-                  fake=fake, log=log) as lr:
+                  fake=fake) as lr:
         opts.route_tls = lr.tls
         where = ", ".join(f"{p.host.name} {a}:{b}" for p, (a, b) in zip(lr.placed, rng))
         log(f"route on lab {name!r}: {where}")

@@ -14,7 +14,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import DgrError
 from .sessions import WorkerStats
@@ -107,7 +107,7 @@ class LocalRoute:
                  slices: bool = False, threads: int | None = None, max_sessions: int = 8,
                  ctx_per_session: int = 2048, extra_args: Sequence[str] = (),
                  backend: str | Sequence[str] = "cpu",
-                 slice_dir: Path | None = None, log: Callable[[str], None] | None = None,
+                 slice_dir: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.model = model
         self.split = list(split)
@@ -124,7 +124,6 @@ class LocalRoute:
         self.backend = self.backends[0]
         self.plan = ""
         self.slice_dir = slice_dir
-        self.log = log or _log.info  # a caller's own sink, else this module's logger
         self.workers: list[Any] = []
         self.files: list[Path] = []
         self.fingerprint = ""
@@ -157,19 +156,8 @@ class LocalRoute:
         self.plan = backend_plan(self.backends)
         recipe = recipe_for(self.model, backend=self.backend, backends=self.plan, progress=False)
         self.fingerprint, self.artifact_id = recipe.fingerprint(), recipe.artifact_id
-        if not self.slices:
-            self.files = [self.model] * len(self.split)
-            return
-        from ..gguf.slice import LayerRange, slice_gguf
-
-        out_dir = self.slice_dir or Path(tempfile.gettempdir()) / "dgr-slices" / self.artifact_id[:16]
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for a, b in self.split:
-            path = out_dir / f"{self.model.stem}.{a}-{b}.gguf"
-            if not path.is_file():
-                self.log(f"slicing layers {a}:{b} -> {path}")
-                slice_gguf(self.model, LayerRange(a, b), path, progress=False)
-            self.files.append(path)
+        self.files = slice_files(self.model, self.split, self.artifact_id, self.slice_dir) if self.slices \
+            else [self.model] * len(self.split)
 
     def start(self) -> list[str]:
         from .supervisor import WorkerProcess, WorkerStartError
@@ -186,7 +174,7 @@ class LocalRoute:
                                                             env=backend_env(self.backends[i], self.env)))
                 except WorkerStartError as exc:
                     raise DgrError(f"worker for layers {a}:{b} did not start: {exc}") from None
-                self.log(f"worker [{a}:{b}) {self.backends[i]} pid {self.workers[-1].pid} on {self.workers[-1].target}")
+                _log.info(f"worker [{a}:{b}) {self.backends[i]} pid {self.workers[-1].pid} on {self.workers[-1].target}")
         except BaseException:
             self.stop()
             raise
@@ -211,21 +199,47 @@ class LocalRoute:
         self.stop()
 
     def stats(self) -> list[WorkerStats]:
-        out = []
-        for (a, b), w in zip(self.split, self.workers):
-            st = WorkerStats(f"{a}:{b}", w.target, w.pid)
-            st.kv_bytes_per_cell = 0 if self.fake or self.model is None else kv_bytes_per_cell(self.model, a, b)
-            out.append(st)
-        return out
+        return worker_stats(None if self.fake else self.model, self.split, [w.target for w in self.workers],
+                            [w.pid for w in self.workers])
 
 
-def ensure_worker(backend: str = "cpu", log: Callable[[str], None] | None = None) -> Path:
+def worker_stats(model: Path | None, split: Sequence[tuple[int, int]], endpoints: Sequence[str],
+                 pids: Sequence[int]) -> list[WorkerStats]:
+    """One :class:`WorkerStats` per worker of a route (KV bytes per cell from ``model``; 0
+    without one, e.g. fake-model workers)."""
+    out = []
+    for (a, b), ep, pid in zip(split, endpoints, pids):
+        st = WorkerStats(f"{a}:{b}", ep, pid)
+        st.kv_bytes_per_cell = 0 if model is None else kv_bytes_per_cell(model, a, b)
+        out.append(st)
+    return out
+
+
+def slice_files(model: Path, split: Sequence[tuple[int, int]], artifact_id: str,
+                out_dir: Path | None = None) -> list[Path]:
+    """One slice file per range of ``split``, made once and reused: in ``out_dir``, default
+    <tmp>/dgr-slices/<artifact id prefix>/ (so a changed model never reuses another's slices)."""
+    from ..gguf.slice import LayerRange, slice_gguf
+
+    out_dir = out_dir or Path(tempfile.gettempdir()) / "dgr-slices" / artifact_id[:16]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    for a, b in split:
+        path = out_dir / f"{model.stem}.{a}-{b}.gguf"
+        if not path.is_file():
+            _log.info(f"slicing layers {a}:{b} -> {path}")
+            slice_gguf(model, LayerRange(a, b), path, progress=False)
+        files.append(path)
+    return files
+
+
+def ensure_worker(backend: str = "cpu") -> Path:
     """The dgr-worker binary, built first when missing (patched llama.cpp + worker)."""
     from ..upstream import build as build_mod
 
     try:
         return build_mod.worker_binary(backend)
     except DgrError:
-        (log or _log.info)(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
+        _log.info(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
         build_mod.build(backend)
         return build_mod.worker_binary(backend)
