@@ -52,9 +52,10 @@ def test_bounds_match_what_the_values_mean() -> None:
     assert bounds["dgr worker serve --max-sessions"] == (1, 256)  # the worker's own limit
     assert bounds["dgr route run --top-p"] == (0.0, 1.0)
     assert bounds["dgr lab up --loss"][1] < 1  # a probability in [0, 1)
+    zero_is_default = {"dgr drill --max-tokens"}  # 0: the drill's own default per mode
     for name, (lo, _hi) in bounds.items():
         if name.endswith(("--threads", "--repeats", "--max-tokens", "--n-prompt", "--n-gen", "--jobs")):
-            assert lo == 1, name
+            assert lo == (0 if name in zero_is_default else 1), name
 
 
 def _dgr(*args: str) -> subprocess.CompletedProcess:

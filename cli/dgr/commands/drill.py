@@ -17,9 +17,9 @@ def drill(
                               "retransmission timeout with probability --loss, for --hold-s)."),
     target: str = typer.Option("tail", "--target", help="The shard (or the link into it): head, tail or its "
                                "index on the route (0-based)."),
-    sessions: int = typer.Option(8, "--sessions", help="Concurrent sessions on the route (1..64)."),
-    max_tokens: int = typer.Option(0, "--max-tokens", help="Tokens per session (0: 160 synthetic, 48 with --model)."),
-    after_tokens: int = typer.Option(8, "--after-tokens", help="Inject the fault once every session delivered this many tokens."),
+    sessions: int = typer.Option(8, "--sessions", min=1, max=64, help="Concurrent sessions on the route (1..64)."),
+    max_tokens: int = typer.Option(0, "--max-tokens", min=0, help="Tokens per session (0: 160 synthetic, 48 with --model)."),
+    after_tokens: int = typer.Option(8, "--after-tokens", min=0, help="Inject the fault once every session delivered this many tokens."),
     synthetic: bool = typer.Option(False, "--synthetic", help="Fake-model workers (no GGUF; the CI mode). The "
                                    "default when --model is not given."),
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file the workers serve (e.g. SmolLM2)."),
@@ -27,14 +27,14 @@ def drill(
                                         "synthetic, the model's layers in two halves with --model)."),
     lab: Optional[str] = typer.Option(None, "--lab", help="Run the workers on this lab's hosts (dgr lab up) "
                                       "instead of local processes: shard i on host i, its standby on the next host."),
-    latency_ms: float = typer.Option(300.0, "--latency-ms", help="latency: one-way delay added during the spike."),
-    loss: float = typer.Option(0.3, "--loss", help="loss: probability per chunk, in [0, 1)."),
-    hold_s: float = typer.Option(2.0, "--hold-s", help="latency/loss: how long the fault lasts."),
-    max_restarts: int = typer.Option(2, "--max-restarts", help="Restarts per session before it fails."),
-    fake_delay_ms: int = typer.Option(5, "--fake-delay-ms", help="Synthetic: the fake model's sleep per decode "
+    latency_ms: float = typer.Option(300.0, "--latency-ms", min=0.0, help="latency: one-way delay added during the spike."),
+    loss: float = typer.Option(0.3, "--loss", min=0.0, max=0.999, help="loss: probability per chunk, in [0, 1)."),
+    hold_s: float = typer.Option(2.0, "--hold-s", min=0.0, help="latency/loss: how long the fault lasts."),
+    max_restarts: int = typer.Option(2, "--max-restarts", min=0, help="Restarts per session before it fails."),
+    fake_delay_ms: int = typer.Option(5, "--fake-delay-ms", min=0, help="Synthetic: the fake model's sleep per decode "
                                       "call (keeps the sessions running when the fault lands)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads per worker (with --model)."),
-    timeout_s: float = typer.Option(180.0, "--timeout-s", help="Bound on the faulted run."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads per worker (with --model)."),
+    timeout_s: float = typer.Option(180.0, "--timeout-s", min=1.0, help="Bound on the faulted run."),
     as_json: bool = typer.Option(False, "--json", help="Print the full JSON document on stdout."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON document here."),
 ) -> None:

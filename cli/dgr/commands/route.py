@@ -122,7 +122,7 @@ def generate(
     standby: List[str] = typer.Option([], "--standby", help="HOST:PORT of a running standby worker (repeat): a "
                                       "session whose shard fails restarts from token zero on a route using it "
                                       "(docs/failover.md); the JSON then carries work records."),
-    max_restarts: int = typer.Option(2, "--max-restarts", help="With --standby: restarts per session."),
+    max_restarts: int = typer.Option(2, "--max-restarts", min=0, help="With --standby: restarts per session."),
 ) -> None:
     """Generate through already running workers (`dgr worker serve …`)."""
     from ..protocol.tls import TlsFiles
