@@ -9,7 +9,7 @@ namespace dgr::bundle {
 namespace {
 
 // gRPC status code numbers (grpc/doc/statuscodes.md).
-constexpr int kCancelled = 1, kUnknown = 2, kInvalidArgument = 3, kResourceExhausted = 8,
+constexpr int kCancelled = 1, kUnknown = 2, kInvalidArgument = 3, kPermissionDenied = 7, kResourceExhausted = 8,
               kFailedPrecondition = 9, kAborted = 10, kInternal = 13, kUnavailable = 14;
 
 ProtocolError err(pb::ErrorReason reason, std::string message, std::string tensor = {}, uint64_t limit = 0) {
@@ -48,6 +48,8 @@ int grpc_code_for(pb::ErrorReason reason) {
             return kInternal;
         case pb::ERROR_REASON_UNAVAILABLE:
             return kUnavailable;
+        case pb::ERROR_REASON_SESSION_NOT_OWNED:
+            return kPermissionDenied;
         default:
             return kUnknown;
     }

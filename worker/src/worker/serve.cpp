@@ -1,6 +1,7 @@
 #include "worker/serve.h"
 
 #include "common/identity.h"
+#include "common/net_address.h"
 #include "version.h"
 #include "worker/fake_backend.h"
 #include "worker/kv_budget.h"
@@ -188,6 +189,11 @@ int serve_main(int argc, char ** argv) {
             for (auto & c : item) c = (char) std::tolower((unsigned char) c);
             if (!item.empty()) so.chain.peers.push_back(item);
         }
+        dgr::AddressAllowlist check;
+        if (!check.build(so.chain.peers, &err)) {
+            std::fprintf(stderr, "dgr-worker: error: --chain-peers: %s\n", err.c_str());
+            return 2;
+        }
     }
     so.chain.max_message_bytes = o.max_message_bytes;
     if (!o.chain_tls_ca.empty()) {
@@ -219,15 +225,20 @@ int serve_main(int argc, char ** argv) {
         }
     }
     // its delivery thread starts here, at --io-nice too
-    ShardService service(*backend, scheduler, metrics, ServiceInfo{b.dgr_version, b.pin_commit, b.patch_digest, b.backend});
+    ShardService service(*backend, scheduler, metrics,
+                         ServiceInfo{b.dgr_version, b.pin_commit, b.patch_digest, b.backend, o.require_client_auth});
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
     std::shared_ptr<grpc::ServerCredentials> creds;
     if (!o.tls_cert.empty()) {
         bool ok1 = false, ok2 = false, ok3 = true;
-        grpc::SslServerCredentialsOptions ssl(o.tls_client_ca.empty()
-                                                  ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+        // --tls-client-ca: the handshake requires a verified client cert (every RPC, health too);
+        // with --require-client-auth it only verifies one when presented, and the service refuses
+        // calls without one (ShardService), so health and reflection stay open.
+        grpc::SslServerCredentialsOptions ssl(o.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                              : o.require_client_auth
+                                                  ? GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY
                                                   : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
         grpc::SslServerCredentialsOptions::PemKeyCertPair pair{read_file(o.tls_key, &ok1), read_file(o.tls_cert, &ok2)};
         ssl.pem_key_cert_pairs.push_back(pair);

@@ -112,9 +112,11 @@ private:
 
 class SessionReactor final : public grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> {
 public:
-    SessionReactor(Scheduler & sched, uint32_t queue_limit, std::shared_ptr<Deliverer> deliverer)
+    SessionReactor(Scheduler & sched, uint32_t queue_limit, std::shared_ptr<Deliverer> deliverer,
+                   std::string client_identity)
         : sched_(sched), queue_limit_(queue_limit) {
         handle_ = std::make_shared<StreamHandle>(this, std::move(deliverer));
+        handle_->client_identity = std::move(client_identity);
         req_ = std::make_unique<pb::SessionRequest>();
         StartRead(req_.get());
     }
@@ -125,6 +127,7 @@ public:
     void OnReadDone(bool ok) override {
         if (!ok) {
             handle_->on_read_closed();
+            handle_->client_gone = true;
             sched_.post_stream_closed(handle_, false);
             return;
         }
@@ -142,7 +145,10 @@ public:
         }
     }
     void OnWriteDone(bool ok) override { handle_->on_write_done(ok); }
-    void OnCancel() override { sched_.post_stream_closed(handle_, true); }
+    void OnCancel() override {
+        handle_->client_gone = true;
+        sched_.post_stream_closed(handle_, true);
+    }
     void OnDone() override {
         handle_->detach();
         delete this;
@@ -316,19 +322,57 @@ ShardService::ShardService(ModelBackend & backend, Scheduler & scheduler, Metric
 
 ShardService::~ShardService() { deliverer_->stop(); }
 
-grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> * ShardService::Session(grpc::CallbackServerContext *) {
-    return new SessionReactor(scheduler_, scheduler_.options().queue_limit, deliverer_);
+std::string client_identity_of(const grpc::CallbackServerContext & ctx) {
+    const std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
+    if (!auth || !auth->IsPeerAuthenticated()) return "";
+    std::string subject, san;
+    for (const auto & v : auth->FindPropertyValues("x509_subject")) subject.append(v.data(), v.size());
+    for (const auto & v : auth->GetPeerIdentity()) {
+        if (!san.empty()) san += ",";
+        san.append(v.data(), v.size());
+    }
+    return "subject=" + subject + ";san=" + san;
+}
+
+namespace {
+
+// A Session call refused before any frame is read (--require-client-auth without a client cert).
+class RefusedStream final : public grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> {
+public:
+    explicit RefusedStream(grpc::Status st) { Finish(std::move(st)); }
+    void OnDone() override { delete this; }
+};
+
+grpc::Status unauthenticated() {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "this worker requires a client certificate (mTLS) for ShardRuntimeService; "
+                        "only health and reflection are open");
+}
+
+}  // namespace
+
+bool ShardService::refuse_unauthenticated(grpc::CallbackServerContext * ctx, grpc::ServerUnaryReactor * reactor) const {
+    if (!rt_.require_client_auth || !client_identity_of(*ctx).empty()) return false;
+    reactor->Finish(unauthenticated());
+    return true;
+}
+
+grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> * ShardService::Session(grpc::CallbackServerContext * ctx) {
+    std::string who = client_identity_of(*ctx);
+    if (rt_.require_client_auth && who.empty()) return new RefusedStream(unauthenticated());
+    return new SessionReactor(scheduler_, scheduler_.options().queue_limit, deliverer_, std::move(who));
 }
 
 grpc::ServerUnaryReactor * ShardService::GetCapability(grpc::CallbackServerContext * ctx, const pb::GetCapabilityRequest *,
                                                        pb::GetCapabilityResponse * resp) {
+    auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     *resp = scheduler_.capability();
     auto * r = resp->mutable_runtime();
     r->set_dgr_version(rt_.dgr_version);
     r->set_llama_commit(rt_.llama_commit);
     r->set_patch_digest(rt_.patch_digest);
     r->set_backend(rt_.backend);
-    auto * reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
 }
@@ -337,6 +381,7 @@ grpc::ServerUnaryReactor * ShardService::ReleaseSession(grpc::CallbackServerCont
                                                         const pb::ReleaseSessionRequest * req,
                                                         pb::ReleaseSessionResponse * resp) {
     auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     scheduler_.post_release(*req, [reactor, resp](pb::ReleaseSessionResponse r) {
         *resp = std::move(r);
         reactor->Finish(grpc::Status::OK);
@@ -348,6 +393,7 @@ grpc::ServerUnaryReactor * ShardService::CancelSession(grpc::CallbackServerConte
                                                        const pb::CancelSessionRequest * req,
                                                        pb::CancelSessionResponse * resp) {
     auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     scheduler_.post_cancel(*req, [reactor, resp](pb::CancelSessionResponse r) {
         *resp = std::move(r);
         reactor->Finish(grpc::Status::OK);
@@ -362,6 +408,8 @@ std::vector<prometheus::MetricFamily> ShardService::metric_families() const {
 
 grpc::ServerUnaryReactor * ShardService::GetMetrics(grpc::CallbackServerContext * ctx, const pb::GetMetricsRequest *,
                                                     pb::GetMetricsResponse * resp) {
+    auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     const Gauges g = scheduler_.gauges();
     auto * l = resp->mutable_load();
     l->set_active_sessions(g.active_sessions);
@@ -374,7 +422,6 @@ grpc::ServerUnaryReactor * ShardService::GetMetrics(grpc::CallbackServerContext 
         for (const auto & kv : s.labels) (*ms->mutable_labels())[kv.first] = kv.second;
         ms->set_value(s.value);
     }
-    auto * reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
 }
@@ -396,6 +443,7 @@ std::vector<prometheus::MetricFamily> ShardService::prometheus_families() const 
 grpc::ServerUnaryReactor * ShardService::Tokenize(grpc::CallbackServerContext * ctx, const pb::TokenizeRequest * req,
                                                   pb::TokenizeResponse * resp) {
     auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     std::vector<int32_t> ids;
     std::string err;
     if (req->text().size() > (1u << 20)) {
@@ -419,6 +467,7 @@ grpc::ServerUnaryReactor * ShardService::Tokenize(grpc::CallbackServerContext * 
 grpc::ServerUnaryReactor * ShardService::Detokenize(grpc::CallbackServerContext * ctx, const pb::DetokenizeRequest * req,
                                                     pb::DetokenizeResponse * resp) {
     auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     const uint32_t n_vocab = backend_.info().n_vocab;
     std::vector<int32_t> ids(req->token_ids().begin(), req->token_ids().end());
     for (int32_t t : ids) {

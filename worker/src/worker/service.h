@@ -20,7 +20,14 @@ class Deliverer;  // service.cpp: hands Session stream writes to gRPC off the sc
 
 struct ServiceInfo {
     std::string dgr_version, llama_commit, patch_digest, backend;
+    // --require-client-auth: every ShardRuntimeService RPC needs an authenticated client
+    // certificate (UNAUTHENTICATED otherwise); health and reflection do not (serve.cpp).
+    bool require_client_auth = false;
 };
+
+// The authenticated client identity of a call: "subject=<x509 subject>;san=<peer identities>"
+// from the mTLS peer certificate, empty when the connection carries none.
+std::string client_identity_of(const grpc::CallbackServerContext & ctx);
 
 class ShardService final : public pb::ShardRuntimeService::CallbackService {
 public:
@@ -53,6 +60,10 @@ public:
     std::vector<prometheus::MetricFamily> prometheus_families() const;
 
 private:
+    // With require_client_auth and no authenticated client: finish `reactor` UNAUTHENTICATED
+    // and return true.
+    bool refuse_unauthenticated(grpc::CallbackServerContext * ctx, grpc::ServerUnaryReactor * reactor) const;
+
     ModelBackend & backend_;
     Scheduler & scheduler_;
     Metrics & metrics_;
