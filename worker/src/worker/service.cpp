@@ -102,6 +102,7 @@ private:
     std::chrono::steady_clock::time_point held_since_{};  // when the held answer began
     std::deque<pb::SessionResponse> out_;
     pb::SessionResponse writing_;
+    grpc::ByteBuffer writing_bytes_;
     bool write_in_flight_ = false;
     bool need_read_ = false;
     bool read_closed_ = false;
@@ -110,19 +111,18 @@ private:
     grpc::Status final_;
 };
 
-class SessionReactor final : public grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> {
+class SessionReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
 public:
     SessionReactor(Scheduler & sched, uint32_t queue_limit, std::shared_ptr<Deliverer> deliverer,
                    std::string client_identity)
         : sched_(sched), queue_limit_(queue_limit) {
         handle_ = std::make_shared<StreamHandle>(this, std::move(deliverer));
         handle_->client_identity = std::move(client_identity);
-        req_ = std::make_unique<pb::SessionRequest>();
-        StartRead(req_.get());
+        StartRead(&in_);
     }
     void read_next() {
-        req_ = std::make_unique<pb::SessionRequest>();
-        StartRead(req_.get());
+        in_.Clear();
+        StartRead(&in_);
     }
     void OnReadDone(bool ok) override {
         if (!ok) {
@@ -132,7 +132,23 @@ public:
             return;
         }
         const auto t0 = Clock::now();
-        std::unique_ptr<pb::SessionRequest> req = std::move(req_);
+        auto req = std::make_unique<pb::SessionRequest>();
+        const size_t n_bytes = in_.Length();
+        const grpc::Status parsed = grpc::SerializationTraits<pb::SessionRequest>::Deserialize(&in_, req.get());
+        if (!parsed.ok()) {
+            // not a SessionRequest: end the stream INVALID_ARGUMENT with a BAD_REQUEST ShardError
+            // (never OK); the scheduler then releases the session the stream was bound to
+            pb::SessionResponse r;
+            r.mutable_header()->set_schema_version(pb::SCHEMA_VERSION_V1);
+            const std::string why = "undecodable frame: " + std::to_string(n_bytes) +
+                                    " bytes that are not a dgr.shard.v1.SessionRequest; the stream ends";
+            pb::ShardError e = make_error(pb::ERROR_REASON_BAD_REQUEST, why, true);
+            *r.mutable_error() = e;
+            handle_->client_gone = true;
+            handle_->deliver(std::move(r), true, status_with(grpc::StatusCode::INVALID_ARGUMENT, why, e), false);
+            sched_.post_stream_closed(handle_, false);
+            return;
+        }
         if (!sched_.post_frame(handle_, std::move(req), t0)) {
             // queue full: answer here without touching the scheduler (non-terminal)
             pb::SessionResponse r;
@@ -159,7 +175,7 @@ private:
     Scheduler & sched_;
     uint32_t queue_limit_;
     std::shared_ptr<StreamHandle> handle_;
-    std::unique_ptr<pb::SessionRequest> req_;
+    grpc::ByteBuffer in_;
 };
 
 std::atomic<uint64_t> SessionReactor::rejected_queue_{0};
@@ -240,7 +256,10 @@ void StreamHandle::pump() {
         writing_ = std::move(out_.front());
         out_.pop_front();
         write_in_flight_ = true;
-        reactor_->StartWrite(&writing_);
+        bool own = false;
+        writing_bytes_.Clear();
+        grpc::SerializationTraits<pb::SessionResponse>::Serialize(writing_, &writing_bytes_, &own);
+        reactor_->StartWrite(&writing_bytes_);
         return;
     }
     if (finish_pending_) {
@@ -337,7 +356,7 @@ std::string client_identity_of(const grpc::CallbackServerContext & ctx) {
 namespace {
 
 // A Session call refused before any frame is read (--require-client-auth without a client cert).
-class RefusedStream final : public grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> {
+class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
 public:
     explicit RefusedStream(grpc::Status st) { Finish(std::move(st)); }
     void OnDone() override { delete this; }
@@ -357,7 +376,7 @@ bool ShardService::refuse_unauthenticated(grpc::CallbackServerContext * ctx, grp
     return true;
 }
 
-grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> * ShardService::Session(grpc::CallbackServerContext * ctx) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> * ShardService::Session(grpc::CallbackServerContext * ctx) {
     std::string who = client_identity_of(*ctx);
     if (rt_.require_client_auth && who.empty()) return new RefusedStream(unauthenticated());
     return new SessionReactor(scheduler_, scheduler_.options().queue_limit, deliverer_, std::move(who));

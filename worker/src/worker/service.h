@@ -29,7 +29,15 @@ struct ServiceInfo {
 // from the mTLS peer certificate, empty when the connection carries none.
 std::string client_identity_of(const grpc::CallbackServerContext & ctx);
 
-class ShardService final : public pb::ShardRuntimeService::CallbackService {
+// The callback service with Session taking raw bytes: the reactor decodes each frame itself, so
+// an undecodable frame is answered INVALID_ARGUMENT (gRPC's own decoding would end the stream OK).
+using Svc = pb::ShardRuntimeService;
+using ServiceBase = Svc::WithCallbackMethod_GetCapability<Svc::WithRawCallbackMethod_Session<
+    Svc::WithCallbackMethod_ReleaseSession<Svc::WithCallbackMethod_CancelSession<Svc::WithCallbackMethod_GetMetrics<
+        Svc::WithCallbackMethod_Tokenize<Svc::WithCallbackMethod_Detokenize<
+            Svc::WithCallbackMethod_ApplyChatTemplate<Svc::Service>>>>>>>>;
+
+class ShardService final : public ServiceBase {
 public:
     // Starts the delivery thread (it inherits the calling thread's priority: see serve.cpp).
     ShardService(ModelBackend & backend, Scheduler & scheduler, Metrics & metrics, ServiceInfo rt);
@@ -37,7 +45,7 @@ public:
 
     grpc::ServerUnaryReactor * GetCapability(grpc::CallbackServerContext * ctx, const pb::GetCapabilityRequest * req,
                                              pb::GetCapabilityResponse * resp) override;
-    grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> * Session(grpc::CallbackServerContext * ctx) override;
+    grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> * Session(grpc::CallbackServerContext * ctx) override;
     grpc::ServerUnaryReactor * ReleaseSession(grpc::CallbackServerContext * ctx, const pb::ReleaseSessionRequest * req,
                                               pb::ReleaseSessionResponse * resp) override;
     grpc::ServerUnaryReactor * CancelSession(grpc::CallbackServerContext * ctx, const pb::CancelSessionRequest * req,
