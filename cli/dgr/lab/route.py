@@ -91,15 +91,14 @@ class LabRoute:
         if not self.slices:
             self.files = [self.model] * len(self.split)
             return
-        from ..gguf.slice import LayerRange, slice_gguf
+        from ..gguf.slice import LayerRange
+        from ..route.local import cached_slice
 
         out = self.slice_dir or Path(tempfile.gettempdir()) / "dgr-slices" / self.artifact_id[:16]
         out.mkdir(parents=True, exist_ok=True)
         for a, b in self.split:
             path = out / f"{self.model.stem}.{a}-{b}.gguf"
-            if not path.is_file():
-                self.log(f"slicing layers {a}:{b} -> {path}")
-                slice_gguf(self.model, LayerRange(a, b), path, progress=False)
+            cached_slice(self.model, LayerRange(a, b), path, self.artifact_id, log=self.log)
             self.files.append(path)
 
     def worker_args(self, i: int) -> list[str]:

@@ -10,6 +10,7 @@ Used by ``dgr route run``, ``dgr demo``, ``dgr bench route`` and ``dgr accept DG
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -129,6 +130,7 @@ class LocalRoute:
         self.files: list[Path] = []
         self.fingerprint = ""
         self.artifact_id = ""
+        self.recipe_json = ""
         # Co-located shards: libgomp's idle threads spin (~300k rounds) after every parallel region
         # and steal the cores the next shard computes on; a short spin keeps the hand-off cheap
         # (measured on 2 cores, SmolLM2 0:15|15:30: single-session decode 0.53 -> ~0.88 of the
@@ -146,7 +148,7 @@ class LocalRoute:
         if self.fake:
             return WorkerArgs(fake_model=True, n_layer=self.split[-1][1], **common)
         return WorkerArgs(model=self.files[i], fingerprint=self.fingerprint, artifact_id=self.artifact_id,
-                          threads=self.threads or None, **common)
+                          recipe_json=self.recipe_json or None, threads=self.threads or None, **common)
 
     def _prepare_model(self) -> None:
         from ..gguf.recipe import recipe_for
@@ -157,6 +159,8 @@ class LocalRoute:
         self.plan = backend_plan(self.backends)
         recipe = recipe_for(self.model, backend=self.backend, backends=self.plan, progress=False)
         self.fingerprint, self.artifact_id = recipe.fingerprint(), recipe.artifact_id
+        # the worker proves every field from the file; the recipe tells it the backend plan
+        self.recipe_json = json.dumps(recipe.to_json(), sort_keys=True, separators=(",", ":"))
         if not self.slices:
             self.files = [self.model] * len(self.split)
             return
@@ -166,9 +170,7 @@ class LocalRoute:
         out_dir.mkdir(parents=True, exist_ok=True)
         for a, b in self.split:
             path = out_dir / f"{self.model.stem}.{a}-{b}.gguf"
-            if not path.is_file():
-                self.log(f"slicing layers {a}:{b} -> {path}")
-                slice_gguf(self.model, LayerRange(a, b), path, progress=False)
+            cached_slice(self.model, LayerRange(a, b), path, self.artifact_id, log=self.log)
             self.files.append(path)
 
     def start(self) -> list[str]:
@@ -217,6 +219,32 @@ class LocalRoute:
             st.kv_bytes_per_cell = 0 if self.fake or self.model is None else kv_bytes_per_cell(self.model, a, b)
             out.append(st)
         return out
+
+
+def cached_slice(model: Path, rng: "LayerRange", path: Path, artifact_id: str, *,
+                 log: Callable[[str], None] | None = None) -> Path:
+    """The slice of ``rng`` at ``path``: a cached file is reused only when it verifies against
+    the manifest it carries, is a slice of ``artifact_id`` and covers ``rng`` (every tensor's
+    bytes hashed: `dgr gguf verify-slice`); never on its path, size or mtime. Anything else
+    (missing, tampered, another artifact or range) is cut again from ``model``, with a warning
+    naming what failed."""
+    from ..gguf.slice import SliceError, slice_gguf, verify_slice
+
+    say = log or _log.info
+    if path.is_file():
+        try:
+            rep = verify_slice(path, expect_range=rng, progress=False)
+            if rep.source_artifact_id == artifact_id:
+                return path
+            problem = f"it is a slice of {rep.source_artifact_id[:16]}, not of {artifact_id[:16]}"
+        except (SliceError, DgrError) as exc:
+            problem = str(exc)
+        _log.warning("cached slice %s refused: %s; cutting it again", path, problem)
+        say(f"cached slice {path} refused ({problem}); cutting it again")
+        path.unlink()
+    say(f"slicing layers {rng.start}:{rng.end} -> {path}")
+    slice_gguf(model, rng, path, progress=False)
+    return path
 
 
 def ensure_worker(backend: str = "cpu", log: Callable[[str], None] | None = None) -> Path:
