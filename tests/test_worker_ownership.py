@@ -132,3 +132,32 @@ def test_ended_owner_frees_the_id_for_a_new_epoch(worker):
     assert poll(opened, what="a new epoch after the owner's stream ended")
     nxt.release()
     nxt.close()
+
+
+@pytest.mark.parametrize("payload", [b"\xff\xff\xff\xff\x0f", b"\x0a\x10\x0a", b"\x12\x05\x0a\x03abc\xff"])
+def test_undecodable_frame_ends_the_stream_invalid_argument(worker, payload):
+    """Bytes that are not a SessionRequest end the stream with INVALID_ARGUMENT and a BAD_REQUEST
+    ShardError (never OK, never UNIMPLEMENTED); the session bound to the stream is released and
+    the worker serves on."""
+    from test_worker_fake import _rpc_status_class
+
+    c = worker.client()
+    sessions = c.load().active_sessions
+    raw = c._channel.stream_stream("/dgr.shard.v1.ShardRuntimeService/Session",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    opening = pb.SessionRequest(step=c.open_session(f"undecodable-{len(payload)}")._input_frame(pb.PHASE_PREFILL, [1, 2], None, True)
+                                .step).SerializeToString()
+    call = raw(iter([opening, payload]), timeout=10)
+    answers = []
+    with pytest.raises(grpc.RpcError) as ei:
+        for a in call:
+            answers.append(pb.SessionResponse.FromString(a))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "undecodable frame" in ei.value.details()
+    details = dict(ei.value.trailing_metadata())["grpc-status-details-bin"]
+    err = pb.ShardError()
+    _rpc_status_class().FromString(details).details[0].Unpack(err)
+    assert err.reason == pb.ERROR_REASON_BAD_REQUEST and err.grpc_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert answers and answers[0].WhichOneof("result") == "tail"          # the opening frame was served
+    assert poll(lambda: c.load().active_sessions == sessions, what="the bound session released")
+    assert _alone(c, f"after-undecodable-{len(payload)}")                  # the worker serves on
