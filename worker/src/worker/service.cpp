@@ -341,44 +341,9 @@ ShardService::ShardService(ModelBackend & backend, Scheduler & scheduler, Metric
 
 ShardService::~ShardService() { deliverer_->stop(); }
 
-std::string client_identity_of(const grpc::CallbackServerContext & ctx) {
-    const std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
-    if (!auth || !auth->IsPeerAuthenticated()) return "";
-    std::string subject, san;
-    for (const auto & v : auth->FindPropertyValues("x509_subject")) subject.append(v.data(), v.size());
-    for (const auto & v : auth->GetPeerIdentity()) {
-        if (!san.empty()) san += ",";
-        san.append(v.data(), v.size());
-    }
-    return "subject=" + subject + ";san=" + san;
-}
-
-namespace {
-
-// A Session call refused before any frame is read (--require-client-auth without a client cert).
-class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
-public:
-    explicit RefusedStream(grpc::Status st) { Finish(std::move(st)); }
-    void OnDone() override { delete this; }
-};
-
-grpc::Status unauthenticated() {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                        "this worker requires a client certificate (mTLS) for ShardRuntimeService; "
-                        "only health and reflection are open");
-}
-
-}  // namespace
-
-bool ShardService::refuse_unauthenticated(grpc::CallbackServerContext * ctx, grpc::ServerUnaryReactor * reactor) const {
-    if (!rt_.require_client_auth || !client_identity_of(*ctx).empty()) return false;
-    reactor->Finish(unauthenticated());
-    return true;
-}
-
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> * ShardService::Session(grpc::CallbackServerContext * ctx) {
     std::string who = client_identity_of(*ctx);
-    if (rt_.require_client_auth && who.empty()) return new RefusedStream(unauthenticated());
+    if (rt_.require_client_auth && who.empty()) return refused_stream();
     return new SessionReactor(scheduler_, scheduler_.options().queue_limit, deliverer_, std::move(who));
 }
 

@@ -71,6 +71,8 @@ private:
     // With require_client_auth and no authenticated client: finish `reactor` UNAUTHENTICATED
     // and return true.
     bool refuse_unauthenticated(grpc::CallbackServerContext * ctx, grpc::ServerUnaryReactor * reactor) const;
+    // A Session call that ends UNAUTHENTICATED before reading a frame (client_auth.cpp).
+    grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> * refused_stream() const;
 
     ModelBackend & backend_;
     Scheduler & scheduler_;
