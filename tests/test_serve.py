@@ -276,6 +276,10 @@ def test_tls_and_the_key_when_exposed(shards, tmp_path):
     (["--tls-cert", "/nonexistent.pem"], "--tls-cert and --tls-key go together"),
     (["--shard", "127.0.0.1:1", "--split", "0:4,4:8"], "not both"),
     (["--shard", "127.0.0.1:1"], "unreachable"),
+    (["--shard-tls-ca", "/nonexistent.pem"], "go with --shard"),
+    (["--shard", "127.0.0.1:1", "--shard-tls-cert", "c.pem"], "need --shard-tls-ca"),
+    (["--lab-hosts", "h1,h2"], "goes with --lab"),
+    (["--lab", "nosuchlab-x", "--fake"], "nosuchlab-x"),
 ])
 def test_cli_refuses_bad_options_in_one_line(args, message):
     import sys

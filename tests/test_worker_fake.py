@@ -61,9 +61,12 @@ def test_capability_health_reflection(worker):
     assert c.health() == "SERVING"
     assert c.health("dgr.shard.v1.ShardRuntimeService") == "SERVING"
     # server reflection lists the service (ServerReflectionRequest{list_services: ""}, hand-encoded)
-    call = c._channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-                                    request_serializer=lambda b: b, response_deserializer=lambda b: b)
-    raw = b"".join(call(iter([b"\x3a\x00"]), timeout=5))
+    from dgr.protocol.channel import open_channel
+
+    with open_channel(c.target) as ch:
+        call = ch.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        raw = b"".join(call(iter([b"\x3a\x00"]), timeout=5))
     assert b"dgr.shard.v1.ShardRuntimeService" in raw
     assert c.tokenize("hi") == [104, 105]
     assert c.detokenize([104, 105]) == b"hi"

@@ -143,14 +143,15 @@ def test_undecodable_frame_ends_the_stream_invalid_argument(worker, payload):
 
     c = worker.client()
     sessions = c.load().active_sessions
-    raw = c._channel.stream_stream("/dgr.shard.v1.ShardRuntimeService/Session",
-                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    from dgr.protocol.channel import open_channel
+
     opening = pb.SessionRequest(step=c.open_session(f"undecodable-{len(payload)}")._input_frame(pb.PHASE_PREFILL, [1, 2], None, True)
                                 .step).SerializeToString()
-    call = raw(iter([opening, payload]), timeout=10)
     answers = []
-    with pytest.raises(grpc.RpcError) as ei:
-        for a in call:
+    with open_channel(c.target) as ch, pytest.raises(grpc.RpcError) as ei:
+        raw = ch.stream_stream("/dgr.shard.v1.ShardRuntimeService/Session",
+                               request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        for a in raw(iter([opening, payload]), timeout=10):
             answers.append(pb.SessionResponse.FromString(a))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "undecodable frame" in ei.value.details()

@@ -11,6 +11,14 @@ import typer
 app = typer.Typer(no_args_is_help=True)
 
 
+def _write(out: Path, doc: dict, summary: str) -> None:
+    """Writes a benchmark's results JSON to ``out`` and prints its summary and where it went."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    typer.echo(summary)
+    typer.echo(f"results written to {out}")
+
+
 @app.command("baseline")
 def baseline(
     model: Optional[Path] = typer.Option(None, "--model", help="Source GGUF (default: embedded SmolLM2-135M Q4_1)."),
@@ -25,11 +33,8 @@ def baseline(
 
     src = resolve_model(model)
     cfg = bl.BaselineConfig.make(device=device, threads=threads, quick=quick)
-    doc = bl.run_baseline(src, cfg, progress=lambda s: typer.echo(s, err=True))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    typer.echo(bl.summary(doc))
-    typer.echo(f"results written to {out}")
+    doc = bl.run_baseline(src, cfg)
+    _write(out, doc, bl.summary(doc))
     if doc["failures"]:
         raise typer.Exit(1)
 
@@ -110,18 +115,14 @@ def route(
         hcfg = hb.HostsBenchConfig(hosts=hosts, split=tuple(parse_split(split)) if split_given else None,
                                    n_prompt=n_prompt, n_gen=n_gen, long_prompt=long_prompt, sessions=levels,
                                    rtts_ms=rtts, repeats=repeats, rpc=rpc)
-        doc = hb.run_hosts_bench(resolve_model(model), hcfg, progress=lambda s: typer.echo(s, err=True))
-        out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        typer.echo(hb.summary(doc))
-        typer.echo(f"results written to {out}")
+        doc = hb.run_hosts_bench(resolve_model(model), hcfg)
+        _write(out, doc, hb.summary(doc))
         return
 
     cfg = rb.RouteBenchConfig(split=tuple(parse_split(split)), threads=threads or 0, n_prompt=n_prompt,
                               n_gen=n_gen, repeats=repeats, rpc=rpc)
-    doc = rb.run_route_bench(resolve_model(model), cfg, progress=lambda s: typer.echo(s, err=True))
-    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    typer.echo(rb.summary(doc))
-    typer.echo(f"results written to {out}")
+    doc = rb.run_route_bench(resolve_model(model), cfg)
+    _write(out, doc, rb.summary(doc))
 
 
 @app.command("gate")
@@ -140,8 +141,7 @@ def gate(
     from ..gguf.models import resolve_model
 
     c = bc.load_contract(contract)
-    doc = g.run_gate(resolve_model(model), g.GateConfig.make(threads=threads, quick=quick),
-                     progress=lambda m: typer.echo(m, err=True))
+    doc = g.run_gate(resolve_model(model), g.GateConfig.make(threads=threads, quick=quick))
     out.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
     judged = gj.judge(c, {n: gj.results_for(doc, n) for n in g.GGUF_ROUTES})
     for n, j in judged.items():
@@ -173,10 +173,8 @@ def worker(
                                repeats=repeats)
     bin_dir = paths.backend_build_dir("cpu") / "bin"
     doc = wb.run_worker_bench(resolve_model(model), cfg, worker_bin=bin_dir / "dgr-worker",
-                              batched_bench=bin_dir / "llama-batched-bench", progress=lambda s: typer.echo(s, err=True))
-    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    typer.echo(wb.summary(doc))
-    typer.echo(f"results written to {out}")
+                              batched_bench=bin_dir / "llama-batched-bench")
+    _write(out, doc, wb.summary(doc))
 
 
 @app.command("serve")
@@ -207,7 +205,5 @@ def serve(
         raise DgrError("--levels must be positive, --repeats >= 1, --max-tokens >= 2")
     cfg = sb.ServeBenchConfig(split=tuple(parse_split(split)) if split else (), levels=lv, threads=threads or 0,
                               max_tokens=max_tokens, repeats=repeats, llama_server=llama_server)
-    doc = sb.run_serve_bench(resolve_model(model), cfg, progress=lambda s: typer.echo(s, err=True))
-    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    typer.echo(sb.summary(doc))
-    typer.echo(f"results written to {out}")
+    doc = sb.run_serve_bench(resolve_model(model), cfg)
+    _write(out, doc, sb.summary(doc))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import List, Optional
 
@@ -15,8 +16,7 @@ app = typer.Typer(no_args_is_help=True)
 NAME_HELP = "Lab name (1-6 lower-case letters/digits); several labs may be up at once."
 
 
-def _log(msg: str) -> None:
-    typer.echo(msg, err=True)
+_log = logging.getLogger(__name__).info   # progress lines on stderr (dgr.console: -v/-q)
 
 
 @app.command("up")
@@ -42,7 +42,7 @@ def up(
                     cpus=[c.strip() for c in cpus.split(";")] if cpus else None, threads=threads,
                     memory_mb=memory_mb, rate_mbit=rate_mbit, rtt_ms=rtt_ms, jitter_ms=jitter_ms, loss=loss,
                     shaper=shaper, subnet=subnet)
-    lab = Lab.up(cfg, log=_log)
+    lab = Lab.up(cfg)
     if as_json:
         typer.echo(json.dumps(lab.status(), indent=2))
     else:
@@ -62,7 +62,7 @@ def down(
     names = [name] if name else Lab.names()
     left: list[str] = []
     for n in names:
-        left += Lab.load(n).down(log=_log)["left"]
+        left += Lab.load(n).down()["left"]
     if strays:
         found = stray_objects()
         if any(found.values()):
@@ -174,7 +174,7 @@ def route(
     placement = [h.strip() for h in hosts.split(",")] if hosts else None
     items = [prompt] * max(1, sessions)
     with LabRoute(lab, src, rng, placement=placement, relay=relay, memory_budget=budget,
-                  max_sessions=max(4, sessions), log=_log) as lr:
+                  max_sessions=max(4, sessions)) as lr:
         eps = lr.relay_endpoints if relay else lr.endpoints
         rep = asyncio.run(run_sessions(eps, items, max_tokens=max_tokens, tls=lr.tls, stats=lr.stats(),
                                           pids=[w.pid for w in lr.workers], label=f"lab route {split}"))
@@ -184,7 +184,7 @@ def route(
     if parity:
         from ..route.driver import Sampling
 
-        _log(f"whole model on a local worker (outside the lab) for parity")
+        _log("whole model on a local worker (outside the lab) for parity")
         with LocalRoute(src, [(0, rng[-1][1])], threads=lab.hosts[0].threads, max_sessions=max(4, sessions)) as lw:
             whole = asyncio.run(run_sessions(lw.endpoints, [prompt], max_tokens=max_tokens,
                                                 sampling=Sampling(), label="whole"))

@@ -171,7 +171,7 @@ def drift(
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     items = _prompts(prompt, prompts_file, 0)
     rep = route_drift.measure(src, rng, backends, items, n_tokens=tokens, reference_backend=reference,
-                              threads=threads, chat=not raw, log=lambda m: typer.echo(m, err=True))
+                              threads=threads, chat=not raw)
     plan = backend_plan(backends)
     reg = load_registry()
     entry = reg.lookup(recipe_for(src, backend=backends[0], backends=plan, progress=False))

@@ -36,11 +36,22 @@ def serve(
     threads: Optional[int] = typer.Option(None, "--threads", help="Local route: threads per worker "
                                           "(default: CPU count)."),
     slices: bool = typer.Option(False, "--slices", help="Local route: per-range slice files."),
+    lab: Optional[str] = typer.Option(None, "--lab", help="Start the route's workers on this lab's simulated "
+                                      "hosts (see `dgr lab up`; mTLS on every hop); --split defaults to one "
+                                      "even range per host."),
+    lab_hosts: Optional[str] = typer.Option(None, "--lab-hosts", help="With --lab: the host of each shard, "
+                                            "comma-separated (e.g. h1,h2); default h1, h2, ... in order."),
+    shard_ca: Optional[Path] = typer.Option(None, "--shard-tls-ca", help="With --shard: PEM CA of workers that "
+                                            "serve TLS (the gateway then dials them over TLS)."),
+    shard_cert: Optional[Path] = typer.Option(None, "--shard-tls-cert", help="With --shard-tls-ca: the gateway's "
+                                              "client certificate, for workers that require mutual TLS."),
+    shard_key: Optional[Path] = typer.Option(None, "--shard-tls-key", help="Private key of --shard-tls-cert."),
     fake: bool = typer.Option(False, "--fake", hidden=True, help="Fake-model workers (tests)."),
 ) -> None:
     """Serve a route over HTTP: OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), a web
     console at /, /health and /metrics. Starts local workers for --model/--split, or serves running
-    workers given with --shard. Ctrl-C stops it (and the local workers)."""
+    workers given with --shard, or starts them on a lab's simulated hosts with --lab. Ctrl-C stops it
+    (and the workers it started)."""
     from ..gguf.models import resolve_model
     from ..route import local as rt
     from ..serve.server import ServeOptions, serve_route
@@ -53,24 +64,74 @@ def serve(
     def ready(u: str) -> None:
         log(f"serving {opts.model_id} at {u}/v1 (console: {u}/)")
 
+    if (shard_cert or shard_key or shard_ca) and not shard:
+        raise DgrError("--shard-tls-ca/--shard-tls-cert/--shard-tls-key go with --shard (a --lab route has its own CA)")
     if shard:
-        if model or split or fake:
-            raise DgrError("give --shard (running workers) or --model/--split (local workers), not both")
+        if model or split or fake or lab:
+            raise DgrError("give only one of --shard (running workers), --lab (workers on lab hosts) or --model/--split (local workers), not both kinds")
+        if (shard_cert or shard_key) and not shard_ca:
+            raise DgrError("--shard-tls-cert/--shard-tls-key need --shard-tls-ca")
+        if shard_ca:
+            from ..protocol.tls import TlsFiles
+            opts.route_tls = TlsFiles(shard_ca, shard_cert, shard_key)
         asyncio.run(serve_route(shard, opts, on_ready=ready))
         return
     if max_sessions < 1 or ctx_per_session < 1:
         raise DgrError("--max-sessions and --ctx-per-session must be >= 1")
+    if lab_hosts and not lab:
+        raise DgrError("--lab-hosts goes with --lab")
+    if lab:
+        _serve_lab(lab, model, split, lab_hosts, opts, max_sessions, ctx_per_session, fake, log, ready)
+        return
     src = None if fake else resolve_model(model)
     n_layer = 8 if fake else rt.model_n_layer(src)
     rng = rt.parse_split(split) if split else [(0, n_layer)]
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     if not fake:
-        rt.ensure_worker(log=log)
+        rt.ensure_worker()
     opts.model_id = opts.model_id or (src.stem if src else "fake")
     with rt.LocalRoute(src, rng, fake=fake, slices=slices, threads=threads or os.cpu_count() or 1,
-                       max_sessions=max_sessions, ctx_per_session=ctx_per_session, log=log) as lr:
+                       max_sessions=max_sessions, ctx_per_session=ctx_per_session) as lr:
         log(f"route {','.join(f'{a}:{b}' for a, b in rng)} on {len(rng)} local worker(s)")
+        try:
+            asyncio.run(serve_route(lr.endpoints, opts, on_ready=ready))
+        except KeyboardInterrupt:
+            pass
+
+
+def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Optional[str], opts, max_sessions: int,
+               ctx_per_session: int, fake: bool, log, ready) -> None:
+    """Workers on a lab's hosts (each in its namespace, CPU set and memory budget, mTLS on every
+    hop); the gateway runs here and dials the head with the lab's driver certificate."""
+    from ..gguf.models import resolve_model
+    from ..lab.hosts import Lab
+    from ..lab.route import LabRoute
+    from ..route import local as rt
+    from ..serve.server import serve_route
+
+    lab = Lab.load(name)
+    src = None if fake else resolve_model(model)
+    n_layer = 8 if fake else rt.model_n_layer(src)
+    placement = [h.strip() for h in hosts.split(",") if h.strip()] if hosts else None
+    if split:
+        rng = rt.parse_split(split)
+    else:
+        n = len(placement) if placement else len(lab.hosts)
+        if n > n_layer:
+            raise DgrError(f"the lab has {n} hosts but the model only {n_layer} layers; give --split")
+        cuts = [round(i * n_layer / n) for i in range(n + 1)]
+        rng = [(a, b) for a, b in zip(cuts, cuts[1:])]
+    if rng[-1][1] != n_layer:
+        raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
+    if not fake:
+        rt.ensure_worker()
+    opts.model_id = opts.model_id or (src.stem if src else "fake")
+    with LabRoute(lab, src, rng, placement=placement, max_sessions=max_sessions, ctx_per_session=ctx_per_session,
+                  fake=fake) as lr:
+        opts.route_tls = lr.tls
+        where = ", ".join(f"{p.host.name} {a}:{b}" for p, (a, b) in zip(lr.placed, rng))
+        log(f"route on lab {name!r}: {where}")
         try:
             asyncio.run(serve_route(lr.endpoints, opts, on_ready=ready))
         except KeyboardInterrupt:

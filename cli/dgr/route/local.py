@@ -15,7 +15,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import DgrError
 from .sessions import WorkerStats
@@ -108,7 +108,7 @@ class LocalRoute:
                  slices: bool = False, threads: int | None = None, max_sessions: int = 8,
                  ctx_per_session: int = 2048, extra_args: Sequence[str] = (),
                  backend: str | Sequence[str] = "cpu",
-                 slice_dir: Path | None = None, log: Callable[[str], None] | None = None,
+                 slice_dir: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.model = model
         self.split = list(split)
@@ -125,7 +125,6 @@ class LocalRoute:
         self.backend = self.backends[0]
         self.plan = ""
         self.slice_dir = slice_dir
-        self.log = log or _log.info  # a caller's own sink, else this module's logger
         self.workers: list[Any] = []
         self.files: list[Path] = []
         self.fingerprint = ""
@@ -161,17 +160,8 @@ class LocalRoute:
         self.fingerprint, self.artifact_id = recipe.fingerprint(), recipe.artifact_id
         # the worker proves every field from the file; the recipe tells it the backend plan
         self.recipe_json = json.dumps(recipe.to_json(), sort_keys=True, separators=(",", ":"))
-        if not self.slices:
-            self.files = [self.model] * len(self.split)
-            return
-        from ..gguf.slice import LayerRange, slice_gguf
-
-        out_dir = self.slice_dir or Path(tempfile.gettempdir()) / "dgr-slices" / self.artifact_id[:16]
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for a, b in self.split:
-            path = out_dir / f"{self.model.stem}.{a}-{b}.gguf"
-            cached_slice(self.model, LayerRange(a, b), path, self.artifact_id, log=self.log)
-            self.files.append(path)
+        self.files = slice_files(self.model, self.split, self.artifact_id, self.slice_dir) if self.slices \
+            else [self.model] * len(self.split)
 
     def start(self) -> list[str]:
         from .supervisor import WorkerProcess, WorkerStartError
@@ -188,7 +178,7 @@ class LocalRoute:
                                                             env=backend_env(self.backends[i], self.env)))
                 except WorkerStartError as exc:
                     raise DgrError(f"worker for layers {a}:{b} did not start: {exc}") from None
-                self.log(f"worker [{a}:{b}) {self.backends[i]} pid {self.workers[-1].pid} on {self.workers[-1].target}")
+                _log.info(f"worker [{a}:{b}) {self.backends[i]} pid {self.workers[-1].pid} on {self.workers[-1].target}")
         except BaseException:
             self.stop()
             raise
@@ -213,12 +203,8 @@ class LocalRoute:
         self.stop()
 
     def stats(self) -> list[WorkerStats]:
-        out = []
-        for (a, b), w in zip(self.split, self.workers):
-            st = WorkerStats(f"{a}:{b}", w.target, w.pid)
-            st.kv_bytes_per_cell = 0 if self.fake or self.model is None else kv_bytes_per_cell(self.model, a, b)
-            out.append(st)
-        return out
+        return worker_stats(None if self.fake else self.model, self.split, [w.target for w in self.workers],
+                            [w.pid for w in self.workers])
 
 
 def cached_slice(model: Path, rng: "LayerRange", path: Path, artifact_id: str, *,
@@ -247,13 +233,40 @@ def cached_slice(model: Path, rng: "LayerRange", path: Path, artifact_id: str, *
     return path
 
 
-def ensure_worker(backend: str = "cpu", log: Callable[[str], None] | None = None) -> Path:
+def worker_stats(model: Path | None, split: Sequence[tuple[int, int]], endpoints: Sequence[str],
+                 pids: Sequence[int]) -> list[WorkerStats]:
+    """One :class:`WorkerStats` per worker of a route (KV bytes per cell from ``model``; 0
+    without one, e.g. fake-model workers)."""
+    out = []
+    for (a, b), ep, pid in zip(split, endpoints, pids):
+        st = WorkerStats(f"{a}:{b}", ep, pid)
+        st.kv_bytes_per_cell = 0 if model is None else kv_bytes_per_cell(model, a, b)
+        out.append(st)
+    return out
+
+
+def slice_files(model: Path, split: Sequence[tuple[int, int]], artifact_id: str,
+                out_dir: Path | None = None) -> list[Path]:
+    """One slice file per range of ``split``, made once and reused only when it verifies
+    (:func:`cached_slice`): in ``out_dir``, default <tmp>/dgr-slices/<artifact id prefix>/."""
+    from ..gguf.slice import LayerRange
+
+    out_dir = out_dir or Path(tempfile.gettempdir()) / "dgr-slices" / artifact_id[:16]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    for a, b in split:
+        path = out_dir / f"{model.stem}.{a}-{b}.gguf"
+        files.append(cached_slice(model, LayerRange(a, b), path, artifact_id))
+    return files
+
+
+def ensure_worker(backend: str = "cpu") -> Path:
     """The dgr-worker binary, built first when missing (patched llama.cpp + worker)."""
     from ..upstream import build as build_mod
 
     try:
         return build_mod.worker_binary(backend)
     except DgrError:
-        (log or _log.info)(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
+        _log.info(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
         build_mod.build(backend)
         return build_mod.worker_binary(backend)

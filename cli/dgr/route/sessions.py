@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..procfs import status_bytes
 from .text import PieceCache, TextDecoder, chat_prompt_text
 
 DEFAULT_PROMPTS = (
@@ -203,7 +203,7 @@ class _Sampler:
             st.kv_cells_peak = max(st.kv_cells_peak, r.load.kv_cells_used)
             st.active_sessions_peak = max(st.active_sessions_peak, r.load.active_sessions)
             st.sessions_left, st.kv_cells_left = r.load.active_sessions, r.load.kv_cells_used
-            rss = _rss(pid)
+            rss = status_bytes(pid, "VmRSS")
             st.rss_bytes = rss or st.rss_bytes
             st.rss_peak_bytes = max(st.rss_peak_bytes, rss)
             maps.append(_metric_map(r))
@@ -293,16 +293,6 @@ def chain_hop_rtt(before: Sequence[tuple[float, float]], after: Sequence[tuple[f
     """Mean round trip per forwarded frame per hop between two :func:`chain_hop_counters`
     readings (0: no frames, or a worker without the counter)."""
     return chain_seam_bytes(before, after)
-
-
-def _rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 async def prompt_tokens(driver: Any, prompts: Sequence[str], *, chat: bool) -> list[list[int]]:

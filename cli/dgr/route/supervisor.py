@@ -24,17 +24,31 @@ from pathlib import Path
 
 import grpc
 
+from ..procfs import status_bytes
 from ..protocol.client import WorkerClient
 
-REPO = Path(__file__).resolve().parents[3]   # cli/dgr/route/supervisor.py -> the checkout
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 _METRICS = re.compile(r"metrics on (\S+):(\d+)/metrics")
 
 
 def default_binary(backend: str = "cpu") -> Path:
-    """``$DGR_WORKER_BIN`` or build/<backend>/bin/dgr-worker."""
-    env = os.environ.get("DGR_WORKER_BIN")
-    return Path(env) if env else REPO / "build" / backend / "bin" / "dgr-worker"
+    """``$DGR_WORKER_BIN`` or <build dir>/<backend>/bin/dgr-worker (see build.worker_binary_path)."""
+    from ..upstream.build import worker_binary_path
+
+    return worker_binary_path(backend)
+
+
+def stop_child(proc: subprocess.Popen, grace: float = 15.0) -> int | None:
+    """Stops a child process: SIGTERM, up to ``grace`` seconds to exit, then SIGKILL; reaps it
+    and returns its exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 class WorkerStartError(RuntimeError):
@@ -177,10 +191,10 @@ class WorkerProcess:
 
     def rss_bytes(self) -> int:
         """VmRSS from /proc/PID/status."""
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("VmRSS not found")
+        rss = status_bytes(self.pid, "VmRSS")
+        if not rss:
+            raise RuntimeError(f"no VmRSS for pid {self.pid} (exited?)")
+        return rss
 
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM, then wait for the exit code (SIGKILL after the timeout)."""

@@ -270,8 +270,8 @@ class Engine:
 
     @classmethod
     async def connect(cls, endpoints: Sequence[str], *, model_id: str | None = None, slots: int | None = None,
-                      queue: int = 64, timeout: float = 60.0) -> "Engine":
-        driver = await RouteDriver(list(endpoints), timeout=timeout).connect()
+                      queue: int = 64, timeout: float = 60.0, tls: Any = None) -> "Engine":
+        driver = await RouteDriver(list(endpoints), timeout=timeout, tls=tls).connect()
         ident = driver.shards[0].capability.identity
         eng = cls(driver, model_id=model_id or ident.artifact_id or "dgr", slots=slots, queue=queue)
         await eng._pieces.prefetch(ident.n_vocab)

@@ -30,6 +30,7 @@ class ServeOptions:
     slots: int | None = None          # concurrent requests (default: the workers' session slots)
     queue: int = 64                   # requests waiting for a slot before 429
     timeout: float = 60.0
+    route_tls: Any = None             # dgr.protocol.tls.TlsFiles: (m)TLS to the shards, when they serve TLS
 
     def check(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -81,7 +82,7 @@ async def serve_route(endpoints: Sequence[str], opts: ServeOptions, *, log_level
 
     opts.check()
     engine = await Engine.connect(endpoints, model_id=opts.model_id, slots=opts.slots, queue=opts.queue,
-                                  timeout=opts.timeout)
+                                  timeout=opts.timeout, tls=opts.route_tls)
     try:
         app = create_app(engine, api_key=opts.api_key)
         server = uvicorn.Server(_config(app, opts, log_level))
@@ -143,7 +144,8 @@ class Gateway:
             try:
                 self.opts.check()
                 self.engine = await Engine.connect(self.endpoints, model_id=self.opts.model_id, slots=self.opts.slots,
-                                                   queue=self.opts.queue, timeout=self.opts.timeout)
+                                                   queue=self.opts.queue, timeout=self.opts.timeout,
+                                                   tls=self.opts.route_tls)
                 self._server = uvicorn.Server(_config(create_app(self.engine, api_key=self.opts.api_key),
                                                       self.opts, "warning"))
                 self._server.install_signal_handlers = lambda: None   # not the main thread

@@ -149,6 +149,27 @@ def build(backend: str = "cpu", *, jobs: int | None = None, clean: bool = False,
         return _build_locked(backend, flags, jobs=jobs, clean=clean, targets=targets, extra_cmake=extra_cmake)
 
 
+def cmake_build(source: Path, bdir: Path, config: list[str], targets: tuple[str, ...] | list[str], *,
+                jobs: int | None = None, stamp: dict | None = None) -> None:
+    """Configure ``source`` into ``bdir`` (CMake, Ninja) when the configuration changed or was
+    never made, then build ``targets``. ccache is the compiler launcher when installed, with
+    CCACHE_BASEDIR=/ so scratch and clean trees reuse cached objects. The stamp
+    ``bdir/dgr-config.json`` holds the CMake arguments (with ``stamp``: that dict plus them,
+    for what decides the build without being a CMake flag, e.g. the pin and patch digest)."""
+    if shutil.which("ccache"):
+        config = [*config, "-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
+                  "-DGGML_CCACHE=OFF"]
+    stamp_doc: object = config if stamp is None else {**stamp, "cmake": config}
+    stamp_file = bdir / "dgr-config.json"
+    previous = json.loads(stamp_file.read_text()) if stamp_file.is_file() else None
+    if previous != stamp_doc or not (bdir / "build.ninja").is_file():
+        _run(["cmake", "-S", str(source), "-B", str(bdir), *config])
+        stamp_file.write_text(json.dumps(stamp_doc, indent=1))
+    env = dict(os.environ)
+    env.setdefault("CCACHE_BASEDIR", "/")
+    _run(["ninja", "-C", str(bdir), f"-j{jobs or os.cpu_count() or 2}", *targets], env=env)
+
+
 def _build_locked(backend: str, flags: list[str], *, jobs: int | None, clean: bool,
                   targets: tuple[str, ...], extra_cmake: tuple[str, ...]) -> BuildResult:
     pin, tree, digest = _ensure_sources()
@@ -166,19 +187,7 @@ def _build_locked(backend: str, flags: list[str], *, jobs: int | None, clean: bo
         f"-DDGR_BACKEND={backend}",
         *flags, *extra_cmake,
     ]
-    if shutil.which("ccache"):
-        config += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
-                   "-DGGML_CCACHE=OFF"]
-    stamp = bdir / "dgr-config.json"
-    previous = json.loads(stamp.read_text()) if stamp.is_file() else None
-    if previous != config or not (bdir / "build.ninja").is_file():
-        _run(["cmake", "-S", str(paths.repo_root() / "worker"), "-B", str(bdir), *config])
-        stamp.write_text(json.dumps(config, indent=1))
-    jobs = jobs or os.cpu_count() or 2
-    # Rewrite absolute paths for ccache so scratch/clean trees reuse cached objects.
-    env = dict(os.environ)
-    env.setdefault("CCACHE_BASEDIR", "/")
-    _run(["ninja", "-C", str(bdir), f"-j{jobs}", *targets], env=env)
+    cmake_build(paths.repo_root() / "worker", bdir, config, targets, jobs=jobs)
     # Upstream notices next to the binaries (also done at configure; re-copied in case of clean bin/).
     bin_dir = bdir / "bin"
     for notice in pin.notices:
@@ -214,8 +223,16 @@ def toolchain_record(backend: str) -> dict | None:
         return None
 
 
+def worker_binary_path(backend: str = "cpu") -> Path:
+    """Where the dgr-worker for ``backend`` is: ``$DGR_WORKER_BIN`` when set (one binary for
+    every backend: tests, a prebuilt worker), else ``<build dir>/<backend>/bin/dgr-worker`` (the
+    build dir honours ``$DGR_BUILD_DIR``). The one locator: supervisor and route code call it."""
+    env = os.environ.get("DGR_WORKER_BIN")
+    return Path(env) if env else paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+
+
 def worker_binary(backend: str = "cpu") -> Path:
-    exe = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+    exe = worker_binary_path(backend)
     if not exe.is_file():
         raise DgrError(f"{exe} not built", hint=f"run `dgr build --backend {backend}`")
     return exe
@@ -267,21 +284,10 @@ def _build_rpc_locked(backend: str, flags: list[str], *, jobs: int | None, clean
         shutil.rmtree(bdir)
     bdir.mkdir(parents=True, exist_ok=True)
     config = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *_RPC_CMAKE, *flags]
-    if shutil.which("ccache"):
-        config += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
-                   "-DGGML_CCACHE=OFF"]
-    # the pin and patch digest are in the stamp (not CMake flags): a new series reconfigures
-    stamp_doc = {"source": str(tree), "pin": pin.commit, "patches": digest, "cmake": config}
-    stamp = bdir / "dgr-config.json"
-    previous = json.loads(stamp.read_text()) if stamp.is_file() else None
     print(f"llama.cpp RPC tools ({backend}) in {bdir}", file=sys.stderr, flush=True)
-    if previous != stamp_doc or not (bdir / "build.ninja").is_file():
-        _run(["cmake", "-S", str(tree), "-B", str(bdir), *config])
-        stamp.write_text(json.dumps(stamp_doc, indent=1))
-    jobs = jobs or os.cpu_count() or 2
-    env = dict(os.environ)
-    env.setdefault("CCACHE_BASEDIR", "/")
-    _run(["ninja", "-C", str(bdir), f"-j{jobs}", *RPC_TARGETS], env=env)
+    # the pin and patch digest are in the stamp (not CMake flags): a new series reconfigures
+    cmake_build(tree, bdir, config, RPC_TARGETS, jobs=jobs,
+                stamp={"source": str(tree), "pin": pin.commit, "patches": digest})
     bin_dir = bdir / "bin"
     for alias, name in _RPC_ALIASES.items():   # `rpc-server`, the name the docs and older pins use
         link = bin_dir / alias

@@ -2,8 +2,10 @@
 
 Fills the Jinja2 templates of ``upstream/outreach/templates/`` from the real sources and writes
 a proposal for llama.cpp maintainers, one pull-request text per patch and the llama.cpp-style
-examples (copied from ``upstream/outreach/examples/``) to one folder (default
-``upstream/outreach/rendered/``). The sources are the patch series and each patch (subject,
+examples to one folder (default ``upstream/outreach/rendered/``). The example sources are copied
+from ``upstream/outreach/examples/`` only into a folder outside the repository's own render
+(``--out``: a package to hand over); the committed render points at them instead of holding a
+second copy. The sources are the patch series and each patch (subject,
 reason, ``Upstreamable:``/``Forwarded:`` lines, files and line counts from
 ``git apply --numstat``, the lines it adds to ``include/llama.h``), the pin, the assumptions
 file, and figures read from ``evidence/*/results.json`` as listed in ``figures.toml``.
@@ -132,32 +134,27 @@ def _numstat(patch: Path) -> tuple[FileChange, ...]:
     return tuple(changes)
 
 
-def _added_lines(diff: str, path: str) -> tuple[str, ...]:
-    """Lines a diff adds to ``path`` (without the leading ``+``)."""
-    lines: list[str] = []
+def _lines_of(diff: str, path: str):
+    """The lines a diff has for ``path`` after its ``+++`` header (hunk headers and content)."""
     current = None
     for line in diff.splitlines():
         if line.startswith("diff --git "):
             current = None
         elif line.startswith("+++ "):
             current = line[4:].removeprefix("b/")
-        elif current == path and line.startswith("+"):
-            lines.append(line[1:])
-    return tuple(lines)
+        elif current == path:
+            yield line
+
+
+def _added_lines(diff: str, path: str) -> tuple[str, ...]:
+    """Lines a diff adds to ``path`` (without the leading ``+``)."""
+    return tuple(line[1:] for line in _lines_of(diff, path) if line.startswith("+"))
 
 
 def _hunks(diff: str, path: str) -> str:
     """The ``@@`` hunks a diff has for ``path``, verbatim."""
-    out: list[str] = []
-    current = None
-    for line in diff.splitlines():
-        if line.startswith("diff --git "):
-            current = None
-        elif line.startswith("+++ "):
-            current = line[4:].removeprefix("b/")
-        elif current == path and (line.startswith(("@@", "+", "-", " ")) or line == ""):
-            out.append(line)
-    return "\n".join(out)
+    return "\n".join(line for line in _lines_of(diff, path)
+                     if line.startswith(("@@", "+", "-", " ")) or line == "")
 
 
 def read_patch(path: Path) -> Patch:
@@ -322,8 +319,11 @@ def _context(patches: list[Patch]) -> dict[str, Any]:
     }
 
 
-def build_documents(*, templates: Path | None = None, figures: dict[str, Figure] | None = None) -> list[Document]:
-    """Render every document in memory; raises DgrError listing any number without a source."""
+def build_documents(*, templates: Path | None = None, figures: dict[str, Figure] | None = None,
+                    copy_examples: bool = True) -> list[Document]:
+    """Render every document in memory; raises DgrError listing any number without a source.
+    ``copy_examples``: include the example sources (a standalone package); off for the
+    repository's own render, which sits beside them."""
     tdir = templates or templates_dir()
     if not tdir.is_dir():
         raise DgrError(f"templates folder {tdir} missing")
@@ -333,6 +333,7 @@ def build_documents(*, templates: Path | None = None, figures: dict[str, Figure]
         raise DgrError("the patch series is empty: nothing to propose")
     env = _environment(tdir)
     base = _context(patches)
+    base["examples_copied"] = copy_examples
     jobs: list[tuple[str, str, dict[str, Any]]] = [
         ("README.md", "index.md.j2", {}),
         ("proposal.md", "proposal.md.j2", {}),
@@ -359,7 +360,7 @@ def build_documents(*, templates: Path | None = None, figures: dict[str, Figure]
     if problems:
         raise DgrError(f"{len(problems)} number(s) in the rendered text have no source; first: {problems[0]}",
                        hint="print numbers with fig()/stat()/ref() in the templates")
-    for rel in base["example_files"]:
+    for rel in base["example_files"] if copy_examples else ():
         docs.append(Document(f"examples/{rel}", (examples_dir() / rel).read_text(encoding="utf-8")))
     return docs
 
@@ -385,7 +386,12 @@ def write(docs: list[Document], out: Path) -> list[Path]:
 
 def render(out: Path | None = None) -> list[Path]:
     """Render the package into ``out`` (default upstream/outreach/rendered/)."""
-    return write(build_documents(), out or default_out_dir())
+    out = out or default_out_dir()
+    return write(build_documents(copy_examples=not _is_default(out)), out)
+
+
+def _is_default(out: Path) -> bool:
+    return Path(out).resolve() == default_out_dir().resolve()
 
 
 def differences(out: Path | None = None) -> list[str]:
@@ -393,7 +399,7 @@ def differences(out: Path | None = None) -> list[str]:
     out = out or default_out_dir()
     with tempfile.TemporaryDirectory(prefix="dgr-outreach-") as tmp:
         fresh = Path(tmp)
-        write(build_documents(), fresh)
+        write(build_documents(copy_examples=not _is_default(out)), fresh)
         problems = []
         want = {p.relative_to(fresh).as_posix() for p in fresh.rglob("*") if p.is_file()}
         have = set()

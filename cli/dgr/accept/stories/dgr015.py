@@ -68,8 +68,7 @@ def _route(ctx: StoryContext, model, split: list[tuple[int, int]], *, parity: bo
     label = ",".join(f"{a}:{b}" for a, b in split)
     ctx.record_command(f"dgr.route.run.run_local({model.name}, split={label}, prompts=DEFAULT_PROMPTS, "
                        f"max_tokens={max_tokens}, parity={parity})")
-    return run_local(model, split, list(DEFAULT_PROMPTS), max_tokens=max_tokens, parity=parity,
-                     log=lambda m: print(f"[DGR-015] {m}", flush=True))
+    return run_local(model, split, list(DEFAULT_PROMPTS), max_tokens=max_tokens, parity=parity)
 
 
 def _real(ctx: StoryContext, exe) -> None:
