@@ -20,8 +20,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_channel_options_keepalive_and_limits():
     opts = dict(channel_options())
-    assert opts["grpc.keepalive_time_ms"] == KEEPALIVE_TIME_MS == 10_000
-    assert opts["grpc.keepalive_timeout_ms"] == KEEPALIVE_TIMEOUT_MS == 5_000
+    # the detection bounds (dgr.protocol.keepalive): a silent peer fails within time + timeout <= 3 s
+    assert opts["grpc.keepalive_time_ms"] == KEEPALIVE_TIME_MS == 1_000
+    assert opts["grpc.keepalive_timeout_ms"] == KEEPALIVE_TIMEOUT_MS == 1_000
+    assert opts["grpc.http2.ping_timeout_ms"] == KEEPALIVE_TIMEOUT_MS
     assert opts["grpc.keepalive_permit_without_calls"] == 1 and opts["grpc.http2.max_pings_without_data"] == 0
     assert opts["grpc.max_receive_message_length"] == opts["grpc.max_send_message_length"] == 64 << 20
     assert opts["grpc.enable_retries"] == 0

@@ -90,6 +90,8 @@ def _register() -> None:
     app.command("serve")(serve_cmd.serve)
     from .commands import doctor as doctor_cmd
     app.command("doctor", help="Each compute backend: what is present, what is missing, the install command.")(doctor_cmd.doctor)
+    from .commands import drill as drill_cmd
+    app.command("drill", help="Inject one fault into a route under load; measure detection, failover and what survivors hold.")(drill_cmd.drill)
     # Further command groups register here.
 
 

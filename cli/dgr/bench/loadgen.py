@@ -165,7 +165,11 @@ class LlamaServer:
         self.port = port or free_port()
         self.cmd = [str(self.exe), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
                     "-c", str(parallel * ctx_per_slot), "-b", "512", "-ub", "512", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--no-webui"]
+                    "--port", str(self.port), "--no-webui",
+                    # the model's template through llama.cpp's template API (llama_chat_apply_template),
+                    # as dgr-worker's ApplyChatTemplate does: the same prompt tokens on every lane (the
+                    # jinja engine would add the template's default system prompt: 2-3x the tokens)
+                    "--no-jinja"]
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile("w+")
 

@@ -119,6 +119,10 @@ def generate(
     tls_ca: Optional[Path] = typer.Option(None, "--tls-ca", help="PEM CA of the workers' certificates (TLS to every shard)."),
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM client certificate (mutual TLS; with --tls-key)."),
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM client key."),
+    standby: List[str] = typer.Option([], "--standby", help="HOST:PORT of a running standby worker (repeat): a "
+                                      "session whose shard fails restarts from token zero on a route using it "
+                                      "(docs/failover.md); the JSON then carries work records."),
+    max_restarts: int = typer.Option(2, "--max-restarts", help="With --standby: restarts per session."),
 ) -> None:
     """Generate through already running workers (`dgr worker serve …`)."""
     from ..protocol.tls import TlsFiles
@@ -130,7 +134,8 @@ def generate(
     items = [prompt] * max(1, sessions)
     rep = route_run.generate_remote(shard, items, max_tokens=max_tokens,
                                     sampling=_sampling(temperature, top_k, top_p, seed), chat=not raw,
-                                    on_text=_printer(len(items), as_json), tls=tls)
+                                    on_text=_printer(len(items), as_json), tls=tls, standby=standby,
+                                    max_restarts=max_restarts)
     if as_json:
         typer.echo(json.dumps(rep.to_json(), indent=2))
     else:
@@ -138,6 +143,10 @@ def generate(
         for s in rep.sessions:
             typer.echo(f"[{s.index}] " + (f"error: {s.error}" if s.error else
                        f"{len(s.tokens)} tokens, TTFT {s.ttft_s * 1e3:.0f} ms, decode {s.decode_tok_s:.1f} tok/s"))
+        if rep.work is not None:
+            w = rep.work
+            typer.echo(f"work: {w['sessions']}, {w['restarts']} restart(s), {w['delivered_tokens']} tokens delivered, "
+                       f"{w['recomputed_tokens']} recomputed; routes: " + " -> ".join(",".join(r) for r in rep.routes))
     if not rep.ok:
         raise typer.Exit(1)
 

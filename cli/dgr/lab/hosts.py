@@ -316,9 +316,11 @@ class Lab:
         stats.parent.mkdir(parents=True, exist_ok=True)
         argv = ["ip", "netns", "exec", h.netns, sys.executable, "-m", "dgr.lab.proxy",
                 "--map", f"{h.ip}:0={h.ip}:{port}", "--delay-ms", str(sh["rtt_ms"] / 2),
-                "--jitter-ms", str(sh["jitter_ms"] / 2), "--loss", str(sh["loss"]), "--stats", str(stats)]
+                "--jitter-ms", str(sh["jitter_ms"] / 2), "--loss", str(sh["loss"]), "--stats", str(stats),
+                "--control", str(stats.with_suffix(".control.json"))]
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.state["proxies"].append({"host": h.name, "pid": p.pid, "target": f"{h.ip}:{port}", "stats": str(stats)})
+        self.state["proxies"].append({"host": h.name, "pid": p.pid, "target": f"{h.ip}:{port}", "stats": str(stats),
+                                      "control": str(stats.with_suffix(".control.json"))})
         self._save()
         line = sx.readline(p, 15.0)
         m = re.search(r"ready (\S+)", line or "")
@@ -330,6 +332,15 @@ class Lab:
         self.state["proxies"][-1]["listen"] = ep
         self._save()
         return ep
+
+    def unexpose(self, targets: set[str]) -> int:
+        """Stops the link proxies this lab started in front of ``targets`` (``ip:port`` of the
+        services) and forgets them; returns how many."""
+        gone = [pr for pr in self.state["proxies"] if pr["target"] in targets]
+        sx.stop_pids([pr["pid"] for pr in gone if sx.alive(pr["pid"]) and "dgr.lab.proxy" in sx.cmdline(pr["pid"])])
+        self.state["proxies"] = [pr for pr in self.state["proxies"] if pr not in gone]
+        self._save()
+        return len(gone)
 
     def proxy_stats(self) -> list[dict[str, Any]]:
         out = []

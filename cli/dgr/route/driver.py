@@ -84,6 +84,7 @@ class RouteDriver:
         self._ids = itertools.count(1)
         self._active: dict[str, int] = {}   # session id -> epoch of sessions in flight
         self._cancelled: set[str] = set()   # sessions cancelled through this driver
+        self._releasing: set[asyncio.Future] = set()   # background releases of failed sessions
 
     async def connect(self, *, validate: bool = True) -> "RouteDriver":
         """Opens channels and reads every shard's capability; ``validate`` checks that the
@@ -164,6 +165,8 @@ class RouteDriver:
         return self.shards[0]
 
     async def close(self) -> None:
+        if self._releasing:
+            await asyncio.wait(list(self._releasing), timeout=RELEASE_TIMEOUT_S + 1)
         for s in self.shards:
             await s.client.close()
 
@@ -259,12 +262,20 @@ class RouteDriver:
             # bounded: a hung shard must not hold the caller (its session TTL frees it later). In
             # chained mode the head closes its downstream streams; releasing them too is harmless.
             extra = [self._release_shard(s, sid, epoch) for s in self.shards[1:]] if chained else []
-            try:
-                await asyncio.wait_for(asyncio.gather(*(self._release(sh, st, sid, epoch)
+            release = asyncio.wait_for(asyncio.gather(*(self._release(sh, st, sid, epoch)
                                                         for sh, st in zip(shards, streams)), *extra,
                                                       return_exceptions=True), RELEASE_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                pass
+            if tel.status == "failed":
+                # a failed shard may be silent: release in the background so that the caller
+                # (failover, dgr/route/failover.py) moves on at once; close() waits for it
+                t = asyncio.ensure_future(release)
+                self._releasing.add(t)
+                t.add_done_callback(lambda f: (self._releasing.discard(f), f.cancelled() or f.exception()))
+            else:
+                try:
+                    await release
+                except asyncio.TimeoutError:
+                    pass
 
     def _named_shard(self, message: str) -> ShardHandle | None:
         """The downstream shard an error message names (the farthest along the route)."""
@@ -291,6 +302,8 @@ class RouteDriver:
         if len(self.shards) == 1 or exc.shard_endpoint != self.head.endpoint:
             return exc
         shard = self._named_shard(exc.detail)
+        if shard is None and ("ping timeout" in exc.detail or "keepalive" in exc.detail):
+            return exc      # the driver's own connection to the head went silent: the head it is
         if shard is None and exc.reason.removeprefix("ERROR_REASON_") in (
                 "UNAVAILABLE", "DEADLINE_EXCEEDED", "STREAM_CLOSED", "INTERNAL", "UNKNOWN"):
             shard = await self._silent_shard()

@@ -257,8 +257,9 @@ int serve_main(int argc, char ** argv) {
     builder.RegisterService(&service);
     builder.SetMaxReceiveMessageSize((int) std::min<uint64_t>(o.max_message_bytes, INT32_MAX));
     builder.SetMaxSendMessageSize((int) std::min<uint64_t>(o.max_message_bytes, INT32_MAX));
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+    // the server's own pings find a silent client (driver or previous shard) within 2 s
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 1000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 1000);
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
