@@ -13,7 +13,7 @@ What it serves (deliberately a baseline, not a second runtime):
   embeddings, on the tail; final norm and LM head on the tail), fp32 (or ``--dtype bf16``);
 - one Hot KV cache (a Transformers ``DynamicCache``) per Route Session, local to this process;
 - prefill chunks and single-token decode steps (``StepFrame`` and ``FastDecodeFrame``), with the
-  stateless frame checks of :func:`dgr.bundle.check_request` and the session checks (epoch, step
+  stateless frame checks of :func:`dgr.protocol.frame_checks.check_request` and the session checks (epoch, step
   order, cache expectation, budget) answering the documented ``ErrorReason``;
 - greedy or seeded stochastic sampling with top-k logprobs on the tail;
 - Tokenize/Detokenize (the checkpoint's tokenizer), Release/Cancel, GetMetrics (load snapshot,
@@ -45,7 +45,8 @@ import grpc
 import numpy as np
 
 from .. import __version__
-from ..protocol.bundle import ShardProtocolError, boundary_bundle, check_request, frame_payload_checksum, read_boundary
+from ..protocol.bundle import ShardProtocolError, boundary_bundle, frame_payload_checksum, read_boundary
+from ..protocol.frame_checks import check_request
 from ..shard.v1 import shard_runtime_pb2 as pb
 from ..shard.v1 import shard_runtime_pb2_grpc as pbg
 from .hf_model import BACKEND, RangeModel, artifact_id_of, fingerprint_of, recipe_json, sample  # noqa: F401

@@ -26,6 +26,10 @@ def serve(
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM server certificate (TLS)."),
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM server key (TLS)."),
     tls_client_ca: Optional[Path] = typer.Option(None, "--tls-client-ca", help="PEM CA for client certs (mTLS)."),
+    require_client_auth: bool = typer.Option(
+        False, "--require-client-auth",
+        help="With --tls-client-ca: every ShardRuntimeService RPC needs a verified client certificate "
+             "(UNAUTHENTICATED otherwise); health and reflection stay open to TLS clients without one."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads."),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", min=1, max=256, help="Concurrent sessions (default 16)."),
     ctx_per_session: Optional[int] = typer.Option(None, "--ctx-per-session", min=1, help="Positions per session (default 2048)."),
@@ -47,7 +51,8 @@ def serve(
     session_ttl_s: Optional[float] = typer.Option(None, "--session-ttl-s", min=0.0, help="Idle session TTL (default 600)."),
     backend: str = typer.Option("cpu", "--backend", help="Which build/<backend> worker to run."),
     identity: bool = typer.Option(True, "--identity/--no-identity",
-                                  help="Compute the artifact id and recipe fingerprint (dgr.gguf.recipe) and serve them."),
+                                  help="Compute the artifact id and recipe fingerprint (dgr.gguf.recipe) and pass them; "
+                                       "the worker proves them from the file either way and refuses a mismatch."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the worker command line and exit."),
 ) -> None:
     """Serve one Shard over gRPC (ShardRuntimeService, health, reflection) until SIGTERM."""
@@ -70,7 +75,8 @@ def serve(
                          recipe_json=json.dumps(recipe.to_json(), sort_keys=True, separators=(",", ":")))
     args = WorkerArgs(
         listen=listen, model=path, fake_model=fake_model, **ident, layers=layers, n_layer=n_layer,
-        tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca, threads=threads,
+        tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca, require_client_auth=require_client_auth,
+        threads=threads,
         max_sessions=max_sessions, ctx_per_session=ctx_per_session, kv_budget_mb=kv_budget_mb,
         kv_cells=kv_cells, queue_limit=queue_limit, max_batch_tokens=max_batch_tokens,
         max_prefill_chunk=max_prefill_chunk, metrics_listen=metrics_listen, drain_timeout_s=drain_timeout_s,

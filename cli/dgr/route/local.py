@@ -10,6 +10,7 @@ Used by ``dgr route run``, ``dgr demo``, ``dgr bench route`` and ``dgr accept DG
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -128,6 +129,7 @@ class LocalRoute:
         self.files: list[Path] = []
         self.fingerprint = ""
         self.artifact_id = ""
+        self.recipe_json = ""
         # Co-located shards: libgomp's idle threads spin (~300k rounds) after every parallel region
         # and steal the cores the next shard computes on; a short spin keeps the hand-off cheap
         # (measured on 2 cores, SmolLM2 0:15|15:30: single-session decode 0.53 -> ~0.88 of the
@@ -145,7 +147,7 @@ class LocalRoute:
         if self.fake:
             return WorkerArgs(fake_model=True, n_layer=self.split[-1][1], **common)
         return WorkerArgs(model=self.files[i], fingerprint=self.fingerprint, artifact_id=self.artifact_id,
-                          threads=self.threads or None, **common)
+                          recipe_json=self.recipe_json or None, threads=self.threads or None, **common)
 
     def _prepare_model(self) -> None:
         from ..gguf.recipe import recipe_for
@@ -156,6 +158,8 @@ class LocalRoute:
         self.plan = backend_plan(self.backends)
         recipe = recipe_for(self.model, backend=self.backend, backends=self.plan, progress=False)
         self.fingerprint, self.artifact_id = recipe.fingerprint(), recipe.artifact_id
+        # the worker proves every field from the file; the recipe tells it the backend plan
+        self.recipe_json = json.dumps(recipe.to_json(), sort_keys=True, separators=(",", ":"))
         self.files = slice_files(self.model, self.split, self.artifact_id, self.slice_dir) if self.slices \
             else [self.model] * len(self.split)
 
@@ -203,6 +207,32 @@ class LocalRoute:
                             [w.pid for w in self.workers])
 
 
+def cached_slice(model: Path, rng: "LayerRange", path: Path, artifact_id: str, *,
+                 log: Callable[[str], None] | None = None) -> Path:
+    """The slice of ``rng`` at ``path``: a cached file is reused only when it verifies against
+    the manifest it carries, is a slice of ``artifact_id`` and covers ``rng`` (every tensor's
+    bytes hashed: `dgr gguf verify-slice`); never on its path, size or mtime. Anything else
+    (missing, tampered, another artifact or range) is cut again from ``model``, with a warning
+    naming what failed."""
+    from ..gguf.slice import SliceError, slice_gguf, verify_slice
+
+    say = log or _log.info
+    if path.is_file():
+        try:
+            rep = verify_slice(path, expect_range=rng, progress=False)
+            if rep.source_artifact_id == artifact_id:
+                return path
+            problem = f"it is a slice of {rep.source_artifact_id[:16]}, not of {artifact_id[:16]}"
+        except (SliceError, DgrError) as exc:
+            problem = str(exc)
+        _log.warning("cached slice %s refused: %s; cutting it again", path, problem)
+        say(f"cached slice {path} refused ({problem}); cutting it again")
+        path.unlink()
+    say(f"slicing layers {rng.start}:{rng.end} -> {path}")
+    slice_gguf(model, rng, path, progress=False)
+    return path
+
+
 def worker_stats(model: Path | None, split: Sequence[tuple[int, int]], endpoints: Sequence[str],
                  pids: Sequence[int]) -> list[WorkerStats]:
     """One :class:`WorkerStats` per worker of a route (KV bytes per cell from ``model``; 0
@@ -217,19 +247,16 @@ def worker_stats(model: Path | None, split: Sequence[tuple[int, int]], endpoints
 
 def slice_files(model: Path, split: Sequence[tuple[int, int]], artifact_id: str,
                 out_dir: Path | None = None) -> list[Path]:
-    """One slice file per range of ``split``, made once and reused: in ``out_dir``, default
-    <tmp>/dgr-slices/<artifact id prefix>/ (so a changed model never reuses another's slices)."""
-    from ..gguf.slice import LayerRange, slice_gguf
+    """One slice file per range of ``split``, made once and reused only when it verifies
+    (:func:`cached_slice`): in ``out_dir``, default <tmp>/dgr-slices/<artifact id prefix>/."""
+    from ..gguf.slice import LayerRange
 
     out_dir = out_dir or Path(tempfile.gettempdir()) / "dgr-slices" / artifact_id[:16]
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
     for a, b in split:
         path = out_dir / f"{model.stem}.{a}-{b}.gguf"
-        if not path.is_file():
-            _log.info(f"slicing layers {a}:{b} -> {path}")
-            slice_gguf(model, LayerRange(a, b), path, progress=False)
-        files.append(path)
+        files.append(cached_slice(model, LayerRange(a, b), path, artifact_id))
     return files
 
 

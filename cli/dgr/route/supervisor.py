@@ -90,6 +90,7 @@ class WorkerArgs:
     tls_cert: Path | str | None = None
     tls_key: Path | str | None = None
     tls_client_ca: Path | str | None = None
+    require_client_auth: bool = False
     chain_peers: str | None = None
     chain_tls_ca: Path | str | None = None
     io_nice: int | None = None

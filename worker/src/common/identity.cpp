@@ -1,6 +1,7 @@
 #include "common/identity.h"
 
 #include "common/sha256.h"
+#include "common/slice_verify.h"
 #include "version.h"
 
 #include "ggml.h"
@@ -434,6 +435,18 @@ bool identify_artifact(const std::string & path, ArtifactIdentity * out, std::st
             wt.update(line.substr(a + 1, c - a - 1) + "\n");
         }
         out->weight_types_digest = hex_digest(wt);
+        // the ids are the slice's own claim: prove them (every tensor's bytes against the
+        // manifest it carries) before anything is served under them
+        if (log) {
+            uint64_t bytes = 0;
+            for (const GgufTensor & t : g.tensors()) bytes += t.n_bytes;
+            char buf[64];
+            std::snprintf(buf, sizeof buf, " (%.0f MiB)", (double) bytes / 1048576.0);
+            log("verifying slice " + path + buf + " against its embedded manifest...");
+        }
+        SliceVerdict v;
+        if (!verify_slice(g, &v, error)) return false;
+        out->tensor_bytes = v.bytes_hashed;
         return true;
     }
     out->metadata_digest = g.metadata_digest();
@@ -453,18 +466,11 @@ bool identify_artifact(const std::string & path, ArtifactIdentity * out, std::st
                        std::to_string(ts.size()) + "\n";
     Sha256 wt;
     wt.update("dgr-weight-types/v1\n");
-    for (const GgufTensor * t : ts) {
-        Sha256 h;
-        constexpr uint64_t kChunk = 16u << 20;
-        for (uint64_t off = 0; off < t->n_bytes; off += kChunk) {
-            h.update(g.data() + t->offset + off, (size_t) std::min(kChunk, t->n_bytes - off));
-        }
-        std::string shape;
-        for (size_t d = 0; d < t->dims.size(); ++d) shape += (d ? "x" : "") + std::to_string(t->dims[d]);
-        const std::string name = manifest_encode_name(t->name);
-        text += "tensor " + name + " " + std::to_string(t->ggml_type) + " " + shape + " " + std::to_string(t->n_bytes) +
-                " " + hex_digest(h) + "\n";
-        wt.update(name + " " + std::to_string(t->ggml_type) + "\n");
+    const std::vector<std::string> digests = tensor_sha256s(g, ts);  // every core
+    for (size_t i = 0; i < ts.size(); ++i) {
+        const GgufTensor * t = ts[i];
+        text += manifest_line(*t, digests[i]) + "\n";
+        wt.update(manifest_encode_name(t->name) + " " + std::to_string(t->ggml_type) + "\n");
     }
     out->manifest_text = std::move(text);
     out->artifact_id = sha256_hex(out->manifest_text);
