@@ -306,9 +306,6 @@ def test_fuzz_frames() -> None:
 
 
 @pytest.mark.native
-@pytest.mark.xfail(strict=True, reason="Python's check_request does not yet mirror frame_checks.cpp (order of checks, "
-                   "fast_decode session id length, route epoch); issue 14 item 4 makes them one validator: "
-                   "remove this mark when that lands (strict: the test then fails until it is removed)")
 def test_cpp_and_python_frame_checks_agree(tmp_path: Path, native_bin: Path) -> None:
     """Differential: the same mutated frames through the C++ validator (frame_fuzz_test replaying
     files, DGR_FUZZ_VERDICTS) and Python's check_request against the same capability give the
