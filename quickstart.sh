@@ -95,11 +95,16 @@ case "${1:-}" in
     build_native --tests --tools
     build_vulkan
     step "C++ tests (CTest)"
+    # the fuzz tests (docs/fuzzing.md) write what they tried to build/fuzz/fuzz-*.json
+    export DGR_FUZZ_SUMMARY_DIR="$PWD/build/fuzz"
+    rm -rf "$DGR_FUZZ_SUMMARY_DIR"; mkdir -p "$DGR_FUZZ_SUMMARY_DIR"
     ctest_rc=0
     ctest --test-dir build/cpu --output-on-failure || ctest_rc=$?
     step "Python tests (pytest)"
     pytest_rc=0
     .venv/bin/python -m pytest -q "${@:2}" || pytest_rc=$?
+    step "Fuzz tests: inputs tried"
+    cat "$DGR_FUZZ_SUMMARY_DIR"/fuzz-*.json 2>/dev/null || echo "(no fuzz summaries written)"
     if [ "$ctest_rc" -ne 0 ]; then echo "dgr: CTest failed (exit $ctest_rc)" >&2; exit "$ctest_rc"; fi
     exit "$pytest_rc"
     ;;

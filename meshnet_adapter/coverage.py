@@ -33,7 +33,7 @@ def register(nodes: list[tuple[str, str]], model: Path, *, backend: str = "cpu",
     regs, refused = [], []
     for node_id, ep in nodes:
         try:
-            with WorkerClient(ep, timeout=timeout, credentials=tls.grpc_credentials() if tls else None) as c:
+            with WorkerClient(ep, timeout=timeout, tls=tls) as c:
                 cap = c.capability()
                 load = c.load()
         except WorkerError as exc:

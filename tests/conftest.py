@@ -82,8 +82,9 @@ def gemma3_path() -> Path:
 
 @pytest.fixture(scope="session")
 def native_bin() -> Path:
-    """build/cpu/bin with dgr-worker and the CTest programs."""
-    bin_dir = REPO / "build" / "cpu" / "bin"
+    """build/cpu/bin with dgr-worker and the CTest programs (DGR_NATIVE_BIN: another such
+    folder, e.g. build/cpu-asan/bin to run the native tests against the sanitizer build)."""
+    bin_dir = Path(os.environ["DGR_NATIVE_BIN"]) if os.environ.get("DGR_NATIVE_BIN") else REPO / "build" / "cpu" / "bin"
     if not (bin_dir / "dgr-worker").is_file():
         if os.environ.get("CI") == "true":
             pytest.fail("build/cpu/bin/dgr-worker missing in CI: the test command must build it first")

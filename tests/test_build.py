@@ -69,3 +69,20 @@ def test_built_worker_reports_pin_digest_and_backend(native_bin):
     assert smoke.returncode == 0 and "smoke: ok" in smoke.stdout
     bad = subprocess.run([str(native_bin / "dgr-worker"), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument" in bad.stderr
+
+
+def test_sanitize_builds_in_its_own_tree_with_the_sanitizer_option(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(build_mod.paths, "build_dir", lambda: tmp_path)  # its own lock files
+
+    def fake_locked(backend, flags, bdir, **kw):
+        seen.update(backend=backend, bdir=bdir, **kw)
+        return build_mod.BuildResult(backend, bdir, bdir / "bin", kw["targets"])
+
+    monkeypatch.setattr(build_mod, "check_toolchain", lambda backend: [])
+    monkeypatch.setattr(build_mod, "_build_locked", fake_locked)
+    res = build_mod.build("cpu", targets=("dgr-tests",), sanitize=True)
+    assert res.build_dir == build_mod.sanitize_build_dir("cpu") and res.build_dir.name == "cpu-asan"
+    assert "-DDGR_SANITIZE=ON" in seen["extra_cmake"]
+    build_mod.build("cpu", targets=("dgr-worker",))
+    assert seen["bdir"].name == "cpu" and "-DDGR_SANITIZE=ON" not in seen["extra_cmake"]

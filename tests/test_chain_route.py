@@ -242,19 +242,35 @@ def test_killed_downstream_worker_fails_sessions_naming_it(native_bin, victim):
             w.kill()
 
 
-def test_downstream_outside_allowed_peers_is_refused(fake_workers):
+@pytest.mark.parametrize("endpoint", ["10.1.2.3:5", "[::ffff:10.1.2.3]:5", "127.0.0.1.evil.example:{port}",
+                                      "localhost.attacker:{port}", "127.0.0.1:{port}.evil"])
+def test_downstream_outside_allowed_peers_is_refused(fake_workers, endpoint):
+    """Only parsed addresses count: names that merely start like loopback are refused."""
     head = fake_workers["0:4"]
+    endpoint = endpoint.format(port=fake_workers["4:8"].target.rsplit(":", 1)[1])
     with head.client() as c:
         fp = c.capability().identity.compatibility_fingerprint
-        hop = pb.ChainHop(endpoint="10.1.2.3:5", range=pb.ShardRange(start=4, end=8), compatibility_fingerprint=fp)
+        hop = pb.ChainHop(endpoint=endpoint, range=pb.ShardRange(start=4, end=8), compatibility_fingerprint=fp)
         with c.open_session(downstream=[hop]) as s:
             req = s._input_frame(pb.PHASE_PREFILL, [256, 104, 105], None, True)
             assert list(req.step.downstream) == [hop]
             r = s.exchange(req, raise_errors=False)
             assert r.WhichOneof("result") == "error", r
             assert r.error.reason == pb.ERROR_REASON_BAD_REQUEST
-            assert "10.1.2.3:5" in r.error.message
+            assert endpoint in r.error.message and "not an allowed peer" in r.error.message
             s.close()
+
+
+def test_downstream_by_v4_mapped_loopback_is_allowed(fake_workers):
+    head, tail = fake_workers["0:4"], fake_workers["4:8"]
+    port = tail.target.rsplit(":", 1)[1]
+    with head.client() as c:
+        fp = c.capability().identity.compatibility_fingerprint
+        hop = pb.ChainHop(endpoint=f"[::ffff:127.0.0.1]:{port}", range=pb.ShardRange(start=4, end=8),
+                          compatibility_fingerprint=fp)
+        with c.open_session(downstream=[hop]) as s:
+            assert s.prefill([256, 104, 105]) is not None
+            s.release()
 
 
 def test_mode_selection_relay_and_requirement(fake_workers):

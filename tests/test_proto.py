@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgr.protocol import bundle as B
+from dgr.protocol import frame_checks as F
 from dgr.protocol import protogen
 from dgr.protocol import vectors as V
 from dgr.shard.v1 import shard_runtime_pb2 as pb
@@ -125,13 +126,18 @@ def test_vector_decodes_to_the_indexed_values_and_reencodes_identically(block):
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b["handling"] != "decode"], ids=lambda b: b["name"])
 def test_vector_handling_is_as_documented(block):
+    """The same vectors run through the C++ validator (proto_vectors_test): accepted, or refused
+    with the named reason, alone or against the Shard of a capability vector."""
     msg = pb.SessionRequest.FromString((VEC / block["file"]).read_bytes())
+    cap = None
+    if "capability" in block:
+        cap = pb.GetCapabilityResponse.FromString((VEC / f"{block['capability']}.bin").read_bytes())
     if block["handling"] == "accept":
-        B.check_request(msg)
+        F.check_frame(msg, cap)
     else:
         want = block["handling"].split(":", 1)[1]
         with pytest.raises(B.ShardProtocolError) as exc:
-            B.check_request(msg)
+            F.check_frame(msg, cap)
         assert exc.value.reason_name == want
 
 
@@ -215,7 +221,7 @@ def test_round_trip_large_prefill_split_over_frames():
     asm = B.BundleAssembler(max_fragment_bytes=16 << 10)
     for f in frames:
         req = pb.SessionRequest.FromString(f)
-        B.check_request(req)
+        F.check_request(req)
         asm.add(req.step.bundle)
     assert asm.complete()
     assert asm.finish()["residual"].tobytes() == x.tobytes()
@@ -242,7 +248,7 @@ def _token_frame(**kw) -> pb.SessionRequest:
 
 def _reason_of(req, cap) -> str | None:
     try:
-        B.check_request(req, cap)
+        F.check_request(req, cap)
     except B.ShardProtocolError as exc:
         return exc.reason_name
     return None
@@ -294,7 +300,8 @@ def test_check_request_stateless_failures():
     assert _reason_of(greedy_bad, None) is None
     assert _reason_of(pb.SessionRequest(fast_decode=pb.FastDecodeFrame(session_id="s")), None) == \
         "ERROR_REASON_BAD_REQUEST"
-    assert _reason_of(pb.SessionRequest(step=pb.StepFrame()), None) == "ERROR_REASON_BAD_REQUEST"
+    # a step without a header has no schema version (as in C++)
+    assert _reason_of(pb.SessionRequest(step=pb.StepFrame()), None) == "ERROR_REASON_SCHEMA_UNSUPPORTED"
 
 
 # ---- generated gRPC stubs over a loopback server -----------------------------------------------
@@ -315,7 +322,7 @@ def test_generated_stubs_carry_a_session_stream_and_structured_errors():
                 step = req.step.header.step if req.HasField("step") else req.fast_decode.step
                 header = pb.ResponseHeader(schema_version=pb.SCHEMA_VERSION_V1, step=step)
                 try:
-                    B.check_request(req, _cap(False))
+                    F.check_request(req, _cap(False))
                 except B.ShardProtocolError as exc:
                     yield pb.SessionResponse(header=header, error=exc.to_message())
                     continue

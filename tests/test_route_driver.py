@@ -222,7 +222,8 @@ def test_driver_overhead_is_small_per_hop(fake_workers):
 
 
 def test_hung_worker_hits_the_step_deadline_and_names_the_shard(native_bin):
-    """SIGSTOP the tail: the step deadline bounds the wait; the error names the hung shard."""
+    """SIGSTOP the tail: the head's keepalive on its chained hop (~1.5 s) or the driver's step
+    deadline (2 s here), whichever comes first, bounds the wait; the error names the hung shard."""
     import signal
 
     ws = [_start(native_bin, "--layers", "0:4"), _start(native_bin, "--layers", "4:8")]
@@ -239,7 +240,7 @@ def test_hung_worker_hits_the_step_deadline_and_names_the_shard(native_bin):
                 await d.close()
 
         r, dt = _run(main())
-        assert r.error is not None and r.error.reason == "DEADLINE_EXCEEDED"
+        assert r.error is not None and r.error.reason in ("DEADLINE_EXCEEDED", "ERROR_REASON_UNAVAILABLE"), r.error
         assert r.error.shard_range == (4, 8) and r.telemetry.status == "failed"
         assert dt < 10
     finally:

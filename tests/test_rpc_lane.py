@@ -5,6 +5,7 @@ plus one real run over two rpc-servers (real lane, and only when build/cpu-rpc i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import sys
@@ -227,9 +228,9 @@ def _assert_gone(pids):
             os.kill(pid, 0)
 
 
-def test_fake_lane_measures_and_cleans_up(fake_tools, dummy_model):
-    said = []
-    r = rpc_lane.measure_rpc(dummy_model, threads=3, n_prompt=128, n_gen=64, progress=said.append)
+def test_fake_lane_measures_and_cleans_up(fake_tools, dummy_model, caplog):
+    with caplog.at_level(logging.INFO, logger="dgr.bench.rpc"):
+        r = rpc_lane.measure_rpc(dummy_model, threads=3, n_prompt=128, n_gen=64)
     assert r["skipped"] is False, r
     assert (r["pp_tok_s"], r["tg_tok_s"]) == (400.5, 50.25)
     assert r["tensor_split"] == "15/16" and r["devices"] == "RPC0/RPC1" and len(r["servers"]) == 2
@@ -238,7 +239,7 @@ def test_fake_lane_measures_and_cleans_up(fake_tools, dummy_model):
     assert "--rpc " + ",".join(r["servers"]) in r["command"] and "-ts 15/16" in r["command"]
     argv = [json.loads(p.read_text())["argv"] for p in fake_tools.glob("server-*.json")]
     assert all(a[a.index("-t") + 1] == "3" and a[a.index("-d") + 1] == "CPU" for a in argv)
-    assert any("starting 2 rpc-servers" in m for m in said)
+    assert any("starting 2 rpc-servers" in m for m in caplog.messages)   # progress lines go through logging
     assert list(r["server_devices"].values()) == [["CPU: Fake CPU (1 MiB, 1 MiB free)"]] * 2
     pids = _server_pids(fake_tools)
     assert len(pids) == 2

@@ -36,6 +36,7 @@ CASES = {
     "tls_cert": (Path("/p/c.pem"), ["--tls-cert", "/p/c.pem"]),
     "tls_key": (Path("/p/k.pem"), ["--tls-key", "/p/k.pem"]),
     "tls_client_ca": (Path("/p/ca.pem"), ["--tls-client-ca", "/p/ca.pem"]),
+    "require_client_auth": (True, ["--require-client-auth"]),
     "chain_peers": ("*", ["--chain-peers", "*"]),
     "chain_tls_ca": (Path("/p/ca.pem"), ["--chain-tls-ca", "/p/ca.pem"]),
     "io_nice": (0, ["--io-nice", "0"]),

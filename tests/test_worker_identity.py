@@ -1,8 +1,10 @@
-"""A bare `dgr-worker serve --model FILE` (no --fingerprint/--artifact-id, which `dgr worker
-serve` computes in Python and passes) computes the real identity itself
-(worker/src/common/identity.cpp): the artifact id of dgr.gguf.identity.identify and the fingerprint
-of dgr.gguf.recipe.recipe_for, for whole artifacts (tied/untied, f32/q8_0) and slices (which serve
-their source's identity). A truncated or unsupported file makes it refuse to start."""
+"""`dgr-worker serve --model FILE` proves its identity from the file (worker/src/common/identity.cpp,
+slice_verify.cpp, worker/identity_check.cpp): the artifact id of dgr.gguf.identity.identify and the
+fingerprint of dgr.gguf.recipe.recipe_for, for whole artifacts (tied/untied, f32/q8_0) and slices
+(which serve their source's identity once every tensor verifies against the manifest they carry).
+--fingerprint/--artifact-id/--recipe-json may only name that identity: a flag that disagrees with
+the file refuses startup, printing both values; so does a slice with one altered tensor byte, and
+a truncated or unsupported file."""
 
 from __future__ import annotations
 
@@ -68,12 +70,81 @@ def test_bare_worker_slice_serves_source_identity(native_bin: Path, tmp_path: Pa
     assert recipe_for(sl, progress=False).fingerprint() == recipe_for(src, progress=False).fingerprint()
 
 
-def test_given_identity_is_not_recomputed(native_bin: Path, tmp_path: Path) -> None:
+def _refused(native_bin: Path, model: Path, *extra: str) -> str:
+    r = subprocess.run([str(native_bin / "dgr-worker"), "serve", "--listen", "127.0.0.1:0", "--model", str(model),
+                        *extra], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "dgr-worker: serving" not in r.stdout
+    errs = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(errs) == 1 and "refusing to serve" in errs[0], r.stderr
+    return errs[0]
+
+
+def test_identity_flags_that_disagree_with_the_file_refuse_startup(native_bin: Path, tmp_path: Path) -> None:
     m = synthesize(SynthSpec(n_layer=2, seed=9), tmp_path / "m.gguf")
-    fp, aid = "1" * 64, "2" * 64
-    ident, stderr = served_identity(native_bin, m, "--fingerprint", fp, "--artifact-id", aid)
-    assert (ident.compatibility_fingerprint, ident.artifact_id) == (fp, aid)
-    assert not any("computing the artifact identity" in line for line in stderr)
+    other = synthesize(SynthSpec(n_layer=2, seed=10), tmp_path / "other.gguf")
+    mine, theirs = recipe_for(m, backend="cpu", progress=False), recipe_for(other, backend="cpu", progress=False)
+    # another model's identity (a route of two different models must not form)
+    err = _refused(native_bin, m, "--fingerprint", theirs.fingerprint(), "--artifact-id", theirs.artifact_id)
+    assert theirs.artifact_id in err and mine.artifact_id in err and "--artifact-id" in err
+    err = _refused(native_bin, m, "--fingerprint", "1" * 64)
+    assert "1" * 64 in err and mine.fingerprint() in err and "--fingerprint" in err
+    # a recipe that names another tokenizer / another artifact
+    bad = mine.to_json() | {"tokenizer_digest": "3" * 64}
+    err = _refused(native_bin, m, "--recipe-json", json.dumps(bad))
+    assert "tokenizer_digest" in err and "3" * 64 in err and mine.tokenizer_digest in err
+    err = _refused(native_bin, m, "--recipe-json", json.dumps(theirs.to_json()))
+    assert "artifact_id" in err and theirs.artifact_id in err
+    # a plan without this build's backend; a recipe whose fingerprint is not its own fields'
+    err = _refused(native_bin, m, "--recipe-json", json.dumps(mine.to_json() | {"backends": "vulkan"}))
+    assert "backends" in err and "'vulkan'" in err
+    err = _refused(native_bin, m, "--recipe-json", json.dumps(mine.to_json() | {"fingerprint": "4" * 64}))
+    assert "4" * 64 in err and mine.fingerprint() in err
+    _refused(native_bin, m, "--recipe-json", "{not json")
+
+
+def test_identity_flags_that_name_the_file_are_served(native_bin: Path, tmp_path: Path) -> None:
+    m = synthesize(SynthSpec(n_layer=2, seed=9), tmp_path / "m.gguf")
+    r = recipe_for(m, backend="cpu", progress=False)
+    ident, _ = served_identity(native_bin, m, "--fingerprint", r.fingerprint(), "--artifact-id", r.artifact_id)
+    assert (ident.compatibility_fingerprint, ident.artifact_id) == (r.fingerprint(), r.artifact_id)
+    # the file cannot say the route's backend plan: a recipe may choose one that holds this backend
+    mixed = recipe_for(m, backend="cpu", backends="cpu+vulkan", progress=False)
+    assert mixed.fingerprint() != r.fingerprint()
+    ident, _ = served_identity(native_bin, m, "--fingerprint", mixed.fingerprint(), "--artifact-id", r.artifact_id,
+                               "--recipe-json", json.dumps(mixed.to_json()))
+    assert ident.compatibility_fingerprint == mixed.fingerprint()
+    # without the recipe, that fingerprint is not what the file and this build give
+    _refused(native_bin, m, "--fingerprint", mixed.fingerprint())
+
+
+def _flip_tensor_byte(path: Path, name: str) -> None:
+    """Alter one byte in the middle of tensor ``name``'s data."""
+    from dgr.gguf.inspect import open_gguf
+
+    with open_gguf(path) as gf:
+        t = next(t for t in gf.tensors if t.name == name)
+        at = t.offset + t.n_bytes // 2
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_slice_with_one_altered_tensor_byte_is_refused(native_bin: Path, tmp_path: Path) -> None:
+    src = synthesize(SynthSpec(n_layer=4, dtype="q8_0", seed=7), tmp_path / "src.gguf")
+    sl = tmp_path / "slice.gguf"
+    slice_gguf(src, LayerRange(1, 3), sl, progress=False)
+    _flip_tensor_byte(sl, "blk.2.ffn_down.weight")
+    err = _refused(native_bin, sl, "--layers", "1:3")
+    assert "tensor blk.2.ffn_down.weight" in err and "the manifest says" in err, err
+    # a changed metadata pair is refused too (the tokenizer is part of the identity)
+    sl2 = tmp_path / "slice2.gguf"
+    slice_gguf(src, LayerRange(0, 2), sl2, progress=False)
+    data = sl2.read_bytes()
+    i = data.index(b"<0x41>")
+    sl2.write_bytes(data[:i] + b"<0x42>" + data[i + 6:])
+    err = _refused(native_bin, sl2, "--layers", "0:2")
+    assert "tokenizer" in err or "metadata" in err, err
 
 
 def run_bare(native_bin: Path, model: Path) -> subprocess.CompletedProcess:
@@ -91,7 +162,7 @@ def test_truncated_gguf_refused(native_bin: Path, tmp_path: Path) -> None:
         r = run_bare(native_bin, bad)
         assert r.returncode == 2, (n, r.stderr)
         errs = [line for line in r.stderr.splitlines() if "error" in line]
-        assert len(errs) == 1 and "cannot compute the artifact identity" in errs[0] and what in errs[0], r.stderr
+        assert len(errs) == 1 and "refusing to serve" in errs[0] and what in errs[0], r.stderr
         assert "dgr-worker: serving" not in r.stdout
 
 
@@ -121,5 +192,5 @@ def test_smollm2_bare_worker_identity(native_bin: Path, smollm2_path: Path, tmp_
     assert ident.artifact_id == identity.identify(smollm2_path, progress=False, use_cache=False).artifact_id
     assert ident.artifact_id == recipe.artifact_id
     assert ident.compatibility_fingerprint == recipe.fingerprint()
-    hashed = [line for line in stderr if line.startswith("dgr-worker: artifact id")]
+    hashed = [line for line in stderr if "MiB hashed in" in line]
     print(f"SmolLM2 bare startup {startup:.2f} s; {hashed}")

@@ -90,18 +90,45 @@ def _register() -> None:
     app.command("serve")(serve_cmd.serve)
     from .commands import doctor as doctor_cmd
     app.command("doctor", help="Each compute backend: what is present, what is missing, the install command.")(doctor_cmd.doctor)
+    from .commands import drill as drill_cmd
+    app.command("drill", help="Inject one fault into a route under load; measure detection, failover and what survivors hold.")(drill_cmd.drill)
     # Further command groups register here.
 
 
 _register()
 
 
+def _click_errors() -> tuple[type, type, type]:
+    """(ClickException, UsageError, Abort) of the click that Typer runs on (newer Typer vendors it)."""
+    import typer.core
+
+    ck = getattr(typer.core, "_click", None)
+    if ck is None:  # pragma: no cover - older Typer runs on click itself
+        import click as ck
+    return ck.exceptions.ClickException, ck.exceptions.UsageError, typer.core.Abort
+
+
 def main() -> None:
+    click_error, usage_error, abort = _click_errors()
     try:
-        app()
+        rv = app(standalone_mode=False, prog_name="dgr")
     except DgrError as exc:
         typer.echo(f"dgr: error: {exc.one_line()}", err=True)
         sys.exit(exc.exit_code)
+    except click_error as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare group: its help, as Typer shows it
+            exc.show()
+            sys.exit(exc.exit_code)
+        # a bad option value or usage: one line (the value's range, the command's --help), exit 2
+        where = f" (see '{exc.ctx.command_path} --help')" if isinstance(exc, usage_error) and exc.ctx else ""
+        message = " ".join(exc.format_message().split())
+        typer.echo(f"dgr: error: {message}{where}", err=True)
+        sys.exit(exc.exit_code)
+    except abort:
+        typer.echo("dgr: aborted", err=True)
+        sys.exit(1)
+    if isinstance(rv, int):  # typer.Exit(code) and --help end here in non-standalone mode
+        sys.exit(rv)
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ static void flatten(const Message & m, const std::string & prefix, Lines * out) 
 // ---- index ------------------------------------------------------------------------------------
 
 struct Block {
-    std::string                        name, type, file, kind, handling, reencode;
+    std::string                        name, type, file, kind, handling, reencode, capability;
     Lines                              fields;
 };
 
@@ -217,6 +217,8 @@ static bool parse_index(const std::string & text, std::vector<Block> * blocks,
             cur->handling = rest;
         } else if (key == "reencode") {
             cur->reencode = rest;
+        } else if (key == "capability") {
+            cur->capability = rest;
         } // sha256: checked by the Python side
     }
     return cur == nullptr;
@@ -230,7 +232,7 @@ static std::string serialize(const Message & m) {
 
 // ---- checks -----------------------------------------------------------------------------------
 
-static void check_vector(const std::string & dir, const Block & b) {
+static void check_vector(const std::string & dir, const Block & b, const std::vector<Block> & all) {
     bool              ok   = false;
     const std::string data = read_file(dir + "/" + b.file, &ok);
     CHECK(ok, "%s: cannot read %s", b.name.c_str(), b.file.c_str());
@@ -265,19 +267,22 @@ static void check_vector(const std::string & dir, const Block & b) {
         CHECK(b.type == "dgr.shard.v1.SessionRequest", "%s: handling on %s", b.name.c_str(), b.type.c_str());
         pb::SessionRequest req;
         req.ParseFromString(data);
-        const dgr::bundle::Result r = dgr::bundle::check_request(req);
+        // checked alone, or against the Shard of another vector (`capability NAME`)
+        pb::GetCapabilityResponse cap;
+        bool                      with_cap = false;
+        if (!b.capability.empty()) {
+            for (const Block & c : all) {
+                if (c.name == b.capability) {
+                    bool cok = false;
+                    with_cap = cap.ParseFromString(read_file(dir + "/" + c.file, &cok)) && cok;
+                }
+            }
+            CHECK(with_cap, "%s: capability vector %s missing", b.name.c_str(), b.capability.c_str());
+        }
+        // the frame's rules and, for a bundle, the bundle's (one complete step)
+        const dgr::bundle::Result r = dgr::bundle::check_frame(req, with_cap ? &cap : nullptr);
         if (b.handling == "accept") {
             CHECK(!r, "%s: expected accept, got %s", b.name.c_str(), r ? r->to_string().c_str() : "");
-            // Bundles in accepted frames reassemble.
-            const pb::TensorBundle * bundle = req.has_step() && req.step().has_bundle() ? &req.step().bundle()
-                                              : req.has_fast_decode() && req.fast_decode().has_bundle()
-                                                  ? &req.fast_decode().bundle()
-                                                  : nullptr;
-            if (bundle) {
-                std::vector<dgr::bundle::Tensor> tensors;
-                const dgr::bundle::Result        br = dgr::bundle::read_bundle(*bundle, &tensors);
-                CHECK(!br, "%s: bundle: %s", b.name.c_str(), br ? br->to_string().c_str() : "");
-            }
         } else {
             const std::string want = b.handling.substr(b.handling.find(':') + 1);
             CHECK(r && r->reason_name() == want, "%s: expected %s, got %s", b.name.c_str(), want.c_str(),
@@ -354,7 +359,7 @@ int main() {
     CHECK(parse_index(idx, &blocks, &reasons), "index.txt is malformed");
     CHECK(blocks.size() >= 15, "only %zu vectors", blocks.size());
     for (const Block & b : blocks) {
-        check_vector(dir, b);
+        check_vector(dir, b, blocks);
     }
     bool seen_older = false, seen_newer = false;
     for (const Block & b : blocks) {

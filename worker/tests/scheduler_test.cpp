@@ -441,6 +441,60 @@ void test_status_details() {
           "ShardError round trip");
 }
 
+// A second stream naming a live session id: refused for every frame kind, nothing stored read,
+// nothing applied; the same identity (mTLS) may supersede with a newer epoch, another may not.
+void test_sessions_are_owned_by_their_stream() {
+    Worker w;
+    auto owner = std::make_shared<Sink>(), thief = std::make_shared<Sink>();
+    Frames f = w.frames("owned");
+    size_t n = 0;
+    const std::vector<int32_t> got = generate(w, owner, f, {3, 1, 4}, 3, &n);
+    Frames t = f;  // the thief knows everything, the exact last frame included
+    t.step = f.step;
+    t.pos = f.pos - 1;
+    const uint64_t replays = w.metrics.replayed_steps, steps = w.metrics.steps;
+    w.post(thief, t.fast(got[got.size() - 2]));          // the owner's last frame, byte for byte
+    pb::SessionResponse r = thief->answer(1);
+    CHECK(reason_of(r) == "ERROR_REASON_SESSION_NOT_OWNED" && !r.header().replayed() && !r.has_tail(),
+          "replay on another stream: %s", reason_of(r).c_str());
+    CHECK(r.error().grpc_code() == 7 && !r.error().session_terminated(), "PERMISSION_DENIED, non-terminal");
+    Frames next = f;
+    next.step = f.step + 1;
+    next.pos = f.pos;
+    w.post(thief, next.fast(got.back()));               // the next step
+    CHECK(reason_of(thief->answer(2)) == "ERROR_REASON_SESSION_NOT_OWNED", "next step on another stream");
+    Frames newer = f;
+    newer.epoch = 2, newer.step = 0, newer.pos = 0;
+    w.post(thief, newer.tokens({9}));                    // a newer epoch while the owner is connected
+    CHECK(reason_of(thief->answer(3)) == "ERROR_REASON_SESSION_NOT_OWNED", "newer epoch on another stream");
+    CHECK(w.metrics.replayed_steps == replays && w.metrics.steps == steps, "nothing replayed or applied");
+    // the owner: an identical replay is answered from the store; a different frame under the step is not
+    Frames same = f;
+    same.pos = f.pos - 1;
+    w.post(owner, same.fast(got[got.size() - 2]));
+    r = owner->answer(++n);
+    CHECK(r.header().replayed() && token_of(r) == got.back(), "owner replay: %s", reason_of(r).c_str());
+    w.post(owner, same.fast(got[got.size() - 2] + 1));
+    r = owner->answer(++n);
+    CHECK(reason_of(r) == "ERROR_REASON_STEP_OUT_OF_ORDER" && r.error().last_step() == f.step,
+          "a different frame under a used step: %s", reason_of(r).c_str());
+    // and it continues exactly as alone
+    f.step++;
+    w.post(owner, f.fast(got.back()));
+    r = owner->answer(++n);
+    CHECK(token_of(r) == reference({3, 1, 4}, 4).back(), "owner continues undisturbed");
+    // mTLS: the same client identity on a new stream supersedes; another identity does not
+    owner->client_identity = "subject=CN=a;san=a";
+    auto other = std::make_shared<Sink>(), same_client = std::make_shared<Sink>();
+    other->client_identity = "subject=CN=b;san=b";
+    same_client->client_identity = owner->client_identity;
+    w.post(other, newer.tokens({9}));
+    CHECK(reason_of(other->answer(1)) == "ERROR_REASON_SESSION_NOT_OWNED", "another client identity");
+    w.post(same_client, newer.tokens({9}));
+    CHECK(reason_of(same_client->answer(1)) == "ok", "the same client identity supersedes");
+    CHECK(reason_of(owner->answer(++n)) == "ERROR_REASON_STALE_EPOCH", "the old stream is told");
+}
+
 }  // namespace
 
 int main() {
@@ -451,6 +505,7 @@ int main() {
     test_state_errors_name_the_reason();
     test_boundary_fragments_assemble_into_the_tail();
     test_admission_over_budget();
+    test_sessions_are_owned_by_their_stream();
     if (g_failures) {
         std::fprintf(stderr, "scheduler_test: %d failure(s)\n", g_failures);
         return 1;

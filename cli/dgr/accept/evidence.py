@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as _dt
 import importlib
 import json
+import logging
 import os
 import pkgutil
 import platform
@@ -32,6 +33,8 @@ from typing import Any, Callable
 
 from .. import __version__, paths
 from ..errors import DgrError
+
+_log = logging.getLogger(__name__)
 
 LANES = ("synthetic", "local-real", "multi-host-simulated", "multi-machine-real")
 
@@ -186,14 +189,9 @@ def environment_manifest(backend: str = "cpu", model: Path | None = None,
     from ..upstream import patchstack
     from ..upstream import pin as pin_mod
 
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from ..procfs import cpu_model
+
+    cpu = cpu_model()
     pin = pin_mod.load_pin()
     env: dict[str, Any] = {
         "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -285,18 +283,17 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str = "cp
     return ok, out_dir
 
 
-def run_all(out_root: Path | None = None, *, backend: str = "cpu", model: Path | None = None,
-            progress: Callable[[str], None] | None = None) -> list[tuple[str, bool, Path]]:
+def run_all(out_root: Path | None = None, *, backend: str = "cpu",
+            model: Path | None = None) -> list[tuple[str, bool, Path]]:
     """Every registered story (except those registered with ``in_all=False``), in id order; one
     story's failure does not stop the others."""
     out = []
     stories = [s for s in registered() if s.in_all]
     for st in registered():
-        if not st.in_all and progress:
-            progress(f"skipping {st.story_id}: {st.all_note or 'named runs only'}")
+        if not st.in_all:
+            _log.info(f"skipping {st.story_id}: {st.all_note or 'named runs only'}")
     for i, st in enumerate(stories, 1):
-        if progress:
-            progress(f"[{i}/{len(stories)}] {st.story_id}: {st.title}")
+        _log.info(f"[{i}/{len(stories)}] {st.story_id}: {st.title}")
         ok, d = run_story(st.story_id, out_root, backend=backend, model=model)
         out.append((st.story_id, ok, d))
     return out

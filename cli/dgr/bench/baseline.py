@@ -19,18 +19,23 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import platform
 import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .. import __version__, paths
 from ..errors import DgrError
 from .hf_export import prepare, require_baseline_extra, sha256_file
+from ..procfs import cpu_model
+from .stats import percentile, positional_agreement, prefix_agreement  # noqa: F401
 from .llama_lane import CommandLog, Measured, backend_for, batched_bench, llama_bench, run_measured, run_probe
+
+_log = logging.getLogger(__name__)
 
 RESULTS_SCHEMA = "dgr.bench.baseline/1"
 DATA_DIR = paths.PACKAGE_DIR / "data"
@@ -75,14 +80,7 @@ def load_inputs() -> tuple[str, list[str]]:
 
 
 def hardware(cfg: BaselineConfig) -> dict[str, Any]:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     ncpu = os.cpu_count() or 0
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu = None
@@ -96,32 +94,6 @@ def hardware(cfg: BaselineConfig) -> dict[str, Any]:
     return {"class": f"{cfg.device}-{platform.machine()}-{ncpu}cpu" + (f"-{gpu}" if gpu else ""),
             "device": cfg.device, "machine": platform.machine(), "cpu": cpu, "logical_cpus": ncpu,
             "memory_bytes": mem, "gpu": gpu, "threads": cfg.threads, "os": platform.platform()}
-
-
-# ---- statistics helpers (pure) -------------------------------------------------------------
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def prefix_agreement(a: list[int], b: list[int]) -> float:
-    """Share of ``b`` (the reference) reproduced before the first differing token."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n / len(b) if b else 1.0
-
-
-def positional_agreement(a: list[int], b: list[int]) -> float:
-    n = min(len(a), len(b))
-    return sum(1 for i in range(n) if a[i] == b[i]) / n if n else 1.0
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -292,8 +264,7 @@ def _drift(rec: dict, ref: dict, logits, ref_logits) -> dict[str, Any]:
     return out
 
 
-def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
-                 progress: Callable[[str], None] = print) -> dict[str, Any]:
+def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None) -> dict[str, Any]:
     """Measure every recipe; returns the ``dgr.bench.baseline/1`` document."""
     import math
     import tempfile
@@ -311,7 +282,7 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
 
     src_sha = sha256_file(source)
     art_root = model_dir() / "baseline" / src_sha[:16]
-    manifest = prepare(source, art_root, threads=cfg.threads, log=log, progress=progress)
+    manifest = prepare(source, art_root, threads=cfg.threads, log=log)
     hf_dir = art_root / manifest["artifacts"]["safetensors"]["path"]
     text, prompts = load_inputs()
     text_ids, prompt_ids = _tokenize(hf_dir, text, prompts)
@@ -331,7 +302,7 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
         work = Path(owned_tmp.name)
     try:
         for name, dtype in HF_RECIPES.items():
-            progress(f"measuring {name}")
+            _log.info(f"measuring {name}")
             try:
                 recipes[name], logits[name] = _hf_recipe(name, dtype, hf_dir, cfg, inputs, work, log)
             except DgrError as exc:
@@ -339,7 +310,7 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
                 recipes[name] = {"failures": [exc.one_line()]}
         measured: dict[str, Path] = {}
         for name, key in GGUF_RECIPES.items():
-            progress(f"measuring {name} (probe)")
+            _log.info(f"measuring {name} (probe)")
             try:
                 model = art_root / manifest["artifacts"][key]["path"]
                 recipes[name], logits[name] = _gguf_recipe(name, model, cfg, inputs, work, log)
@@ -349,7 +320,7 @@ def run_baseline(source: Path, cfg: BaselineConfig, *, work: Path | None = None,
                 recipes[name] = {"failures": [exc.one_line()]}
         hf_ok = {n: d for n, d in HF_RECIPES.items() if not recipes[n].get("failures")}
         if measured or hf_ok:
-            progress(f"{cfg.rounds} interleaved timing round(s) over {', '.join([*hf_ok, *measured])}")
+            _log.info(f"{cfg.rounds} interleaved timing round(s) over {', '.join([*hf_ok, *measured])}")
             try:
                 _speed_rounds(hf_ok, measured, recipes, cfg, hf_dir, inputs, work, log)
             except DgrError as exc:

@@ -29,13 +29,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ..errors import DgrError
+from ..procfs import status_bytes
+from .stats import percentile
+
+_log = logging.getLogger(__name__)
 
 SCHEMA = "dgr.bench.gate/1"
 SAFETENSORS = "safetensors-fp32"
@@ -91,10 +96,7 @@ async def score_text(endpoints: Sequence[str], ids: Sequence[int], *, chunk: int
     """Teacher-forced scoring through the route, chunk by chunk (one session per chunk): each
     position's top-1 id and the logprob of the text's next token (clipped at the k-th logprob
     when it is not among the top k)."""
-    from ..route.driver import RouteDriver, Sampling, _Stream
-
-    from ..protocol.bundle import frame_payload_checksum
-    from ..shard.v1 import shard_runtime_pb2 as pb
+    from ..route.driver import RouteDriver, Sampling
 
     d = await RouteDriver(list(endpoints), chain=False).connect()
     argmax: list[int] = []
@@ -105,50 +107,22 @@ async def score_text(endpoints: Sequence[str], ids: Sequence[int], *, chunk: int
             part = list(ids[c0:c0 + chunk + 1])
             if len(part) < 2:
                 break
-            sid = f"score-{c0}"
-            streams = [_Stream(s, d.timeout) for s in d.shards]
-            try:
-                for pos in range(len(part) - 1):
-                    payload: Any = part[pos]
-                    resp = None
-                    for i, st in enumerate(streams):
-                        if pos == 0:
-                            span = pb.TokenSpan(token_ids=[part[0]]) if i == 0 else payload
-                            h = d._header(st.shard, sid, 1, st.step, pb.PHASE_PREFILL, 0, 1,
-                                          pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_EMPTY), f"{sid}/p0")
-                            h.payload_checksum.CopyFrom(frame_payload_checksum(span))
-                            f = pb.StepFrame(header=h, sample=True)
-                            if i == 0:
-                                f.tokens.CopyFrom(span)
-                            else:
-                                f.bundle.CopyFrom(span)
-                            if i == len(streams) - 1:
-                                f.sampling.CopyFrom(Sampling(top_logprobs=top, ignore_eog=True).to_proto())
-                            resp = await st.exchange(pb.SessionRequest(step=f))
-                        else:
-                            fd = pb.FastDecodeFrame(session_id=sid, route_epoch=1, step=st.step, position=pos,
-                                                    request_id=f"{sid}/d{pos}")
-                            if i == 0:
-                                fd.token_id = payload
-                            else:
-                                fd.bundle.CopyFrom(payload)
-                            resp = await st.exchange(pb.SessionRequest(fast_decode=fd))
-                        st.step += 1
-                        if i < len(streams) - 1:
-                            payload = resp.boundary
-                    tok = resp.tail.tokens[0]
-                    tops = {t.token_id: t.logprob for t in tok.top_logprobs}
-                    nxt = part[pos + 1]
-                    argmax.append(tok.token_id)
-                    if nxt in tops:
-                        nll -= tops[nxt]
-                    else:
-                        nll -= min(tops.values())
-                        clipped += 1
-                    n += 1
-            finally:
-                for st in streams:
-                    await d._release(st, sid, 1)
+            # teacher forcing: output k is the route's prediction after part[:k + 1]
+            r = await d.generate([part[0]], max_tokens=len(part) - 1, session_id=f"score-{c0}",
+                                 sampling=Sampling(top_logprobs=top, ignore_eog=True), stop_on_eog=False,
+                                 forced_tokens=part[1:])
+            if r.error is not None:
+                raise r.error
+            for pos, (tok, top_k) in enumerate(zip(r.tokens, r.top_logprobs)):
+                tops = dict(top_k)
+                nxt = part[pos + 1]
+                argmax.append(tok)
+                if nxt in tops:
+                    nll -= tops[nxt]
+                else:
+                    nll -= min(tops.values())
+                    clipped += 1
+                n += 1
     finally:
         await d.close()
     return {"argmax": argmax, "n_scored": n, "nll_sum": nll, "clipped": clipped,
@@ -195,7 +169,7 @@ def timing(endpoints: Sequence[str], pids: Sequence[int], ranges: Sequence[str],
         "prefill_tok_s": s0.prefill_tok_s if c == 1 else rep.aggregate_prefill_tok_s,
         "decode_tok_s": s0.decode_tok_s if c == 1 else (rep.concurrent_decode_tok_s or rep.aggregate_decode_tok_s),
         "aggregate_decode_window_tok_s": rep.aggregate_decode_tok_s,
-        "token_latency_p50_s": _pct(gaps, 0.50), "token_latency_p95_s": _pct(gaps, 0.95),
+        "token_latency_p50_s": percentile(gaps, 0.50), "token_latency_p95_s": percentile(gaps, 0.95),
         "seam_bytes_per_decode_token": rep.seam_bytes_per_decode_token,
         "hop_decode_rtt_s": rep.hop_decode_rtt_s,
         "workers": [{"range": w.range, "rss_peak_bytes": w.rss_peak_bytes, "kv_cells_peak": w.kv_cells_peak,
@@ -206,28 +180,9 @@ def timing(endpoints: Sequence[str], pids: Sequence[int], ranges: Sequence[str],
     }
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def _peak_rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 # ---- the run ------------------------------------------------------------------------------------
 
-def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] = print) -> dict[str, Any]:
+def run_gate(source: Path, cfg: GateConfig) -> dict[str, Any]:
     """Measure every route and yardstick; returns the ``dgr.bench.gate/1`` document."""
     from contextlib import ExitStack
 
@@ -239,10 +194,10 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
     from .hf_route import HfRoute, whole_model_greedy
 
     require_baseline_extra()
-    ensure_worker(cfg.backend, log=progress)
+    ensure_worker(cfg.backend)
     log = CommandLog()
     art_root = model_dir() / "baseline" / sha256_file(source)[:16]
-    manifest = prepare(source, art_root, threads=cfg.threads, log=log, progress=progress)
+    manifest = prepare(source, art_root, threads=cfg.threads, log=log)
     arts = manifest["artifacts"]
     hf_dir = art_root / arts["safetensors"]["path"]
     n_layer = int(manifest["model"]["n_layer"])
@@ -261,7 +216,7 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
         "artifacts": {k: {m: v.get(m) for m in ("bytes", "sha256", "made_by", "format")} for k, v in arts.items()},
         "routes": {}, "whole": {}, "commands": log.entries}
     with ExitStack() as stack:
-        progress(f"starting the safetensors route ({', '.join(ranges)}, transformers shard workers)")
+        _log.info(f"starting the safetensors route ({', '.join(ranges)}, transformers shard workers)")
         hf = stack.enter_context(HfRoute(hf_dir, cfg.split, threads=cfg.threads, max_sessions=max_s,
                                          ctx_per_session=ctx, artifact_id=arts["safetensors"]["sha256"]))
         routes: dict[str, tuple[list[str], list[int], int]] = {
@@ -269,7 +224,7 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
         wholes: dict[str, Any] = {}
         for name, key in GGUF_ROUTES.items():
             model = art_root / arts[key]["path"]
-            progress(f"starting the {name} route ({', '.join(ranges)}) and its whole-model dgr-worker")
+            _log.info(f"starting the {name} route ({', '.join(ranges)}) and its whole-model dgr-worker")
             lr = stack.enter_context(LocalRoute(model, cfg.split, threads=cfg.threads, max_sessions=max_s,
                                                 ctx_per_session=ctx, backend=cfg.backend))
             lw = stack.enter_context(LocalRoute(model, [(0, n_layer)], threads=cfg.threads, max_sessions=max_s,
@@ -280,7 +235,7 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
             asyncio.run(greedy(eps, [inp["prompts"][0]], 2))
         # quality: greedy tokens and teacher-forced scoring, per route and per whole model
         for name, (eps, pids, nbytes) in routes.items():
-            progress(f"{name} route: greedy tokens of {len(inp['prompts'])} fixed prompts, scoring "
+            _log.info(f"{name} route: greedy tokens of {len(inp['prompts'])} fixed prompts, scoring "
                      f"{len(inp['score'])} text tokens")
             doc["routes"][name] = {"endpoints": eps, "ranges": ranges, "artifact_bytes": nbytes,
                                    "greedy": asyncio.run(greedy(eps, inp["prompts"], cfg.quality_tokens)),
@@ -288,22 +243,22 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
                                                                    top=cfg.top_logprobs)),
                                    "timing": {}}
         for name, (eps, pids, model) in wholes.items():
-            progress(f"{name} whole model (1 dgr-worker): greedy tokens and scoring")
+            _log.info(f"{name} whole model (1 dgr-worker): greedy tokens and scoring")
             doc["whole"][name] = {"greedy": asyncio.run(greedy(eps, inp["prompts"], cfg.quality_tokens)),
                                   "score": asyncio.run(score_text(eps, inp["score"], chunk=cfg.score_chunk,
                                                                   top=cfg.top_logprobs)),
                                   "worker_timing": {}, "llama_bench": {}, "llama_batched_bench": {}}
-        progress("transformers whole model (parity reference of the safetensors route)")
+        _log.info("transformers whole model (parity reference of the safetensors route)")
         doc["transformers_whole"] = {"greedy": [r["tokens"] for r in whole_model_greedy(
             hf_dir, inp["prompts"], cfg.quality_tokens, threads=cfg.threads)]}
         # speed: per concurrency, every route and whole model back to back
         for c in cfg.concurrency:
             prompts = inp["perf"][:c]
             for name, (eps, pids, _b) in routes.items():
-                progress(f"{c} session(s): {name} route")
+                _log.info(f"{c} session(s): {name} route")
                 doc["routes"][name]["timing"][str(c)] = timing(eps, pids, ranges, prompts, cfg.n_gen)
             for name, (eps, pids, model) in wholes.items():
-                progress(f"{c} session(s): {name} whole model ("
+                _log.info(f"{c} session(s): {name} whole model ("
                          + ("dgr-worker, llama-bench)" if c == 1 else f"llama-batched-bench B={c})"))
                 w = doc["whole"][name]
                 if c == 1:   # the contract's TTFT and p95 baselines: the whole model through the same driver
@@ -313,9 +268,9 @@ def run_gate(source: Path, cfg: GateConfig, *, progress: Callable[[str], None] =
                     b = _batched_bench(model, cfg.threads, cfg.n_prompt, cfg.n_gen, (c,), cfg.backend)
                     w["llama_batched_bench"][str(c)] = {"command": b["command"], **b["by_batch"][str(c)]}
         for name, (eps, pids, _b) in routes.items():
-            doc["routes"][name]["peak_rss_bytes"] = [_peak_rss(p) for p in pids]
+            doc["routes"][name]["peak_rss_bytes"] = [status_bytes(p, "VmHWM") for p in pids]
         for name, (eps, pids, _m) in wholes.items():
-            doc["whole"][name]["peak_rss_bytes"] = _peak_rss(pids[0])
+            doc["whole"][name]["peak_rss_bytes"] = status_bytes(pids[0], "VmHWM")
     return doc
 
 

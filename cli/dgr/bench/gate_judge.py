@@ -21,6 +21,7 @@ from typing import Any
 
 from .contract import RESULTS_SCHEMA, Threshold, _get, _num, build_contract, check
 from .gate import GGUF_ROUTES, SAFETENSORS
+from .stats import positional_agreement, prefix_agreement
 
 CONTRACT = "evidence/DGR-001/performance-contract.json"
 BASELINE = "evidence/DGR-001/baseline.json"
@@ -57,23 +58,9 @@ def contract_lock(repo: Path, contract: dict[str, Any], baseline: dict[str, Any]
 
 # ---- results in the contract's format ---------------------------------------------------------------
 
-def _prefix(a: list[int], b: list[int]) -> float:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n / len(b) if b else 1.0
-
-
-def _positional(a: list[int], b: list[int]) -> float:
-    n = min(len(a), len(b))
-    return sum(1 for i in range(n) if a[i] == b[i]) / n if n else 1.0
-
-
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Mean share of each reference answer reproduced before the first differing token."""
-    return statistics.mean(_prefix(x, y) for x, y in zip(a, b)) if b else 1.0
+    return statistics.mean(prefix_agreement(x, y) for x, y in zip(a, b)) if b else 1.0
 
 
 def route_block(doc: dict[str, Any], name: str) -> dict[str, Any]:
@@ -95,7 +82,7 @@ def route_block(doc: dict[str, Any], name: str) -> dict[str, Any]:
         "hop_decode_rtt_seconds": one.get("hop_decode_rtt_s"),
         "failures": sum(len(v.get("failures") or []) for v in t.values()),
         "perplexity": r["score"]["perplexity"],
-        "top1_agreement_vs_transformers_fp32": _positional(r["score"]["argmax"], ref),
+        "top1_agreement_vs_transformers_fp32": positional_agreement(r["score"]["argmax"], ref),
         "kv_cells_peak": max((w["kv_cells_peak"] for v in t.values() for w in v["workers"]), default=0),
         "kv_cells_total": max((w["kv_cells_total"] for v in t.values() for w in v["workers"]), default=0),
         "sessions_left_after": sum(w["sessions_left"] for v in t.values() for w in v["workers"]),

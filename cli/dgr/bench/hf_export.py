@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,8 @@ from ..upstream import build
 from .. import paths
 from ..errors import DgrError
 from .llama_lane import CommandLog, run_measured
+
+_log = logging.getLogger(__name__)
 
 QUANT_TYPES = ("Q8_0", "Q4_1")
 MANIFEST = "baseline-artifacts.json"
@@ -65,7 +68,7 @@ def _safetensors_sha(hf_dir: Path) -> str:
     return h.hexdigest()
 
 
-def prepare(source: Path, root: Path, *, threads: int, log: CommandLog, progress=print) -> dict[str, Any]:
+def prepare(source: Path, root: Path, *, threads: int, log: CommandLog) -> dict[str, Any]:
     """Make (or reuse, when the manifest matches the source hash) every baseline artifact under
     ``root``; returns the manifest (paths relative to ``root``)."""
     require_baseline_extra()
@@ -76,17 +79,17 @@ def prepare(source: Path, root: Path, *, threads: int, log: CommandLog, progress
         m = json.loads(manifest_path.read_text())
         if (m.get("version") == MANIFEST_VERSION and m.get("source", {}).get("sha256") == src_sha
                 and all((root / a["path"]).exists() for a in m["artifacts"].values())):
-            progress(f"reusing baseline artifacts in {root}")
+            _log.info(f"reusing baseline artifacts in {root}")
             return m
     hf_dir = root / "hf"
-    progress(f"dequantizing {source.name} into safetensors ({hf_dir})")
+    _log.info(f"dequantizing {source.name} into safetensors ({hf_dir})")
     r = run_measured([sys.executable, "-m", "dgr.bench.hf_export", "export", "--gguf", source, "--out", hf_dir],
                      env={"HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}, log=log)
     if r.returncode != 0:
         raise DgrError(f"safetensors export failed: {r.stderr.strip()[-500:]}")
     info = json.loads((hf_dir / "dgr-export.json").read_text())
     f32 = root / "model-f32.gguf"
-    progress("converting the safetensors to an F32 GGUF with the pinned convert_hf_to_gguf.py")
+    _log.info("converting the safetensors to an F32 GGUF with the pinned convert_hf_to_gguf.py")
     src_tree = paths.patched_source_dir()
     conv = src_tree / "convert_hf_to_gguf.py"
     if not conv.is_file():
@@ -104,7 +107,7 @@ def prepare(source: Path, root: Path, *, threads: int, log: CommandLog, progress
     }
     for qt in QUANT_TYPES:
         out = root / f"model-{qt.lower()}.gguf"
-        progress(f"quantizing {qt} with the pinned llama-quantize")
+        _log.info(f"quantizing {qt} with the pinned llama-quantize")
         r = run_measured([quantize, f32, out, qt, str(threads)], log=log)
         if r.returncode != 0 or not out.is_file():
             raise DgrError(f"llama-quantize {qt} failed (exit {r.returncode}): {r.stderr.strip()[-400:]}")

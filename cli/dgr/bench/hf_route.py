@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import DgrError
+from ..procfs import status_bytes
 
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 READY_TIMEOUT_S = 300.0
@@ -61,29 +62,15 @@ class HfWorkerProcess:
         return self.proc.pid
 
     def rss_bytes(self) -> int:
-        return _status_kib(self.proc.pid, "VmRSS:") * 1024
+        return status_bytes(self.proc.pid, "VmRSS")
 
     def peak_rss_bytes(self) -> int:
-        return _status_kib(self.proc.pid, "VmHWM:") * 1024
+        return status_bytes(self.proc.pid, "VmHWM")
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        from ..route.supervisor import stop_child
 
-
-def _status_kib(pid: int, key: str) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+        stop_child(self.proc, 10)
 
 
 class HfRoute:

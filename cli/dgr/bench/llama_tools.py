@@ -51,10 +51,16 @@ class CommandLog:
 
 
 def run_measured(argv: Sequence[str | Path], *, env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                 log: CommandLog | None = None, cwd: Path | None = None) -> Measured:
+                 log: CommandLog | None = None, cwd: Path | None = None, prefix: Sequence[str] = ()) -> Measured:
     """Run a command to completion (killed at ``timeout`` seconds: ``timed_out``), returning its
-    output, wall time and peak RSS (``wait4``: this child's own, not the caller's)."""
+    output, wall time and peak RSS (``wait4``: this child's own, not the caller's).
+
+    ``prefix``: an argv prefix that runs the command elsewhere and execs it (a lab host's
+    namespace, CPUs and cgroups: :meth:`dgr.lab.hosts.Lab.prefix`); the recorded command is
+    ``argv`` itself."""
     args = [str(a) for a in argv]
+    shown = args
+    args = [*prefix, *args]
     with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
         t0 = time.monotonic()
         try:
@@ -77,7 +83,7 @@ def run_measured(argv: Sequence[str | Path], *, env: dict | None = None, timeout
         proc.returncode = os.waitstatus_to_exitcode(status)
         out_f.seek(0)
         err_f.seek(0)
-        m = Measured(args, proc.returncode, out_f.read().decode(errors="replace"),
+        m = Measured(shown, proc.returncode, out_f.read().decode(errors="replace"),
                      err_f.read().decode(errors="replace"), wall, int(rusage.ru_maxrss) * 1024, timed_out)
     if log is not None:
         log.add(m)
@@ -126,23 +132,33 @@ def parse_llama_bench(stdout: str) -> list[BenchRow]:
             for r in doc]
 
 
-def llama_bench_command(exe: Path, model: Path, *, threads: int, n_prompt: int, n_gen: int, reps: int,
-                        depth: int | None = None, gpu_layers: str | None = None) -> list[str]:
+def _values(v: int | Sequence[int]) -> str:
+    return str(v) if isinstance(v, int) else ",".join(str(x) for x in v)
+
+
+def llama_bench_command(exe: Path, model: Path, *, threads: int, n_prompt: int | Sequence[int], n_gen: int,
+                        reps: int, depth: int | None = None, gpu_layers: str | None = None,
+                        extra: Sequence[str] = ()) -> list[str]:
+    """``n_prompt``: one prompt length or several (one pp test each); ``extra``: more options
+    (e.g. ``--rpc HOST:PORT``), placed before the output options."""
     cmd = [str(exe), "-m", str(model), "-t", str(threads)]
     if gpu_layers is not None:
         cmd += ["-ngl", gpu_layers]
-    cmd += ["-p", str(n_prompt), "-n", str(n_gen)]
+    cmd += ["-p", _values(n_prompt), "-n", str(n_gen)]
     if depth is not None:
         cmd += ["-d", str(depth)]
-    return cmd + ["-r", str(reps), "-o", "json"]
+    return cmd + [*extra, "-r", str(reps), "-o", "json"]
 
 
-def llama_bench(exe: Path, model: Path, *, threads: int, n_prompt: int, n_gen: int, reps: int,
+def llama_bench(exe: Path, model: Path, *, threads: int, n_prompt: int | Sequence[int], n_gen: int, reps: int,
                 depth: int | None = None, gpu_layers: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                log: CommandLog | None = None) -> tuple[list[BenchRow], Measured]:
-    """Run ``llama-bench``; its rows and the measured process."""
+                log: CommandLog | None = None, extra: Sequence[str] = (),
+                prefix: Sequence[str] = ()) -> tuple[list[BenchRow], Measured]:
+    """Run ``llama-bench`` (inside ``prefix``, as :func:`run_measured`); its rows and the
+    measured process."""
     m = run_measured(llama_bench_command(exe, model, threads=threads, n_prompt=n_prompt, n_gen=n_gen, reps=reps,
-                                         depth=depth, gpu_layers=gpu_layers), timeout=timeout, log=log)
+                                         depth=depth, gpu_layers=gpu_layers, extra=extra),
+                     timeout=timeout, log=log, prefix=prefix)
     return parse_llama_bench(_checked("llama-bench", m, timeout).stdout), m
 
 
@@ -179,23 +195,23 @@ def parse_batched_bench(text: str) -> dict[int, BatchedRow]:
 
 def batched_bench_command(exe: Path, model: Path, *, threads: int, n_prompt: int, n_gen: int,
                           npl: Sequence[int], ctx: int, batch: int = 512, ubatch: int = 512,
-                          gpu_layers: str | None = None) -> list[str]:
+                          gpu_layers: str | None = None, extra: Sequence[str] = ()) -> list[str]:
     cmd = [str(exe), "-m", str(model), "-c", str(ctx), "-b", str(batch), "-ub", str(ubatch), "-npp", str(n_prompt),
            "-ntg", str(n_gen), "-npl", ",".join(str(b) for b in npl), "-t", str(threads)]
     if gpu_layers is not None:
         cmd += ["-ngl", gpu_layers]
-    return cmd + ["--output-format", "jsonl"]
+    return cmd + ["--output-format", "jsonl", *extra]
 
 
 def batched_bench(exe: Path, model: Path, *, threads: int, n_prompt: int, n_gen: int, npl: Sequence[int],
                   ctx: int, batch: int = 512, ubatch: int = 512, gpu_layers: str | None = None,
-                  timeout: float = DEFAULT_TIMEOUT_S,
-                  log: CommandLog | None = None) -> tuple[dict[int, BatchedRow], Measured]:
-    """Run ``llama-batched-bench``; its rows by batch size (every one of ``npl`` present) and
-    the measured process."""
+                  timeout: float = DEFAULT_TIMEOUT_S, log: CommandLog | None = None, extra: Sequence[str] = (),
+                  prefix: Sequence[str] = ()) -> tuple[dict[int, BatchedRow], Measured]:
+    """Run ``llama-batched-bench`` (inside ``prefix``, as :func:`run_measured`); its rows by
+    batch size (every one of ``npl`` present) and the measured process."""
     m = run_measured(batched_bench_command(exe, model, threads=threads, n_prompt=n_prompt, n_gen=n_gen, npl=npl,
-                                           ctx=ctx, batch=batch, ubatch=ubatch, gpu_layers=gpu_layers),
-                     timeout=timeout, log=log)
+                                           ctx=ctx, batch=batch, ubatch=ubatch, gpu_layers=gpu_layers, extra=extra),
+                     timeout=timeout, log=log, prefix=prefix)
     _checked("llama-batched-bench", m, timeout)
     rows = parse_batched_bench(m.stdout + "\n" + m.stderr)
     missing = [b for b in npl if b not in rows]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dgr.errors import DgrError
+from dgr.procfs import status_bytes
 
 START_TIMEOUT_S = 120.0
 
@@ -164,7 +165,11 @@ class LlamaServer:
         self.port = port or free_port()
         self.cmd = [str(self.exe), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
                     "-c", str(parallel * ctx_per_slot), "-b", "512", "-ub", "512", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--no-webui"]
+                    "--port", str(self.port), "--no-webui",
+                    # the model's template through llama.cpp's template API (llama_chat_apply_template),
+                    # as dgr-worker's ApplyChatTemplate does: the same prompt tokens on every lane (the
+                    # jinja engine would add the template's default system prompt: 2-3x the tokens)
+                    "--no-jinja"]
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile("w+")
 
@@ -191,22 +196,13 @@ class LlamaServer:
         return self
 
     def peak_rss_bytes(self) -> int:
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
+        return status_bytes(self.pid, "VmHWM")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from dgr.route.supervisor import stop_child
+
+        if self.proc:
+            stop_child(self.proc, 15)
         self._log.close()
 
     def __enter__(self) -> "LlamaServer":

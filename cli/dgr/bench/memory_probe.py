@@ -47,14 +47,13 @@ def owned_tensors(path: Path, start: int, end: int) -> tuple[list[str], int, int
     """(names, bytes, n_layer) of the tensors the dense-llama range [start, end) holds in ``path``:
     its blk.N tensors, the token embedding for a head, the final norm and output for a tail
     (the token embedding when the output is tied), and rope_freqs for everyone."""
-    import gguf
+    from ..gguf.inspect import open_gguf
 
-    reader = gguf.GGUFReader(str(path))
-    field = reader.fields.get("llama.block_count")
-    if field is None:
-        raise ProbeError(f"{path} is not a llama GGUF (no llama.block_count)")
-    n_layer = int(field.parts[field.data[0]][0])
-    names = {t.name: int(t.n_bytes) for t in reader.tensors}
+    with open_gguf(path) as gf:  # the strict reader: a corrupt file is a GgufError
+        n_layer = gf.get("llama.block_count")
+        if not isinstance(n_layer, int) or isinstance(n_layer, bool) or n_layer <= 0:
+            raise ProbeError(f"{path} is not a llama GGUF (no valid llama.block_count)")
+        names = {t.name: t.n_bytes for t in gf.tensors}
     tied = "output.weight" not in names
     head, tail = start == 0, end == n_layer
     owned = []

@@ -18,6 +18,7 @@ file is a ``DgrError``.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shlex
 import signal
@@ -32,6 +33,8 @@ from typing import Any, Callable, Sequence
 
 from ..errors import DgrError
 from .llama_tools import parse_llama_bench, run_measured
+
+_log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 Split = Sequence[tuple[int, int]]
@@ -299,14 +302,9 @@ class _Server:
         p, self.proc = self.proc, None
         if p is None:
             return None
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        return p.returncode
+        from ..route.supervisor import stop_child
+
+        return stop_child(p, 5)
 
 
 def _skip(reason: str, **extra: Any) -> dict[str, Any]:
@@ -315,14 +313,14 @@ def _skip(reason: str, **extra: Any) -> dict[str, Any]:
 
 def measure_rpc(model: Path, *, threads: int, n_prompt: int, n_gen: int, repeats: int = 1,
                 backend: str = "cpu", split: tuple[tuple[int, int], ...] = ((0, 15), (15, 30)),
-                build_missing: bool = True, progress: Callable[[str], None] | None = None,
+                build_missing: bool = True,
                 timeout_s: float = 1800.0) -> dict[str, Any]:
     """llama-bench pp/tg over ``len(split)`` local rpc-servers, layers placed as ``split``.
 
     Returns ``{"skipped": False, "command", "pp_tok_s", "tg_tok_s", "pp_stddev", "tg_stddev",
     "servers", "tensor_split", "devices", …, "warnings"}`` or ``{"skipped": True, "reason"}``.
     """
-    say = progress or (lambda _m: None)
+    say = _log.info
     model = Path(model)
     if not model.is_file():
         raise DgrError(f"model file {model} not found")

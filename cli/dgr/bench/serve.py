@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import platform
 import statistics
@@ -35,6 +36,8 @@ from typing import Any, Callable, Sequence
 from dgr.errors import DgrError
 
 from .loadgen import LevelResult, LlamaServer, RequestResult, proc_cpu_s, run_level, wait_healthy
+
+_log = logging.getLogger(__name__)
 
 TARGETS = {
     "gateway_vs_driver_decode": 0.95,
@@ -80,13 +83,9 @@ class _ServeProcess:
         return self
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from dgr.route.supervisor import stop_child
+
+        stop_child(self.proc, 15)
 
 
 async def _driver_level(endpoints: Sequence[str], prompts: Sequence[str], max_tokens: int) -> LevelResult:
@@ -137,12 +136,12 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
 
-def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_serve_bench(model: Path, cfg: ServeBenchConfig) -> dict[str, Any]:
     from dgr.route import local as rt
     from dgr.route.local import LocalRoute
     from dgr.route.sessions import DEFAULT_PROMPTS
 
-    say = progress or (lambda _m: None)
+    say = _log.info
     threads = cfg.threads or os.cpu_count() or 1
     n_layer = rt.model_n_layer(model)
     split = list(cfg.split) or [(0, n_layer // 2), (n_layer // 2, n_layer)]
@@ -150,7 +149,7 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[s
         raise DgrError(f"split ends at layer {split[-1][1]}; the model has {n_layer} layers")
     base = list(cfg.prompts or DEFAULT_PROMPTS)
     top = max(cfg.levels)
-    rt.ensure_worker(log=say)
+    rt.ensure_worker()
     if cfg.llama_server:
         say("llama-server: stock llama.cpp at the pin (built on first use)")
     model_id = model.stem
@@ -158,9 +157,8 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig, *, progress: Callable[[s
     runs: dict[tuple[str, int], list[LevelResult]] = {}
     t_start = time.time()
     load0 = os.getloadavg()
-    with LocalRoute(model, split, threads=threads, max_sessions=top, ctx_per_session=1024, log=say) as lsplit, \
-            LocalRoute(model, [(0, n_layer)], threads=threads, max_sessions=top, ctx_per_session=1024,
-                       log=say) as lwhole, \
+    with LocalRoute(model, split, threads=threads, max_sessions=top, ctx_per_session=1024) as lsplit, \
+            LocalRoute(model, [(0, n_layer)], threads=threads, max_sessions=top, ctx_per_session=1024) as lwhole, \
             (LlamaServer(model, threads=threads, parallel=top, ctx_per_slot=1024) if cfg.llama_server
              else contextlib.nullcontext()) as llama:
         gsplit = _ServeProcess(lsplit.endpoints, model_id)

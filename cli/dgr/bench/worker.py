@@ -17,14 +17,17 @@ target (>= 0.9x llama-batched-bench) is judged on server generation (``target_mo
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DgrError
+
+_log = logging.getLogger(__name__)
 
 MODES = ("stepwise", "server_generation")
 TARGET_MODE = "server_generation"
@@ -166,7 +169,7 @@ def meets(rows: Sequence[dict], mode: str | None = None) -> bool:
 
 
 def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, batched_bench: Path,
-                     progress: Callable[[str], None] = lambda s: None) -> dict:
+                     ) -> dict:
     """Per level and repeat: the worker stepwise, the worker generating server-side, then
     llama-batched-bench at the same B, back to back (so that the load of a shared machine hits
     all alike); each keeps its best over the repeats."""
@@ -178,7 +181,7 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
     ref: dict[int, float] = {}
     runs: dict[int, dict[str, list[float]]] = {b: {m: [] for m in MODES} for b in levels}
     ref_runs: dict[int, list[float]] = {b: [] for b in levels}
-    progress(f"{levels} sessions, pp {cfg.prompt_tokens}, tg {cfg.gen_tokens}, {cfg.threads} threads, "
+    _log.info(f"{levels} sessions, pp {cfg.prompt_tokens}, tg {cfg.gen_tokens}, {cfg.threads} threads, "
              f"{cfg.repeats} repeats, modes {', '.join(MODES)}")
     with WorkerProcess.start(WorkerArgs(model=model, max_sessions=max(levels), ctx_per_session=per,
                                         threads=cfg.threads),
@@ -200,7 +203,7 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
                 ref[b] = max(ref.get(b, 0.0), one.get(b, 0.0))
                 ref_runs[b].append(one.get(b, 0.0))
             sg, sw = results[b]["server_generation"], results[b]["stepwise"]
-            progress(f"  B={b}: worker server generation {sg['decode_tokens_per_s']:.1f} tok/s "
+            _log.info(f"  B={b}: worker server generation {sg['decode_tokens_per_s']:.1f} tok/s "
                      f"(occupancy {sg['dgr_batch_occupancy_avg']:.2f}), stepwise {sw['decode_tokens_per_s']:.1f} tok/s "
                      f"(occupancy {sw['dgr_batch_occupancy_avg']:.2f}), llama-batched-bench {ref[b]:.1f} tok/s")
     rows = [level_row(b, results[b], ref.get(b) or None, runs[b], ref_runs[b]) for b in levels]

@@ -43,8 +43,7 @@ def accept(
 
     model_path = resolve_model(model) if model else None
     if all_:
-        results = evidence.run_all(out, backend=backend, model=model_path,
-                                   progress=lambda m: typer.echo(m, err=True))
+        results = evidence.run_all(out, backend=backend, model=model_path)
         for sid, ok, d in results:
             typer.echo(f"{sid}: {'PASS' if ok else 'FAIL'} — evidence in {d}")
         if not all(ok for _, ok, _ in results):

@@ -11,12 +11,20 @@ import typer
 app = typer.Typer(no_args_is_help=True)
 
 
+def _write(out: Path, doc: dict, summary: str) -> None:
+    """Writes a benchmark's results JSON to ``out`` and prints its summary and where it went."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    typer.echo(summary)
+    typer.echo(f"results written to {out}")
+
+
 @app.command("baseline")
 def baseline(
     model: Optional[Path] = typer.Option(None, "--model", help="Source GGUF (default: embedded SmolLM2-135M Q4_1)."),
     out: Path = typer.Option(Path("baseline.json"), "--out", help="Where to write the results JSON."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (both lanes)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every recipe (default: CPU count)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads for every recipe (default: CPU count)."),
     quick: bool = typer.Option(False, "--quick", help="Short prompts and outputs: a smoke run of a few minutes."),
 ) -> None:
     """Transformers/safetensors (fp32, bf16) vs whole-model llama.cpp (F32, Q8_0, Q4_1), side by side."""
@@ -25,11 +33,8 @@ def baseline(
 
     src = resolve_model(model)
     cfg = bl.BaselineConfig.make(device=device, threads=threads, quick=quick)
-    doc = bl.run_baseline(src, cfg, progress=lambda s: typer.echo(s, err=True))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    typer.echo(bl.summary(doc))
-    typer.echo(f"results written to {out}")
+    doc = bl.run_baseline(src, cfg)
+    _write(out, doc, bl.summary(doc))
     if doc["failures"]:
         raise typer.Exit(1)
 
@@ -77,18 +82,18 @@ def route(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
     split: str = typer.Option("0:15,15:30", "--split",
                               help="Shard ranges of the route (with --hosts, unless given: balanced by weights per stage)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every side (default: CPU count)."),
-    n_prompt: int = typer.Option(128, "--n-prompt"),
-    n_gen: int = typer.Option(64, "--n-gen"),
-    repeats: int = typer.Option(3, "--repeats"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads for every side (default: CPU count)."),
+    n_prompt: int = typer.Option(128, "--n-prompt", min=1),
+    n_gen: int = typer.Option(64, "--n-gen", min=1),
+    repeats: int = typer.Option(3, "--repeats", min=1),
     rpc: bool = typer.Option(True, "--rpc/--no-rpc",
                              help="Also measure llama.cpp's RPC split (two local rpc-servers; builds them once)."),
     out: Path = typer.Option(Path("route-bench.json"), "--out", help="Where to write the results JSON."),
-    hosts: int = typer.Option(0, "--hosts", help="Run the route over N simulated hosts (`dgr lab`, 1 core/1 thread "
+    hosts: int = typer.Option(0, "--hosts", min=0, help="Run the route over N simulated hosts (`dgr lab`, 1 core/1 thread "
                               "each, mTLS) against one such host; 0: the local route on this machine's cores."),
     rtt_ms: str = typer.Option("0,10", "--rtt-ms", help="With --hosts: added round trips to measure, ms (comma-separated)."),
     sessions: str = typer.Option("1,4,8", "--sessions", help="With --hosts: concurrent session counts."),
-    long_prompt: int = typer.Option(512, "--long-prompt", help="With --hosts: the prompt of the prefill comparison."),
+    long_prompt: int = typer.Option(512, "--long-prompt", min=1, help="With --hosts: the prompt of the prefill comparison."),
 ) -> None:
     """Route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads; --hosts N: across
     simulated hosts."""
@@ -111,24 +116,20 @@ def route(
         hcfg = hb.HostsBenchConfig(hosts=hosts, split=tuple(parse_split(split)) if split_given else None,
                                    n_prompt=n_prompt, n_gen=n_gen, long_prompt=long_prompt, sessions=levels,
                                    rtts_ms=rtts, repeats=repeats, rpc=rpc)
-        doc = hb.run_hosts_bench(resolve_model(model), hcfg, progress=lambda s: typer.echo(s, err=True))
-        out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        typer.echo(hb.summary(doc))
-        typer.echo(f"results written to {out}")
+        doc = hb.run_hosts_bench(resolve_model(model), hcfg)
+        _write(out, doc, hb.summary(doc))
         return
 
     cfg = rb.RouteBenchConfig(split=tuple(parse_split(split)), threads=threads or 0, n_prompt=n_prompt,
                               n_gen=n_gen, repeats=repeats, rpc=rpc)
-    doc = rb.run_route_bench(resolve_model(model), cfg, progress=lambda s: typer.echo(s, err=True))
-    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    typer.echo(rb.summary(doc))
-    typer.echo(f"results written to {out}")
+    doc = rb.run_route_bench(resolve_model(model), cfg)
+    _write(out, doc, rb.summary(doc))
 
 
 @app.command("gate")
 def gate(
     model: Optional[Path] = typer.Option(None, "--model", help="Source GGUF (default: embedded SmolLM2-135M Q4_1)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads per shard (default: CPU count - 1)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads per shard (default: CPU count - 1)."),
     quick: bool = typer.Option(False, "--quick", help="Short prompts and outputs: a smoke run."),
     contract: Path = typer.Option(Path("evidence/DGR-001/performance-contract.json"), "--contract",
                                   help="The locked DGR-001 contract the GGUF routes are judged against."),
@@ -141,8 +142,7 @@ def gate(
     from ..gguf.models import resolve_model
 
     c = bc.load_contract(contract)
-    doc = g.run_gate(resolve_model(model), g.GateConfig.make(threads=threads, quick=quick),
-                     progress=lambda m: typer.echo(m, err=True))
+    doc = g.run_gate(resolve_model(model), g.GateConfig.make(threads=threads, quick=quick))
     out.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
     judged = gj.judge(c, {n: gj.results_for(doc, n) for n in g.GGUF_ROUTES})
     for n, j in judged.items():
@@ -158,10 +158,10 @@ def gate(
 def worker(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
     sessions: str = typer.Option("1,2,4,8", "--sessions", help="Concurrent session counts."),
-    threads: int = typer.Option(2, "--threads"),
-    n_prompt: int = typer.Option(32, "--n-prompt"),
-    n_gen: int = typer.Option(64, "--n-gen"),
-    repeats: int = typer.Option(3, "--repeats"),
+    threads: int = typer.Option(2, "--threads", min=1),
+    n_prompt: int = typer.Option(32, "--n-prompt", min=1),
+    n_gen: int = typer.Option(64, "--n-gen", min=1),
+    repeats: int = typer.Option(3, "--repeats", min=1),
     out: Path = typer.Option(Path("worker-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """One dgr-worker (whole model): aggregate decode tok/s per session count next to llama-batched-bench."""
@@ -174,10 +174,8 @@ def worker(
                                repeats=repeats)
     bin_dir = paths.backend_build_dir("cpu") / "bin"
     doc = wb.run_worker_bench(resolve_model(model), cfg, worker_bin=bin_dir / "dgr-worker",
-                              batched_bench=bin_dir / "llama-batched-bench", progress=lambda s: typer.echo(s, err=True))
-    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    typer.echo(wb.summary(doc))
-    typer.echo(f"results written to {out}")
+                              batched_bench=bin_dir / "llama-batched-bench")
+    _write(out, doc, wb.summary(doc))
 
 
 @app.command("serve")
@@ -185,10 +183,10 @@ def serve(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
     split: Optional[str] = typer.Option(None, "--split", help="The 2-shard route (default: the model's layers halved)."),
     levels: str = typer.Option("1,4,8", "--levels", help="Concurrent streaming requests per level."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for every worker and llama-server "
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads for every worker and llama-server "
                                           "(default: CPU count)."),
-    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per answer (generated through EOS)."),
-    repeats: int = typer.Option(2, "--repeats", help="Rotations of all lanes per level (median reported)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Tokens per answer (generated through EOS)."),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="Rotations of all lanes per level (median reported)."),
     llama_server: bool = typer.Option(True, "--llama-server/--no-llama-server",
                                       help="Run the llama-server lane (built on first use)."),
     out: Path = typer.Option(Path("serve-bench.json"), "--out", help="Where to write the results JSON."),
@@ -208,7 +206,5 @@ def serve(
         raise DgrError("--levels must be positive, --repeats >= 1, --max-tokens >= 2")
     cfg = sb.ServeBenchConfig(split=tuple(parse_split(split)) if split else (), levels=lv, threads=threads or 0,
                               max_tokens=max_tokens, repeats=repeats, llama_server=llama_server)
-    doc = sb.run_serve_bench(resolve_model(model), cfg, progress=lambda s: typer.echo(s, err=True))
-    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    typer.echo(sb.summary(doc))
-    typer.echo(f"results written to {out}")
+    doc = sb.run_serve_bench(resolve_model(model), cfg)
+    _write(out, doc, sb.summary(doc))

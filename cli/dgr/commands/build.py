@@ -14,13 +14,16 @@ app = typer.Typer()
 @app.callback(invoke_without_command=True)
 def build(
     backend: str = typer.Option("cpu", "--backend", help="cpu | vulkan | cuda | hip | metal"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel jobs (default: CPU count)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Parallel jobs (default: CPU count)."),
     clean: bool = typer.Option(False, "--clean", help="Delete build/<backend>/ first."),
     target: Optional[List[str]] = typer.Option(None, "--target", help="Ninja target(s) (default dgr-worker)."),
     tests: bool = typer.Option(False, "--tests", help="Also build the CTest programs (dgr-tests)."),
     tools: bool = typer.Option(False, "--tools", help="Also build whole-model llama.cpp tools (llama-bench, …)."),
     cuda_arch: Optional[str] = typer.Option(None, "--cuda-arch", help="CUDA architectures for --backend cuda, "
                                             "e.g. '80;89;90' (default: CUDAARCHS, else native with a GPU, else 80;89;90)."),
+    sanitize: bool = typer.Option(False, "--sanitize", help="Build in build/<backend>-asan/ with the dgr targets (worker core, "
+                                  "worker, tools, CTest programs; not llama.cpp) compiled with AddressSanitizer + UBSan "
+                                  "(then: ctest --test-dir build/<backend>-asan; docs/fuzzing.md)."),
     rpc: bool = typer.Option(False, "--rpc", help="Also build llama.cpp's rpc-server and RPC llama-bench, llama-batched-bench in "
                                                   "build/<backend>-rpc/ (the RPC lane of `dgr bench route`)."),
 ) -> None:
@@ -42,7 +45,7 @@ def build(
     import time
 
     t0 = time.monotonic()
-    res = build_mod.build(backend, jobs=jobs, clean=clean, targets=targets)
+    res = build_mod.build(backend, jobs=jobs, clean=clean, targets=targets, sanitize=sanitize)
     typer.echo(f"built {', '.join(res.targets)} in {res.bin_dir} ({time.monotonic() - t0:.0f} s; toolchain: "
                f"{res.build_dir / build_mod.TOOLCHAIN_RECORD})")
     if rpc:

@@ -17,8 +17,8 @@ def demo(
         "gemma3-270m (Gemma 3 270M Q4_K_M, the gemma3 extra)."),
     split: Optional[str] = typer.Option(None, "--split", help="Shard ranges, e.g. 0:9,9:18 (default: the model's "
                                         "layers in two halves on two local workers)."),
-    max_tokens: int = typer.Option(48, "--max-tokens", help="Tokens per chat answer."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads per worker (default: CPU count)."),
+    max_tokens: int = typer.Option(48, "--max-tokens", min=1, help="Tokens per chat answer."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads per worker (default: CPU count)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the full report (JSON) here."),
 ) -> None:
     """Split the default model over two local workers, run 4 chat prompts concurrently with live

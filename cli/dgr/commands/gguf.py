@@ -115,13 +115,13 @@ def verify_slice_cmd(
 def synth_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="Output GGUF."),
     arch: str = typer.Option("llama", "--arch", help=f"One of: {', '.join(gguf_synth.ARCHS)}."),
-    layers: int = typer.Option(4, "--layers", help="Number of layers."),
+    layers: int = typer.Option(4, "--layers", min=1, help="Number of layers."),
     tied: bool = typer.Option(False, "--tied", help="Tie the output to the token embedding (no output.weight)."),
     dtype: str = typer.Option("f32", "--dtype", help="Weight type of the matrices: f32, f16 or q8_0."),
-    seed: int = typer.Option(0, "--seed", help="Random seed (same seed, same bytes)."),
-    n_embd: int = typer.Option(64, "--n-embd", help="Embedding width."),
-    experts: int = typer.Option(8, "--experts", help="qwen3moe: experts per layer."),
-    experts_used: int = typer.Option(2, "--experts-used", help="qwen3moe: experts each token is routed to (top-k)."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Random seed (same seed, same bytes)."),
+    n_embd: int = typer.Option(64, "--n-embd", min=1, help="Embedding width."),
+    experts: int = typer.Option(8, "--experts", min=1, help="qwen3moe: experts per layer."),
+    experts_used: int = typer.Option(2, "--experts-used", min=1, help="qwen3moe: experts each token is routed to (top-k)."),
 ) -> None:
     """Write a tiny random-weight model with a small real tokenizer (llama.cpp loads and runs it).
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import List, Optional
 
@@ -15,22 +16,21 @@ app = typer.Typer(no_args_is_help=True)
 NAME_HELP = "Lab name (1-6 lower-case letters/digits); several labs may be up at once."
 
 
-def _log(msg: str) -> None:
-    typer.echo(msg, err=True)
+_log = logging.getLogger(__name__).info   # progress lines on stderr (dgr.console: -v/-q)
 
 
 @app.command("up")
 def up(
-    hosts: int = typer.Option(2, "--hosts", help="Number of simulated hosts (h1..hN)."),
+    hosts: int = typer.Option(2, "--hosts", min=1, help="Number of simulated hosts (h1..hN)."),
     name: str = typer.Option("lab", "--name", help=NAME_HELP),
-    cores_per_host: int = typer.Option(1, "--cores-per-host", help="CPUs per host, handed out round robin."),
+    cores_per_host: int = typer.Option(1, "--cores-per-host", min=1, help="CPUs per host, handed out round robin."),
     cpus: Optional[str] = typer.Option(None, "--cpus", help="Explicit CPU sets, one per host, ';'-separated (e.g. '0;1')."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads per host (default: its CPU count)."),
-    memory_mb: Optional[int] = typer.Option(None, "--memory-mb", help="Memory limit per host in MiB (cgroup; workers get it as their budget)."),
-    rate_mbit: Optional[float] = typer.Option(None, "--rate-mbit", help="Link rate per host, Mbit/s (tc tbf, both directions)."),
-    rtt_ms: float = typer.Option(0.0, "--rtt-ms", help="Round trip added on every connection into a host."),
-    jitter_ms: float = typer.Option(0.0, "--jitter-ms", help="Round-trip jitter (uniform, order kept)."),
-    loss: float = typer.Option(0.0, "--loss", help="Loss probability (proxy: a chunk delivered one RTO late)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads per host (default: its CPU count)."),
+    memory_mb: Optional[int] = typer.Option(None, "--memory-mb", min=1, help="Memory limit per host in MiB (cgroup; workers get it as their budget)."),
+    rate_mbit: Optional[float] = typer.Option(None, "--rate-mbit", min=0.001, help="Link rate per host, Mbit/s (tc tbf, both directions)."),
+    rtt_ms: float = typer.Option(0.0, "--rtt-ms", min=0.0, help="Round trip added on every connection into a host."),
+    jitter_ms: float = typer.Option(0.0, "--jitter-ms", min=0.0, help="Round-trip jitter (uniform, order kept)."),
+    loss: float = typer.Option(0.0, "--loss", min=0.0, max=0.999, help="Loss probability (proxy: a chunk delivered one RTO late)."),
     shaper: str = typer.Option("auto", "--shaper", help="Delay/jitter/loss by: auto (netem if the kernel has it, else the proxy), netem, proxy."),
     subnet: Optional[str] = typer.Option(None, "--subnet", help="A /24 inside 198.18.0.0/15 (default: derived from the name)."),
     as_json: bool = typer.Option(False, "--json", help="Print the lab state as JSON."),
@@ -42,7 +42,7 @@ def up(
                     cpus=[c.strip() for c in cpus.split(";")] if cpus else None, threads=threads,
                     memory_mb=memory_mb, rate_mbit=rate_mbit, rtt_ms=rtt_ms, jitter_ms=jitter_ms, loss=loss,
                     shaper=shaper, subnet=subnet)
-    lab = Lab.up(cfg, log=_log)
+    lab = Lab.up(cfg)
     if as_json:
         typer.echo(json.dumps(lab.status(), indent=2))
     else:
@@ -62,7 +62,7 @@ def down(
     names = [name] if name else Lab.names()
     left: list[str] = []
     for n in names:
-        left += Lab.load(n).down(log=_log)["left"]
+        left += Lab.load(n).down()["left"]
     if strays:
         found = stray_objects()
         if any(found.values()):
@@ -127,7 +127,7 @@ def exec_(
 def ca(
     host: List[str] = typer.Option(..., "--host", help="NAME=IP[,IP…] per machine (repeat)."),
     out: Path = typer.Option(Path("dgr-pki"), "--out", help="Directory for ca.pem, NAME.pem/.key, client.pem/.key."),
-    days: int = typer.Option(7, "--days", help="Validity in days."),
+    days: int = typer.Option(7, "--days", min=1, help="Validity in days."),
 ) -> None:
     """A throwaway CA with per-host certificates (SAN = IPs) and a driver client certificate (mTLS)."""
     from ..lab.pki import make_pki
@@ -150,8 +150,8 @@ def route(
     split: str = typer.Option("0:15,15:30", "--split", help="Shard ranges; shard i runs on host h(i+1) (round robin)."),
     hosts: Optional[str] = typer.Option(None, "--hosts", help="Host of each shard, comma-separated (e.g. h1,h2,h1)."),
     prompt: str = typer.Option("Write a haiku about the sea.", "--prompt", help="The prompt."),
-    sessions: int = typer.Option(1, "--sessions", help="Concurrent sessions with this prompt."),
-    max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate per session."),
+    sessions: int = typer.Option(1, "--sessions", min=1, help="Concurrent sessions with this prompt."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Tokens to generate per session."),
     relay: bool = typer.Option(False, "--relay", help="Reach every shard through a relay bridge in its host (relay framing, TLS)."),
     parity: bool = typer.Option(False, "--parity", help="Also run the whole model on a local worker (outside the lab) and compare greedy tokens."),
     budget: bool = typer.Option(True, "--budget/--no-budget", help="Give each worker its host's memory budget."),
@@ -174,7 +174,7 @@ def route(
     placement = [h.strip() for h in hosts.split(",")] if hosts else None
     items = [prompt] * max(1, sessions)
     with LabRoute(lab, src, rng, placement=placement, relay=relay, memory_budget=budget,
-                  max_sessions=max(4, sessions), log=_log) as lr:
+                  max_sessions=max(4, sessions)) as lr:
         eps = lr.relay_endpoints if relay else lr.endpoints
         rep = asyncio.run(run_sessions(eps, items, max_tokens=max_tokens, tls=lr.tls, stats=lr.stats(),
                                           pids=[w.pid for w in lr.workers], label=f"lab route {split}"))
@@ -184,7 +184,7 @@ def route(
     if parity:
         from ..route.driver import Sampling
 
-        _log(f"whole model on a local worker (outside the lab) for parity")
+        _log("whole model on a local worker (outside the lab) for parity")
         with LocalRoute(src, [(0, rng[-1][1])], threads=lab.hosts[0].threads, max_sessions=max(4, sessions)) as lw:
             whole = asyncio.run(run_sessions(lw.endpoints, [prompt], max_tokens=max_tokens,
                                                 sampling=Sampling(), label="whole"))

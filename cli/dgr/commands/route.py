@@ -57,14 +57,14 @@ def run(
     slices: bool = typer.Option(False, "--slices", help="Serve per-range slice files (each worker maps only its tensors)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt (repeated for --sessions)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="A file with one prompt per line."),
-    sessions: int = typer.Option(0, "--sessions", help="Concurrent Route Sessions (default: one per prompt)."),
-    max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate per session."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (the default)."),
-    top_k: int = typer.Option(0, "--top-k"),
-    top_p: float = typer.Option(0.0, "--top-p"),
-    seed: int = typer.Option(0, "--seed"),
+    sessions: int = typer.Option(0, "--sessions", min=0, help="Concurrent Route Sessions (default: one per prompt)."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Tokens to generate per session."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (the default)."),
+    top_k: int = typer.Option(0, "--top-k", min=0),
+    top_p: float = typer.Option(0.0, "--top-p", min=0.0, max=1.0),
+    seed: int = typer.Option(0, "--seed", min=0, max=2**64 - 1),
     parity: bool = typer.Option(False, "--parity", help="Also run the whole model and report token agreement."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads per worker (default: CPU count)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads per worker (default: CPU count)."),
     raw: bool = typer.Option(False, "--raw", help="Send prompts as-is (no chat template)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
     backend: str = typer.Option("cpu", "--backend", help="Worker backend: one for every shard (cpu, vulkan, cuda) "
@@ -108,17 +108,21 @@ def run(
 def generate(
     shard: List[str] = typer.Option(..., "--shard", help="HOST:PORT of a running worker, in route order (repeat)."),
     prompt: str = typer.Option(..., "--prompt", help="The prompt."),
-    sessions: int = typer.Option(1, "--sessions", help="Concurrent sessions with this prompt."),
-    max_tokens: int = typer.Option(32, "--max-tokens"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    top_k: int = typer.Option(0, "--top-k"),
-    top_p: float = typer.Option(0.0, "--top-p"),
-    seed: int = typer.Option(0, "--seed"),
+    sessions: int = typer.Option(1, "--sessions", min=1, help="Concurrent sessions with this prompt."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", min=0),
+    top_p: float = typer.Option(0.0, "--top-p", min=0.0, max=1.0),
+    seed: int = typer.Option(0, "--seed", min=0, max=2**64 - 1),
     raw: bool = typer.Option(False, "--raw", help="No chat template."),
     as_json: bool = typer.Option(False, "--json"),
     tls_ca: Optional[Path] = typer.Option(None, "--tls-ca", help="PEM CA of the workers' certificates (TLS to every shard)."),
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM client certificate (mutual TLS; with --tls-key)."),
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM client key."),
+    standby: List[str] = typer.Option([], "--standby", help="HOST:PORT of a running standby worker (repeat): a "
+                                      "session whose shard fails restarts from token zero on a route using it "
+                                      "(docs/failover.md); the JSON then carries work records."),
+    max_restarts: int = typer.Option(2, "--max-restarts", min=0, help="With --standby: restarts per session."),
 ) -> None:
     """Generate through already running workers (`dgr worker serve …`)."""
     from ..protocol.tls import TlsFiles
@@ -130,7 +134,8 @@ def generate(
     items = [prompt] * max(1, sessions)
     rep = route_run.generate_remote(shard, items, max_tokens=max_tokens,
                                     sampling=_sampling(temperature, top_k, top_p, seed), chat=not raw,
-                                    on_text=_printer(len(items), as_json), tls=tls)
+                                    on_text=_printer(len(items), as_json), tls=tls, standby=standby,
+                                    max_restarts=max_restarts)
     if as_json:
         typer.echo(json.dumps(rep.to_json(), indent=2))
     else:
@@ -138,6 +143,10 @@ def generate(
         for s in rep.sessions:
             typer.echo(f"[{s.index}] " + (f"error: {s.error}" if s.error else
                        f"{len(s.tokens)} tokens, TTFT {s.ttft_s * 1e3:.0f} ms, decode {s.decode_tok_s:.1f} tok/s"))
+        if rep.work is not None:
+            w = rep.work
+            typer.echo(f"work: {w['sessions']}, {w['restarts']} restart(s), {w['delivered_tokens']} tokens delivered, "
+                       f"{w['recomputed_tokens']} recomputed; routes: " + " -> ".join(",".join(r) for r in rep.routes))
     if not rep.ok:
         raise typer.Exit(1)
 
@@ -148,10 +157,10 @@ def drift(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M)."),
     split: str = typer.Option("0:15,15:30", "--split", help="Contiguous shard ranges, e.g. 0:15,15:30."),
     reference: str = typer.Option("cpu", "--reference", help="Backend of the whole-model reference worker."),
-    tokens: int = typer.Option(64, "--tokens", help="Generated tokens compared per prompt."),
+    tokens: int = typer.Option(64, "--tokens", min=1, help="Generated tokens compared per prompt."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt (default: the built-in prompts)."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="A file with one prompt per line."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads per worker (default: CPU count)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads per worker (default: CPU count)."),
     raw: bool = typer.Option(False, "--raw", help="Send prompts as-is (no chat template)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
 ) -> None:
@@ -171,7 +180,7 @@ def drift(
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     items = _prompts(prompt, prompts_file, 0)
     rep = route_drift.measure(src, rng, backends, items, n_tokens=tokens, reference_backend=reference,
-                              threads=threads, chat=not raw, log=lambda m: typer.echo(m, err=True))
+                              threads=threads, chat=not raw)
     plan = backend_plan(backends)
     reg = load_registry()
     entry = reg.lookup(recipe_for(src, backend=backends[0], backends=plan, progress=False))

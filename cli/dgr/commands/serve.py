@@ -21,19 +21,19 @@ def serve(
                                               "(repeat); serve that route instead of starting workers."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. Anything but loopback needs "
                              "--api-key and --tls-cert/--tls-key."),
-    port: int = typer.Option(8080, "--port", help="TCP port to listen on."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="TCP port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DGR_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1 and /api (env DGR_API_KEY)."),
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate: serve HTTPS."),
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients send (default: the GGUF "
                                              "file's stem; with --shard, the artifact id)."),
-    max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", help="Requests that run at once "
+    max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", min=1, help="Requests that run at once "
                                                  "(default: the workers' session slots)."),
-    queue: int = typer.Option(64, "--queue", help="Requests that may wait for a slot; beyond that: 429."),
-    max_sessions: int = typer.Option(8, "--max-sessions", help="Local route: sessions per worker."),
-    ctx_per_session: int = typer.Option(2048, "--ctx-per-session", help="Local route: positions per session."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Local route: threads per worker "
+    queue: int = typer.Option(64, "--queue", min=0, help="Requests that may wait for a slot; beyond that: 429."),
+    max_sessions: int = typer.Option(8, "--max-sessions", min=1, help="Local route: sessions per worker."),
+    ctx_per_session: int = typer.Option(2048, "--ctx-per-session", min=1, help="Local route: positions per session."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Local route: threads per worker "
                                           "(default: CPU count)."),
     slices: bool = typer.Option(False, "--slices", help="Local route: per-range slice files."),
     lab: Optional[str] = typer.Option(None, "--lab", help="Start the route's workers on this lab's simulated "
@@ -89,10 +89,10 @@ def serve(
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     if not fake:
-        rt.ensure_worker(log=log)
+        rt.ensure_worker()
     opts.model_id = opts.model_id or (src.stem if src else "fake")
     with rt.LocalRoute(src, rng, fake=fake, slices=slices, threads=threads or os.cpu_count() or 1,
-                       max_sessions=max_sessions, ctx_per_session=ctx_per_session, log=log) as lr:
+                       max_sessions=max_sessions, ctx_per_session=ctx_per_session) as lr:
         log(f"route {','.join(f'{a}:{b}' for a, b in rng)} on {len(rng)} local worker(s)")
         try:
             asyncio.run(serve_route(lr.endpoints, opts, on_ready=ready))
@@ -125,10 +125,10 @@ def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Op
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     if not fake:
-        rt.ensure_worker(log=log)
+        rt.ensure_worker()
     opts.model_id = opts.model_id or (src.stem if src else "fake")
     with LabRoute(lab, src, rng, placement=placement, max_sessions=max_sessions, ctx_per_session=ctx_per_session,
-                  fake=fake, log=log) as lr:
+                  fake=fake) as lr:
         opts.route_tls = lr.tls
         where = ", ".join(f"{p.host.name} {a}:{b}" for p, (a, b) in zip(lr.placed, rng))
         log(f"route on lab {name!r}: {where}")

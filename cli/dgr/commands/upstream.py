@@ -46,7 +46,7 @@ def render(
 @app.command("check")
 def check(
     backend: str = typer.Option("cpu", "--backend", help="Backend to build the examples for."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel build jobs (default: CPU count)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Parallel build jobs (default: CPU count)."),
     model: Optional[List[Path]] = typer.Option(None, "--model", help="Also run on this dense llama GGUF "
                                                                      "(repeatable)."),
     timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="Seconds each program may run."),

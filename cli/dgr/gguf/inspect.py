@@ -28,6 +28,7 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
+INT64_MAX = 2**63 - 1  # ggml holds dimensions and element counts as int64
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 # GGUF metadata value types -> (struct format, size) for fixed-size scalars.
@@ -170,6 +171,21 @@ class _Cursor:
         raise _Corrupt(f"unknown metadata value type {vtype}")
 
 
+def _element_count(name: str, dims: tuple[int, ...]) -> int:
+    """The element count of a tensor's dimensions, refusing what ggml cannot hold: a zero
+    dimension, a dimension that is negative as ggml's int64, a count that overflows int64."""
+    n_el = 1
+    for i, d in enumerate(dims):
+        if d == 0:
+            raise _Corrupt(f"tensor {name!r} has a zero dimension (ne{i} = 0, shape {list(dims)})")
+        if d > INT64_MAX:
+            raise _Corrupt(f"tensor {name!r} dimension ne{i} = {d} is negative as a signed 64-bit count")
+        n_el *= d
+        if n_el > INT64_MAX:
+            raise _Corrupt(f"tensor {name!r}: the element count of shape {list(dims)} overflows 64 bits")
+    return n_el
+
+
 class GgufFile:
     """An opened, validated GGUF file (read through a private map; the ``gguf`` package's reader
     is not used for reading because it parses every vocabulary string into numpy objects —
@@ -237,11 +253,9 @@ class GgufFile:
                     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
                 except (ValueError, KeyError):
                     raise _Corrupt(f"tensor {name!r} has unknown ggml type {ttype}") from None
+                n_el = _element_count(name, dims)
                 if dims[0] % block:
                     raise _Corrupt(f"tensor {name!r}: ne0 {dims[0]} is not a multiple of the block size {block}")
-                n_el = 1
-                for d in dims:
-                    n_el *= d
                 n_bytes = n_el // block * type_size
                 start = self.data_offset + off
                 if off % self.alignment:

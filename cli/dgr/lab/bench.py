@@ -23,17 +23,18 @@ compute), mean queue wait, seam bytes per decode token per hop, and the link pro
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import os
 import platform
-import shlex
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import DgrError
+
+_log = logging.getLogger(__name__)
 
 SCHEMA = "dgr.bench.route_hosts/1"
 COUNTERS = ("dgr_decode_busy_seconds_total", "dgr_decode_only_busy_seconds_total", "dgr_decode_only_batches_total",
@@ -113,20 +114,12 @@ def model_split(model: Path, hosts: int) -> list[tuple[int, int]]:
     return balanced_split(per, out_cost, hosts)
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    x, out = seed * 2654435761 % (1 << 32), []
-    for _ in range(n):
-        x = (1103515245 * x + 12345) % (1 << 31)
-        out.append(200 + x % 29800)
-    return out
-
-
-def _counters(targets: list[str], creds: Any) -> list[dict[str, float]]:
+def _counters(targets: list[str], tls: Any) -> list[dict[str, float]]:
     from ..protocol.client import WorkerClient
 
     out = []
     for ep in targets:
-        with WorkerClient(ep, timeout=10, credentials=creds) as c:
+        with WorkerClient(ep, timeout=10, tls=tls) as c:
             s: dict[str, float] = {}
             for m in c.metrics().samples:
                 if not m.labels or m.name.endswith(("_sum", "_count")):
@@ -162,12 +155,12 @@ def _where(before: list[dict[str, float]], after: list[dict[str, float]], wall: 
 def measure(endpoints: list[str], direct: list[str], tls: Any, *, n_prompt: int, n_gen: int, sessions: int,
             seed: int) -> dict[str, Any]:
     """One run: ``sessions`` concurrent sessions through ``endpoints`` (the route or one worker)."""
+    from ..bench.route import synthetic_prompt
     from ..route.driver import Sampling
     from ..route.sessions import run_sessions
 
-    creds = tls.grpc_credentials()
-    prompts = [_prompt(n_prompt, seed + i) for i in range(sessions)]
-    m0 = _counters(direct, creds)
+    prompts = [synthetic_prompt(n_prompt, seed + i) for i in range(sessions)]
+    m0 = _counters(direct, tls)
     t0 = time.perf_counter()
     rep = asyncio.run(run_sessions(endpoints, [""] * sessions, token_prompts=prompts, max_tokens=n_gen,
                                    sampling=Sampling(ignore_eog=True), stop_on_eog=False, label="bench", tls=tls,
@@ -175,7 +168,7 @@ def measure(endpoints: list[str], direct: list[str], tls: Any, *, n_prompt: int,
     wall = time.perf_counter() - t0
     if not rep.ok:
         raise DgrError("a benchmark session failed: " + "; ".join(s.error or "" for s in rep.sessions if s.error))
-    m1 = _counters(direct, creds)
+    m1 = _counters(direct, tls)
     s0 = rep.sessions[0]
     decode = s0.decode_tok_s if sessions == 1 else (rep.concurrent_decode_tok_s or rep.aggregate_decode_tok_s)
     return {"sessions": sessions, "mode": rep.mode, "n_prompt": n_prompt, "n_gen": n_gen,
@@ -195,31 +188,29 @@ def _tool(name: str, backend: str, rpc: bool = False) -> Path:
 
 def llama_bench(lab: Any, host: str, exe: Path, model: Path, *, threads: int, n_prompt: int, long_prompt: int,
                 n_gen: int, extra: list[str] = ()) -> dict[str, Any]:
-    base = [str(exe), "-m", str(model), "-t", str(threads), "-r", "1", "-o", "json", *extra]
-    cmds = [base + ["-p", f"{n_prompt},{long_prompt}", "-n", "0"], base + ["-p", "0", "-n", str(n_gen), "-d", str(n_prompt)]]
-    rows = []
-    for cmd in cmds:
-        p = lab.run(host, cmd)
-        if p.returncode != 0:
-            raise DgrError(f"llama-bench failed in {host}: {p.stderr.strip()[-300:]}")
-        rows.extend(json.loads(p.stdout))
-    pp = {r["n_prompt"]: r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0}
-    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
-    return {"command": " ; ".join(shlex.join(c) for c in cmds), "pp_tok_s": pp.get(n_prompt),
+    """llama-bench inside ``host``: pp at n_prompt and long_prompt (one run), tg n_gen at depth n_prompt."""
+    from ..bench import llama_tools
+
+    prefix = lab.prefix(host)
+    pp_rows, pp_m = llama_tools.llama_bench(exe, model, threads=threads, n_prompt=(n_prompt, long_prompt), n_gen=0,
+                                            reps=1, extra=extra, prefix=prefix)
+    tg_rows, tg_m = llama_tools.llama_bench(exe, model, threads=threads, n_prompt=0, n_gen=n_gen, reps=1,
+                                            depth=n_prompt, extra=extra, prefix=prefix)
+    pp = {r.n_prompt: r.avg_ts for r in pp_rows if r.is_prefill}
+    tg = next((r.avg_ts for r in tg_rows if r.n_gen > 0), None)
+    if tg is None:
+        raise DgrError(f"llama-bench in {host} printed no tg row")
+    return {"command": " ; ".join((pp_m.shown, tg_m.shown)), "pp_tok_s": pp.get(n_prompt),
             "pp_long_tok_s": pp.get(long_prompt), "tg_tok_s": tg}
 
 
 def batched_bench(lab: Any, host: str, exe: Path, model: Path, *, threads: int, n_prompt: int, n_gen: int,
                   npl: tuple[int, ...], extra: list[str] = ()) -> dict[str, Any]:
-    ctx = max(2048, (n_prompt + n_gen) * max(npl) + 64)
-    cmd = [str(exe), "-m", str(model), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(n_prompt),
-           "-ntg", str(n_gen), "-npl", ",".join(map(str, npl)), "-t", str(threads), "--output-format", "jsonl", *extra]
-    p = lab.run(host, cmd)
-    if p.returncode != 0:
-        raise DgrError(f"llama-batched-bench failed in {host}: {p.stderr.strip()[-300:]}")
-    rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
-    return {"command": shlex.join(cmd), "by_batch": {str(r["pl"]): {"pp_tok_s": r["speed_pp"], "tg_tok_s": r["speed_tg"]}
-                                                     for r in rows}}
+    """llama-batched-bench inside ``host``: aggregate pp/tg per batch size of ``npl``."""
+    from ..bench.route import batched_bench_by_batch
+
+    return batched_bench_by_batch(exe, model, threads=threads, n_prompt=n_prompt, n_gen=n_gen, npl=npl, extra=extra,
+                                  prefix=lab.prefix(host))
 
 
 class RpcServer:
@@ -267,12 +258,12 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def run_hosts_bench(model: Path, cfg: HostsBenchConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
     from ..gguf.inspect import open_gguf
     from .hosts import Lab, LabConfig
     from .route import LabRoute
 
-    say = progress or (lambda _m: None)
+    say = _log.info
     if cfg.hosts < 2:
         raise DgrError("--hosts must be >= 2 for a route across hosts")
     with open_gguf(model) as gf:
@@ -311,12 +302,12 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig, *, progress: Callable[[s
                                "route_long_prefill": [], "whole_long_prefill": [], "rpc": []}
         lcfg = LabConfig(hosts=cfg.hosts, name=cfg.lab_name, cores_per_host=1, threads=1, rtt_ms=rtt)
         say(f"lab: {cfg.hosts} hosts, 1 core/1 thread each, added RTT {rtt:g} ms")
-        with Lab.up(lcfg, log=say) as lab:
+        with Lab.up(lcfg) as lab:
             res["lab"] = {k: lab.state[k] for k in ("subnet", "gateway", "shaping", "cgroup_mode", "hosts")}
             route = LabRoute(lab, model, split, slices=True, memory_budget=False, max_sessions=max_s,
-                             ctx_per_session=ctx, backend=cfg.backend, log=say)
+                             ctx_per_session=ctx, backend=cfg.backend)
             whole = LabRoute(lab, model, [(0, n_layer)], placement=["h1"], slices=False, memory_budget=False,
-                             max_sessions=max_s, ctx_per_session=ctx, backend=cfg.backend, log=say)
+                             max_sessions=max_s, ctx_per_session=ctx, backend=cfg.backend)
             with route, whole:
                 res["route_placement"], res["whole_placement"] = route.describe(), whole.describe()
                 rd, wd = [p.direct for p in route.placed], [p.direct for p in whole.placed]
@@ -438,7 +429,6 @@ def summary(doc: dict[str, Any]) -> str:
         for kind in ("route", "whole_worker"):
             parts = []
             for c, runs in res[kind].items():
-                w = runs[0]["where"] if runs else {}
                 parts.append(f"{c}s {_med([r['decode_tok_s'] for r in runs]):.1f}")
             lines.append(f"  {kind.replace('_', ' ')} decode tok/s: " + ", ".join(parts))
         for c, runs in res["route"].items():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import os
 import re
 import shlex
@@ -32,88 +33,15 @@ import subprocess
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ..errors import DgrError
 from . import system as sx
+from .config import LAB_NET, NAME_RE, STATE_SCHEMA, Host, LabConfig, _parse_cpus, lab_dir  # noqa: F401
 
-LAB_NET = ipaddress.ip_network("198.18.0.0/15")
-NAME_RE = re.compile(r"^[a-z0-9]{1,6}$")
-STATE_SCHEMA = "dgr.lab.state/1"
-
-
-def lab_dir() -> Path:
-    from ..paths import build_dir
-
-    return build_dir() / "lab"
-
-
-@dataclass
-class LabConfig:
-    hosts: int = 2
-    name: str = "lab"
-    cores_per_host: int = 1
-    cpus: list[str] | None = None          # per host, e.g. ["0", "1"]; default round robin
-    threads: int | None = None             # per host (default: its core count)
-    memory_mb: int | None = None           # per host (cgroup limit; the worker budget derives from it)
-    rate_mbit: float | None = None         # tc tbf on every veth end
-    rtt_ms: float = 0.0                    # added round trip into each host
-    jitter_ms: float = 0.0
-    loss: float = 0.0                      # probability per chunk (proxy) / per packet (netem)
-    shaper: str = "auto"                   # auto | netem | proxy
-    subnet: str | None = None              # a /24 inside 198.18.0.0/15 (default: derived from name)
-
-    def validate(self) -> None:
-        if not NAME_RE.match(self.name):
-            raise DgrError(f"lab name {self.name!r} must be 1-6 lower-case letters or digits")
-        if not 1 <= self.hosts <= 16:
-            raise DgrError(f"--hosts must be 1..16, got {self.hosts}")
-        if self.cores_per_host < 1:
-            raise DgrError("--cores-per-host must be >= 1")
-        if self.cpus is not None and len(self.cpus) != self.hosts:
-            raise DgrError(f"--cpus names {len(self.cpus)} CPU sets for {self.hosts} hosts (separate hosts with ';')")
-        if self.threads is not None and self.threads < 1:
-            raise DgrError("--threads must be >= 1")
-        if self.memory_mb is not None and self.memory_mb < 16:
-            raise DgrError("--memory-mb must be >= 16")
-        if self.rate_mbit is not None and self.rate_mbit <= 0:
-            raise DgrError("--rate-mbit must be > 0")
-        if self.rtt_ms < 0 or self.jitter_ms < 0:
-            raise DgrError("--rtt-ms and --jitter-ms must be >= 0")
-        if not 0 <= self.loss < 1:
-            raise DgrError("--loss must be a probability in [0, 1)")
-        if self.shaper not in ("auto", "netem", "proxy"):
-            raise DgrError(f"--shaper must be auto, netem or proxy, got {self.shaper!r}")
-
-
-@dataclass
-class Host:
-    name: str
-    netns: str
-    veth: str
-    ip: str
-    cpus: str
-    threads: int
-    memory_mb: int | None
-    cgroups: list[str] = field(default_factory=list)
-    shares_cpus_with: list[str] = field(default_factory=list)
-
-    @property
-    def worker_budget_mb(self) -> int | None:
-        """The dgr-worker --memory-budget-mb for this host: its memory less 48 MiB for the
-        process itself (gRPC, stacks, allocator)."""
-        return None if self.memory_mb is None else max(8, self.memory_mb - 48)
-
-
-def _parse_cpus(text: str) -> list[int]:
-    out: list[int] = []
-    for part in text.split(","):
-        a, _, b = part.partition("-")
-        out.extend(range(int(a), int(b or a) + 1))
-    return out
-
+_log = logging.getLogger(__name__)
 
 class Lab:
     """A set of simulated hosts (see the module doc). Load one that is up with :meth:`load`."""
@@ -174,8 +102,7 @@ class Lab:
     # ---- up -------------------------------------------------------------------------------
 
     @classmethod
-    def up(cls, cfg: LabConfig, *, log: Callable[[str], None] | None = None) -> "Lab":
-        log = log or (lambda _m: None)
+    def up(cls, cfg: LabConfig) -> "Lab":
         cfg.validate()
         reason = sx.preflight()
         if reason:
@@ -192,14 +119,14 @@ class Lab:
         lab._save()
         try:
             with lab._trap():
-                lab._build(cfg, log)
+                lab._build(cfg)
         except BaseException:
-            log("lab creation failed or was interrupted: removing what was created")
-            lab.down(log=log)
+            _log.warning("lab creation failed or was interrupted: removing what was created")
+            lab.down()
             raise
         return lab
 
-    def _build(self, cfg: LabConfig, log: Callable[[str], None]) -> None:
+    def _build(self, cfg: LabConfig) -> None:
         st = self.state
         self.dir.mkdir(parents=True, exist_ok=True)
         self._created("dir", str(self.dir))
@@ -225,7 +152,7 @@ class Lab:
         st["allowed_cpus"] = allowed
         self._save()
         bridge = f"{sx.LINK_PREFIX}{cfg.name}br"
-        log(f"lab {cfg.name}: bridge {bridge} {st['gateway']}/{net.prefixlen}, {cfg.hosts} host(s), "
+        _log.info(f"lab {cfg.name}: bridge {bridge} {st['gateway']}/{net.prefixlen}, {cfg.hosts} host(s), "
             f"cgroups {mode}, delay by {mech}" + (f", rate {cfg.rate_mbit} Mbit/s (tbf)" if cfg.rate_mbit else ""))
         sx.run(["ip", "link", "add", bridge, "type", "bridge"])
         self._created("link", bridge)
@@ -268,14 +195,14 @@ class Lab:
             h = Host(name, ns, veth, ip, cpus, threads, cfg.memory_mb, cgs, shares)
             st["hosts"].append(asdict(h))
             self._save()
-            log(f"  {name}: netns {ns}, {ip}, CPUs {cpus}{' (shared with ' + ','.join(shares) + ')' if shares else ''}, "
+            _log.info(f"  {name}: netns {ns}, {ip}, CPUs {cpus}{' (shared with ' + ','.join(shares) + ')' if shares else ''}, "
                 f"{threads} thread(s)" + (f", memory {cfg.memory_mb} MiB" if cfg.memory_mb else ""))
         from .pki import make_pki
 
         pki = make_pki(self.dir / "pki", {h["name"]: [h["ip"]] for h in st["hosts"]})
         st["pki"] = pki.to_json()
         self._save()
-        log(f"  mTLS: throwaway CA {pki.ca} (per-host certs, SAN = host IP; driver cert client.pem)")
+        _log.info(f"  mTLS: throwaway CA {pki.ca} (per-host certs, SAN = host IP; driver cert client.pem)")
 
     def _pick_subnet(self, cfg: LabConfig) -> ipaddress.IPv4Network:
         taken = [ipaddress.ip_interface(a).network for a in sx.root_addresses()]
@@ -389,9 +316,11 @@ class Lab:
         stats.parent.mkdir(parents=True, exist_ok=True)
         argv = ["ip", "netns", "exec", h.netns, sys.executable, "-m", "dgr.lab.proxy",
                 "--map", f"{h.ip}:0={h.ip}:{port}", "--delay-ms", str(sh["rtt_ms"] / 2),
-                "--jitter-ms", str(sh["jitter_ms"] / 2), "--loss", str(sh["loss"]), "--stats", str(stats)]
+                "--jitter-ms", str(sh["jitter_ms"] / 2), "--loss", str(sh["loss"]), "--stats", str(stats),
+                "--control", str(stats.with_suffix(".control.json"))]
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.state["proxies"].append({"host": h.name, "pid": p.pid, "target": f"{h.ip}:{port}", "stats": str(stats)})
+        self.state["proxies"].append({"host": h.name, "pid": p.pid, "target": f"{h.ip}:{port}", "stats": str(stats),
+                                      "control": str(stats.with_suffix(".control.json"))})
         self._save()
         line = sx.readline(p, 15.0)
         m = re.search(r"ready (\S+)", line or "")
@@ -403,6 +332,15 @@ class Lab:
         self.state["proxies"][-1]["listen"] = ep
         self._save()
         return ep
+
+    def unexpose(self, targets: set[str]) -> int:
+        """Stops the link proxies this lab started in front of ``targets`` (``ip:port`` of the
+        services) and forgets them; returns how many."""
+        gone = [pr for pr in self.state["proxies"] if pr["target"] in targets]
+        sx.stop_pids([pr["pid"] for pr in gone if sx.alive(pr["pid"]) and "dgr.lab.proxy" in sx.cmdline(pr["pid"])])
+        self.state["proxies"] = [pr for pr in self.state["proxies"] if pr not in gone]
+        self._save()
+        return len(gone)
 
     def proxy_stats(self) -> list[dict[str, Any]]:
         out = []
@@ -431,10 +369,9 @@ class Lab:
 
     # ---- down -----------------------------------------------------------------------------
 
-    def down(self, *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    def down(self) -> dict[str, Any]:
         """Removes everything this lab created (processes, namespaces, links, cgroups, files),
         in reverse order; idempotent. Returns what was removed and anything that could not be."""
-        log = log or (lambda _m: None)
         removed: dict[str, list] = {"processes": [], "netns": [], "links": [], "cgroups": [], "dirs": []}
         left: list[str] = []
         pids: set[int] = set()
@@ -475,10 +412,10 @@ class Lab:
                 shutil.rmtree(val, ignore_errors=True)
                 removed["dirs"].append(val)
         if left:
-            log("could not remove: " + ", ".join(left))
+            _log.warning("could not remove: " + ", ".join(left))
         else:
             self.path.unlink(missing_ok=True)
-        log(f"lab {self.name} down: {len(removed['processes'])} process(es), {len(removed['netns'])} namespace(s), "
+        _log.info(f"lab {self.name} down: {len(removed['processes'])} process(es), {len(removed['netns'])} namespace(s), "
             f"{len(removed['links'])} link(s), {len(removed['cgroups'])} cgroup(s) removed")
         return {"removed": removed, "left": left}
 

@@ -8,7 +8,9 @@ overtakes an earlier one, as on a TCP stream). A TCP proxy cannot drop bytes wit
 the stream, so *loss* is emulated as what a lost segment costs a TCP connection: with
 probability ``loss`` a chunk is delivered one retransmission timeout (``rto_ms``, default 200)
 late, holding back everything behind it. *Blackhole* (SIGUSR1 on, SIGUSR2 off) stops delivery:
-connections stay open, bytes are held until it is lifted.
+connections stay open, bytes are held until it is lifted. With ``--control FILE``, SIGHUP re-reads
+the link's shape from that JSON file (``delay_ms``, ``jitter_ms``, ``loss``; absent keys keep
+their value): a latency spike or a lossy spell at run time (``dgr drill``).
 
 Bounded: at most ``max_buffer`` bytes are held per direction (reading pauses beyond it), at most
 ``max_conns`` connections. SIGTERM/SIGINT close everything and write the counters as JSON to
@@ -173,8 +175,21 @@ def _hostport(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def reshape(link: Link, control: Path) -> None:
+    """Applies the shape in ``control`` (JSON) to ``link``; a bad file changes nothing."""
+    try:
+        doc = json.loads(control.read_text())
+        new = LinkSpec(float(doc.get("delay_ms", link.spec.delay_ms)), float(doc.get("jitter_ms", link.spec.jitter_ms)),
+                       float(doc.get("loss", link.spec.loss)), link.spec.rto_ms)
+        new.validate()
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        print(f"dgr-link-proxy: control file {control}: {exc}", file=sys.stderr, flush=True)
+        return
+    link.spec = new
+
+
 async def serve(maps: list[tuple[tuple[str, int], tuple[str, int]]], spec: LinkSpec, stats: Path | None,
-                seed: int = 0) -> int:
+                seed: int = 0, control: Path | None = None) -> int:
     link = Link(spec, seed=seed)
     servers = []
     for listen, target in maps:
@@ -186,10 +201,12 @@ async def serve(maps: list[tuple[tuple[str, int], tuple[str, int]]], spec: LinkS
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, lambda: link.blackhole(True))
     loop.add_signal_handler(signal.SIGUSR2, lambda: link.blackhole(False))
+    if control is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: reshape(link, control))
 
     def dump() -> None:
         if stats is not None:
-            doc = {**asdict(link.counters), "blackhole": not link.open.is_set(), "spec": asdict(spec),
+            doc = {**asdict(link.counters), "blackhole": not link.open.is_set(), "spec": asdict(link.spec),
                    "maps": [f"{a[0]}:{a[1]}={b[0]}:{b[1]}" for a, b in maps]}
             tmp = stats.with_suffix(".tmp")
             tmp.write_text(json.dumps(doc))
@@ -220,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rto-ms", type=float, default=DEFAULT_RTO_MS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stats", type=Path, default=None)
+    p.add_argument("--control", type=Path, default=None,
+                   help="JSON file with delay_ms/jitter_ms/loss, re-read on SIGHUP")
     a = p.parse_args(argv)
     try:
         maps = []
@@ -233,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     except (argparse.ArgumentTypeError, ValueError) as exc:
         print(f"dgr-link-proxy: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(maps, spec, a.stats, a.seed))
+    return asyncio.run(serve(maps, spec, a.stats, a.seed, a.control))
 
 
 if __name__ == "__main__":

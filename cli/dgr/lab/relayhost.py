@@ -23,7 +23,7 @@ async def _serve(a: argparse.Namespace) -> int:
     host, _, port = a.listen.rpartition(":")
     tls = TlsFiles(a.ca, a.cert, a.key) if a.ca else None
     bridge = RelayBridge(a.worker, host=host, port=int(port),
-                         credentials=tls.grpc_credentials() if tls else None,
+                         tls=tls,
                          ssl=tls.server_context() if tls else None)
     await bridge.start()
     print(f"dgr-relay-host: ready {bridge.address}", flush=True)

@@ -15,18 +15,23 @@ driver -> head and the head -> next hops both cross it.
 
 from __future__ import annotations
 
+import logging
 import re
 import shlex
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import DgrError
 from ..protocol.tls import TlsFiles
 from . import system as sx
 from .hosts import Host, Lab
+
+_log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from ..route.supervisor import WorkerArgs
 
 
 @dataclass
@@ -60,7 +65,7 @@ class LabRoute:
                  placement: Sequence[str] | None = None, slices: bool = True, max_sessions: int = 8,
                  ctx_per_session: int = 2048, relay: bool = False, memory_budget: bool = True,
                  extra_args: Sequence[str] = (), backend: str = "cpu", slice_dir: Path | None = None,
-                 log: Callable[[str], None] | None = None, fake: bool = False) -> None:
+                 fake: bool = False) -> None:
         hosts = lab.hosts
         self.fake = fake
         self.lab, self.model, self.split = lab, model, list(split)
@@ -72,7 +77,6 @@ class LabRoute:
         self.relay, self.memory_budget = relay, memory_budget
         self.extra_args, self.backend = list(extra_args), backend
         self.slice_dir = slice_dir
-        self.log = log or (lambda _m: None)
         self.placed: list[Placed] = []
         self.files: list[Path] = []
         self.fingerprint = self.artifact_id = ""
@@ -88,38 +92,30 @@ class LabRoute:
             return
         recipe = recipe_for(self.model, backend=self.backend, progress=False)
         self.fingerprint, self.artifact_id = recipe.fingerprint(), recipe.artifact_id
-        if not self.slices:
-            self.files = [self.model] * len(self.split)
-            return
-        from ..gguf.slice import LayerRange, slice_gguf
+        from ..route.local import slice_files
 
-        out = self.slice_dir or Path(tempfile.gettempdir()) / "dgr-slices" / self.artifact_id[:16]
-        out.mkdir(parents=True, exist_ok=True)
-        for a, b in self.split:
-            path = out / f"{self.model.stem}.{a}-{b}.gguf"
-            if not path.is_file():
-                self.log(f"slicing layers {a}:{b} -> {path}")
-                slice_gguf(self.model, LayerRange(a, b), path, progress=False)
-            self.files.append(path)
+        self.files = slice_files(self.model, self.split, self.artifact_id, self.slice_dir) if self.slices \
+            else [self.model] * len(self.split)
 
-    def worker_args(self, i: int) -> list[str]:
+    def worker_args(self, i: int) -> "WorkerArgs":
+        """The worker's options for shard ``i`` (its host's TLS identity and thread count)."""
+        from ..route.supervisor import WorkerArgs
+
         h, (a, b) = self.placement[i], self.split[i]
         t = host_tls(self.lab, h)
-        model = ["--fake-model", "--n-layer", str(self.split[-1][1])] if self.fake else \
-            ["--model", str(self.files[i]), "--fingerprint", self.fingerprint, "--artifact-id", self.artifact_id,
-             "--threads", str(h.threads)]
-        args = [*model, "--layers", f"{a}:{b}", "--max-sessions", str(self.max_sessions), "--ctx-per-session", str(self.ctx),
-                "--tls-cert", str(t.cert), "--tls-key", str(t.key), "--tls-client-ca", str(t.ca),
-                "--chain-tls-ca", str(t.ca), "--chain-peers", ",".join(x.ip for x in self.lab.hosts)]
-        if self.memory_budget and h.worker_budget_mb:
-            args += ["--memory-budget-mb", str(h.worker_budget_mb)]
-        return args + self.extra_args
+        model: dict[str, Any] = dict(fake_model=True, n_layer=self.split[-1][1]) if self.fake else \
+            dict(model=self.files[i], fingerprint=self.fingerprint, artifact_id=self.artifact_id, threads=h.threads)
+        return WorkerArgs(**model, layers=(a, b), max_sessions=self.max_sessions, ctx_per_session=self.ctx,
+                          tls_cert=t.cert, tls_key=t.key, tls_client_ca=t.ca, chain_tls_ca=t.ca,
+                          chain_peers=",".join(x.ip for x in self.lab.hosts),
+                          memory_budget_mb=h.worker_budget_mb if self.memory_budget and h.worker_budget_mb else None,
+                          extra=tuple(self.extra_args))
 
     def start(self) -> list[str]:
         from ..route.local import ensure_worker
         from ..route.supervisor import WorkerProcess, WorkerStartError
 
-        binary = ensure_worker(self.backend, log=self.log)
+        binary = ensure_worker(self.backend)
         self._prepare()
         creds = self.tls.grpc_credentials()
         try:
@@ -132,11 +128,11 @@ class LabRoute:
                     raise DgrError(f"worker for layers {a}:{b} on {h.name} did not start: {exc}") from None
                 direct = w.target
                 ep = self.lab.expose(h, w.port)
-                p = Placed(h, (a, b), w, direct, ep, argv=[str(binary), "serve", "--listen", f"{h.ip}:0", *args])
+                p = Placed(h, (a, b), w, direct, ep, argv=[str(binary), "serve", "--listen", f"{h.ip}:0", *args.argv()])
                 if self.relay:
                     p.relay = self._start_relay(h, direct)
                 self.placed.append(p)
-                self.log(f"worker [{a}:{b}) on {h.name} (CPUs {h.cpus}, {h.threads} thread(s)"
+                _log.info(f"worker [{a}:{b}) on {h.name} (CPUs {h.cpus}, {h.threads} thread(s)"
                          + (f", budget {h.worker_budget_mb} MiB" if self.memory_budget and h.worker_budget_mb else "")
                          + f") pid {w.pid} at {direct}" + (f" via {ep}" if ep != direct else "")
                          + (f", relay {p.relay}" if p.relay else ""))
@@ -192,16 +188,10 @@ class LabRoute:
         self.stop()
 
     def stats(self) -> list[Any]:
-        from ..route.local import kv_bytes_per_cell
-        from ..route.sessions import WorkerStats
+        from ..route.local import worker_stats
 
-        out = []
-        for p in self.placed:
-            a, b = p.range
-            st = WorkerStats(f"{a}:{b}", p.endpoint, p.worker.pid)
-            st.kv_bytes_per_cell = 0 if self.fake or self.model is None else kv_bytes_per_cell(self.model, a, b)
-            out.append(st)
-        return out
+        return worker_stats(None if self.fake else self.model, [p.range for p in self.placed],
+                            [p.endpoint for p in self.placed], [p.worker.pid for p in self.placed])
 
     def describe(self) -> list[dict[str, Any]]:
         """Per shard: host, CPUs, threads, budget, pid, addresses and the exact worker command."""

@@ -41,7 +41,7 @@ _WIRE_DTYPE = {np.dtype(np.float32): pb.TENSOR_DTYPE_F32, np.dtype(np.float16): 
                np.dtype(np.int32): pb.TENSOR_DTYPE_I32}
 
 # ErrorReason -> gRPC status code number (see the ErrorReason comments in the .proto).
-_OK, _CANCELLED, _UNKNOWN, _INVALID_ARGUMENT = 0, 1, 2, 3
+_OK, _CANCELLED, _UNKNOWN, _INVALID_ARGUMENT, _PERMISSION_DENIED = 0, 1, 2, 3, 7
 _RESOURCE_EXHAUSTED, _FAILED_PRECONDITION, _ABORTED, _INTERNAL, _UNAVAILABLE = 8, 9, 10, 13, 14
 GRPC_CODE_BY_REASON: dict[int, int] = {
     pb.ERROR_REASON_UNSPECIFIED: _UNKNOWN,
@@ -66,6 +66,7 @@ GRPC_CODE_BY_REASON: dict[int, int] = {
     pb.ERROR_REASON_UNSUPPORTED_COMPRESSION: _INVALID_ARGUMENT,
     pb.ERROR_REASON_BAD_REQUEST: _INVALID_ARGUMENT,
     pb.ERROR_REASON_UNAVAILABLE: _UNAVAILABLE,
+    pb.ERROR_REASON_SESSION_NOT_OWNED: _PERMISSION_DENIED,
 }
 
 
@@ -215,6 +216,18 @@ def _bad(message: str, tensor: str | None = None) -> ShardProtocolError:
     return ShardProtocolError(pb.ERROR_REASON_BAD_BUNDLE, message, tensor=tensor)
 
 
+def _gaps(p: _Pending, most: int) -> list[int]:
+    """The first ``most`` fragment indices not received; bounded work whatever fragment_count says
+    (every index past the last received one is missing)."""
+    out: list[int] = []
+    for i in range(p.meta.fragment_count):
+        if len(out) >= most:
+            break
+        if i not in p.parts:
+            out.append(i)
+    return out
+
+
 class BundleAssembler:
     """Collects the bundle(s) of one step, validating as they arrive.
 
@@ -294,8 +307,9 @@ class BundleAssembler:
         return bool(self._tensors) and all(len(p.parts) == p.meta.fragment_count for p in self._tensors.values())
 
     def missing(self) -> dict[str, list[int]]:
-        return {name: [i for i in range(p.meta.fragment_count) if i not in p.parts]
-                for name, p in self._tensors.items() if len(p.parts) != p.meta.fragment_count}
+        """Missing fragment indices per incomplete tensor (at most the first 1024 each, as the
+        worker lists them: fragment_count is the sender's word, up to 2**32 - 1)."""
+        return {name: _gaps(p, 1024) for name, p in self._tensors.items() if len(p.parts) != p.meta.fragment_count}
 
     def finish(self) -> dict[str, np.ndarray]:
         """Reassemble and verify; arrays in native byte order, in arrival order of names."""
@@ -305,7 +319,7 @@ class BundleAssembler:
         for name, p in self._tensors.items():
             t = p.meta
             if len(p.parts) != t.fragment_count:
-                gaps = [i for i in range(t.fragment_count) if i not in p.parts]
+                gaps = _gaps(p, 9)
                 shown = ", ".join(map(str, gaps[:8])) + (" ..." if len(gaps) > 8 else "")
                 raise _bad(f"missing fragment(s) {shown} of {t.fragment_count}", name)
             data = b"".join(p.parts[i] for i in range(t.fragment_count))
@@ -340,117 +354,3 @@ def read_boundary(bundles: pb.TensorBundle | Iterable[pb.TensorBundle], *, n_tok
     if arr.dtype != np.float32 or arr.shape != (n_tokens, n_embd):
         raise _bad(f"expected f32 [{n_tokens}, {n_embd}], got {arr.dtype} {list(arr.shape)}", RESIDUAL)
     return arr
-
-
-
-# ---- frame-level checks (stateless; the worker adds its session-state checks) ---------------
-
-#: Schema versions this code accepts: [min, max].
-SCHEMA_VERSIONS = (pb.SCHEMA_VERSION_V1, pb.SCHEMA_VERSION_V1)
-_ROW_PHASES = (pb.PHASE_PREFILL, pb.PHASE_DECODE)
-_KNOWN_PHASES = (pb.PHASE_PREFILL, pb.PHASE_DECODE, pb.PHASE_TRUNCATE, pb.PHASE_RELEASE)
-
-
-def _req(reason: int, message: str) -> ShardProtocolError:
-    return ShardProtocolError(reason, message)
-
-
-def check_sampling(s: pb.SamplingParams) -> None:
-    """The sampling contract's value ranges (BAD_REQUEST)."""
-    bad = pb.ERROR_REASON_BAD_REQUEST
-    if s.mode not in (pb.SAMPLING_MODE_UNSPECIFIED, pb.SAMPLING_MODE_GREEDY, pb.SAMPLING_MODE_STOCHASTIC):
-        raise _req(bad, f"unknown sampling mode {s.mode}")
-    if s.mode == pb.SAMPLING_MODE_STOCHASTIC and not s.temperature > 0:
-        raise _req(bad, f"stochastic sampling needs temperature > 0, got {s.temperature}")
-    if not 0 <= s.top_p <= 1:
-        raise _req(bad, f"top_p {s.top_p} outside [0, 1]")
-    if not 0 <= s.min_p < 1:
-        raise _req(bad, f"min_p {s.min_p} outside [0, 1)")
-
-
-def check_request(req: pb.SessionRequest, capability: pb.GetCapabilityResponse | None = None) -> None:
-    """Stateless checks of one SessionRequest frame, in the order a worker applies them.
-
-    Raises ShardProtocolError with the documented reason; returns None when the frame may go on
-    to the session-state checks (epoch, step, cache expectation). With ``capability`` it also
-    checks fingerprint, range, role, vocabulary and chunk limits against that Shard.
-    """
-    kind = req.WhichOneof("frame")
-    if kind is None:
-        raise _req(pb.ERROR_REASON_BAD_REQUEST, "no frame kind this worker knows (sent by a newer schema?)")
-    ident = capability.identity if capability is not None else None
-    if kind == "fast_decode":
-        f = req.fast_decode
-        if not f.session_id:
-            raise _req(pb.ERROR_REASON_BAD_REQUEST, "fast_decode without session_id")
-        which = f.WhichOneof("input")
-        if which is None:
-            raise _req(pb.ERROR_REASON_BAD_REQUEST, "fast_decode without input")
-        if ident is not None:
-            _check_role(which == "token_id", ident)
-            if which == "token_id":
-                _check_vocab([f.token_id], ident)
-        return
-    s = req.step
-    if not s.HasField("header"):
-        raise _req(pb.ERROR_REASON_BAD_REQUEST, "step frame without header")
-    h = s.header
-    lo, hi = SCHEMA_VERSIONS
-    if capability is not None:
-        lo, hi = capability.min_schema_version, capability.schema_version
-    if not lo <= h.schema_version <= hi or h.schema_version == pb.SCHEMA_VERSION_UNSPECIFIED:
-        raise _req(pb.ERROR_REASON_SCHEMA_UNSUPPORTED, f"schema_version {h.schema_version} outside [{lo}, {hi}]")
-    if not h.session_id:
-        raise _req(pb.ERROR_REASON_BAD_REQUEST, "header without session_id")
-    if h.phase not in _KNOWN_PHASES:
-        raise _req(pb.ERROR_REASON_BAD_REQUEST, f"unknown phase {h.phase}")
-    if ident is not None:
-        if h.compatibility_fingerprint != ident.compatibility_fingerprint:
-            raise _req(pb.ERROR_REASON_FINGERPRINT_MISMATCH,
-                       f"fingerprint {h.compatibility_fingerprint!r} != served {ident.compatibility_fingerprint!r}")
-        if (h.shard_range.start, h.shard_range.end) != (ident.range.start, ident.range.end):
-            raise _req(pb.ERROR_REASON_RANGE_MISMATCH,
-                       f"frame names [{h.shard_range.start}, {h.shard_range.end}), this Shard serves "
-                       f"[{ident.range.start}, {ident.range.end})")
-        if h.effective_start >= ident.range.end:
-            raise _req(pb.ERROR_REASON_RANGE_MISMATCH, f"effective_start {h.effective_start} >= {ident.range.end}")
-    which = s.WhichOneof("input")
-    if h.phase in _ROW_PHASES:
-        rows = h.positions.end - h.positions.start
-        if h.positions.end <= h.positions.start:
-            raise _req(pb.ERROR_REASON_BAD_REQUEST, f"empty positions [{h.positions.start}, {h.positions.end})")
-        if which is None:
-            raise _req(pb.ERROR_REASON_BAD_REQUEST, f"{pb.Phase.Name(h.phase)} without input")
-        if h.phase == pb.PHASE_DECODE and rows != 1:
-            raise ShardProtocolError(pb.ERROR_REASON_CHUNK_TOO_LARGE, f"DECODE carries {rows} rows, not 1", limit=1)
-        if capability is not None and capability.capacity.max_prefill_chunk_tokens and \
-                rows > capability.capacity.max_prefill_chunk_tokens:
-            lim = capability.capacity.max_prefill_chunk_tokens
-            raise ShardProtocolError(pb.ERROR_REASON_CHUNK_TOO_LARGE, f"{rows} rows above the chunk limit {lim}",
-                                     limit=lim)
-        if which == "tokens" and len(s.tokens.token_ids) != rows:
-            raise _req(pb.ERROR_REASON_BAD_REQUEST, f"{len(s.tokens.token_ids)} token ids for {rows} positions")
-        if ident is not None:
-            _check_role(which == "tokens", ident)
-            if which == "tokens":
-                _check_vocab(s.tokens.token_ids, ident)
-    elif which is not None:
-        raise _req(pb.ERROR_REASON_BAD_REQUEST, f"{pb.Phase.Name(h.phase)} carries no input")
-    if h.compression not in (pb.COMPRESSION_UNSPECIFIED, pb.COMPRESSION_NONE):
-        raise _req(pb.ERROR_REASON_UNSUPPORTED_COMPRESSION, f"compression {h.compression} not supported")
-    if s.HasField("sampling"):
-        check_sampling(s.sampling)
-    verify_frame_payload(getattr(s, which) if which else None, h.payload_checksum)
-
-
-def _check_role(has_tokens: bool, ident: pb.ShardIdentity) -> None:
-    if has_tokens != ident.head:
-        what = "token ids" if has_tokens else "a boundary bundle"
-        raise _req(pb.ERROR_REASON_ROLE_MISMATCH,
-                   f"{what} sent to a {'head' if ident.head else 'non-head'} Shard")
-
-
-def _check_vocab(token_ids: Iterable[int], ident: pb.ShardIdentity) -> None:
-    for t in token_ids:
-        if not 0 <= t < ident.n_vocab:
-            raise _req(pb.ERROR_REASON_TOKEN_OUT_OF_VOCAB, f"token id {t} outside [0, {ident.n_vocab})")

@@ -1,8 +1,20 @@
-"""Typed Python client of one dgr-worker (``dgr.shard.v1.ShardRuntimeService``) over grpcio.
+"""The Python client of a dgr-worker (``dgr.shard.v1.ShardRuntimeService``): one channel, the
+unary RPCs and Session streams, for asyncio code and for plain (sync) code.
 
-Used by the tests and by route code. Sync API; every blocking call has a deadline, and the
-channel sends keepalive pings, so a dead worker shows up as :class:`WorkerUnavailable`
-(gRPC UNAVAILABLE) within a bounded time instead of a hang.
+- :class:`AsyncWorkerClient` is the client: a ``grpc.aio`` channel from
+  :func:`~dgr.protocol.channel.open_channel` (insecure, TLS or mutual TLS; keepalive from
+  :func:`~dgr.protocol.channel.channel_options`) or, for a ``relay+tcp://`` endpoint, a hop
+  through a byte relay; its sessions are :class:`~dgr.protocol.stream.AsyncSessionStream`, the
+  one Session stream implementation (the route driver uses the same).
+- :class:`WorkerClient` / :class:`SessionStream` offer the same calls without ``await``: each
+  runs the asyncio client's coroutine on one event-loop thread private to this module (shared
+  by the sync clients of the process, started when the first opens and stopped when the last
+  closes) and waits for its result. There is no second implementation of a frame, a deadline
+  or an error.
+
+Every blocking call has a deadline, and the channel sends keepalive pings, so a dead worker
+shows up as :class:`WorkerUnavailable` (gRPC UNAVAILABLE) within a bounded time instead of a
+hang.
 
     with WorkerClient("127.0.0.1:50151") as c:
         cap = c.capability()
@@ -18,472 +30,61 @@ chained head (``open_session(downstream=[ChainHop, ...])``) answers with the rou
 
 from __future__ import annotations
 
-import itertools
-import queue
+import asyncio
+import concurrent.futures
+import math
 import threading
-import time
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import numpy as np
 
-from . import bundle as bundle_mod
+from .channel import channel_options, open_channel
+from .errors import (BadResponse, ShardError, StepTimeout, StreamClosed, WorkerError, WorkerUnavailable,
+                     wrap_rpc_error)
+from .relay import RelayChannel, RelayStub, is_relay_endpoint
+from .stream import AsyncSessionStream, Sampling, boundary_rows, sampled
 from ..shard.v1 import shard_runtime_pb2 as pb
 from ..shard.v1 import shard_runtime_pb2_grpc as pb_grpc
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .tls import TlsFiles
+
+# the names callers import from here (one import line for a client user)
+__all__ = ["AsyncWorkerClient", "AsyncSessionStream", "BadResponse", "SERVICE_NAME", "Sampling", "SessionStream",
+           "ShardError", "StepTimeout", "StreamClosed", "WorkerClient", "WorkerError", "WorkerUnavailable",
+           "boundary_rows", "channel_options", "open_channel", "sampled"]
+
 SERVICE_NAME = "dgr.shard.v1.ShardRuntimeService"
-_DONE = object()
-
-
-class WorkerError(Exception):
-    """A gRPC failure talking to a worker (status code + details)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-class WorkerUnavailable(WorkerError):
-    """UNAVAILABLE: the worker is gone or not serving; retry elsewhere."""
-
-
-class ShardError(Exception):
-    """A structured error frame (``ShardError``) answering one session step."""
-
-    def __init__(self, err: pb.ShardError, header: pb.ResponseHeader | None = None) -> None:
-        self.proto = err
-        self.reason = err.reason
-        self.reason_name = pb.ErrorReason.Name(err.reason)
-        self.grpc_code = err.grpc_code
-        self.terminated = err.session_terminated
-        self.header = header
-        super().__init__(f"{self.reason_name}: {err.message}")
-
-
-def _wrap(exc: grpc.RpcError) -> WorkerError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    cls = WorkerUnavailable if code == grpc.StatusCode.UNAVAILABLE else WorkerError
-    return cls(code, details or "")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """The tail's sampling contract: greedy unless ``temperature`` > 0.
-
-    ``ignore_eog`` is False by default: generation stops at end-of-generation (and at
-    ``stop_token_ids``). Pass ``ignore_eog=True`` to generate through them. In greedy mode the
-    stochastic fields (temperature, top_k, top_p, min_p, seed) are not sent.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 0.0
-    min_p: float = 0.0
-    seed: int = 0
-    top_logprobs: int = 0
-    ignore_eog: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-
-    def to_proto(self) -> pb.SamplingParams:
-        common = dict(top_logprobs=self.top_logprobs, ignore_eog=self.ignore_eog,
-                      stop_token_ids=list(self.stop_token_ids))
-        if self.temperature <= 0:
-            return pb.SamplingParams(mode=pb.SAMPLING_MODE_GREEDY, **common)
-        return pb.SamplingParams(mode=pb.SAMPLING_MODE_STOCHASTIC, temperature=self.temperature, top_k=self.top_k,
-                                 top_p=self.top_p, min_p=self.min_p, seed=self.seed, **common)
-
-
-def channel_options(max_message_bytes: int = 64 << 20) -> list[tuple[str, int]]:
-    return [
-        ("grpc.keepalive_time_ms", 2000),
-        ("grpc.keepalive_timeout_ms", 2000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.enable_retries", 0),
-    ]
-
-
-class WorkerClient:
-    """One channel to one worker."""
-
-    def __init__(self, target: str, *, timeout: float = 10.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        self.target = target
-        self.timeout = timeout
-        opts = channel_options()
-        self._channel = (grpc.secure_channel(target, credentials, options=opts) if credentials
-                         else grpc.insecure_channel(target, options=opts))
-        self.stub = pb_grpc.ShardRuntimeServiceStub(self._channel)
-        self._cap: pb.GetCapabilityResponse | None = None
-
-    # -- lifecycle -----------------------------------------------------------------------
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> "WorkerClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, fn, req, timeout: float | None):
-        try:
-            return fn(req, timeout=self.timeout if timeout is None else timeout)
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from None
-
-    def health(self, service: str = "", timeout: float | None = None) -> str:
-        """grpc.health.v1 Check (grpcio-health-checking): SERVING / NOT_SERVING / UNKNOWN /
-        SERVICE_UNKNOWN."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        resp = self._call(health_pb2_grpc.HealthStub(self._channel).Check,
-                          health_pb2.HealthCheckRequest(service=service), timeout)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-
-    def wait_ready(self, deadline_s: float = 30.0) -> pb.GetCapabilityResponse:
-        """Polls GetCapability until it answers or the deadline passes."""
-        end = time.monotonic() + deadline_s
-        last: Exception | None = None
-        while time.monotonic() < end:
-            try:
-                return self.capability(refresh=True, timeout=min(2.0, max(0.1, end - time.monotonic())))
-            except WorkerError as exc:
-                last = exc
-                time.sleep(0.05)
-        raise TimeoutError(f"worker at {self.target} not ready after {deadline_s}s: {last}")
-
-    # -- unary RPCs ----------------------------------------------------------------------
-    def capability(self, *, refresh: bool = False, timeout: float | None = None) -> pb.GetCapabilityResponse:
-        if self._cap is None or refresh:
-            self._cap = self._call(self.stub.GetCapability, pb.GetCapabilityRequest(), timeout)
-        return self._cap
-
-    def metrics(self, timeout: float | None = None) -> pb.GetMetricsResponse:
-        return self._call(self.stub.GetMetrics, pb.GetMetricsRequest(), timeout)
-
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples named ``name`` whose labels include ``labels``."""
-        total = 0.0
-        for s in self.metrics().samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-        return total
-
-    def load(self) -> pb.LoadSnapshot:
-        return self.metrics().load
-
-    def release(self, session_id: str, epoch: int = 0, timeout: float | None = None) -> pb.ReleaseSessionResponse:
-        return self._call(self.stub.ReleaseSession,
-                          pb.ReleaseSessionRequest(session_id=session_id, route_epoch=epoch), timeout)
-
-    def cancel(self, session_id: str, epoch: int = 0, timeout: float | None = None) -> pb.CancelSessionResponse:
-        return self._call(self.stub.CancelSession,
-                          pb.CancelSessionRequest(session_id=session_id, route_epoch=epoch), timeout)
-
-    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = False) -> list[int]:
-        r = self._call(self.stub.Tokenize, pb.TokenizeRequest(text=text, add_special=add_special,
-                                                              parse_special=parse_special), None)
-        return list(r.token_ids)
-
-    def detokenize(self, ids: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False) -> bytes:
-        r = self._call(self.stub.Detokenize, pb.DetokenizeRequest(token_ids=list(ids), remove_special=remove_special,
-                                                                  unparse_special=unparse_special), None)
-        return r.text
-
-    def open_session(self, session_id: str | None = None, epoch: int = 1, *,
-                     sampling: Sampling | None = None, step_timeout: float | None = None,
-                     stream_deadline: float | None = None,
-                     downstream: Sequence[pb.ChainHop] = ()) -> "SessionStream":
-        """A Session stream. ``step_timeout``: seconds to wait for each answer (client side);
-        ``stream_deadline``: a gRPC deadline for the whole stream (the worker sees it expire,
-        cancels the stream and releases the session); ``downstream``: the Shards after this
-        one of a chained route, sent on the opening frame (this worker must be the head)."""
-        return SessionStream(self, session_id or uuid.uuid4().hex, epoch, sampling=sampling,
-                             step_timeout=self.timeout if step_timeout is None else step_timeout,
-                             stream_deadline=stream_deadline, downstream=downstream)
-
-
-class SessionStream:
-    """One Route Session on one worker: a bidi ``Session`` stream with step bookkeeping.
-
-    ``send``/``recv`` are the raw frame level (tests of malformed frames); ``prefill``,
-    ``decode``, ``truncate`` and ``release`` build correct frames and track step and positions.
-    Error frames raise :class:`ShardError` (``raise_errors=False`` returns them instead).
-    """
-
-    def __init__(self, client: WorkerClient, session_id: str, epoch: int, *,
-                 sampling: Sampling | None, step_timeout: float, stream_deadline: float | None = None,
-                 downstream: Sequence[pb.ChainHop] = ()) -> None:
-        self.client = client
-        self.session_id = session_id
-        self.epoch = epoch
-        self.sampling = sampling
-        self.downstream = list(downstream)
-        self.step_timeout = step_timeout
-        self.cap = client.capability()
-        self.step = 0
-        self.positions = 0
-        self._requests: queue.Queue = queue.Queue()
-        self._responses: queue.Queue = queue.Queue()
-        self._closed = False
-        self._ids = itertools.count()
-        self._call = client.stub.Session(self._request_iter(), timeout=stream_deadline)
-        self._reader = threading.Thread(target=self._read, name=f"session-{session_id[:8]}", daemon=True)
-        self._reader.start()
-
-    # -- plumbing ------------------------------------------------------------------------
-    def _request_iter(self) -> Iterator[pb.SessionRequest]:
-        while True:
-            item = self._requests.get()
-            if item is _DONE:
-                return
-            yield item
-
-    def _read(self) -> None:
-        try:
-            for resp in self._call:
-                self._responses.put(resp)
-            self._responses.put(_DONE)
-        except grpc.RpcError as exc:
-            self._responses.put(_wrap(exc))
-
-    def send(self, req: pb.SessionRequest) -> None:
-        self._requests.put(req)
-
-    def recv(self, timeout: float | None = None) -> pb.SessionResponse:
-        """Next response; raises WorkerError when the stream ended with a status."""
-        try:
-            item = self._responses.get(timeout=self.step_timeout if timeout is None else timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no response from {self.client.target} within the step deadline") from None
-        if item is _DONE:
-            self._responses.put(_DONE)
-            raise WorkerError(grpc.StatusCode.OK, "stream ended")
-        if isinstance(item, WorkerError):
-            self._responses.put(item)
-            raise item
-        return item
-
-    def exchange(self, req: pb.SessionRequest, *, raise_errors: bool = True,
-                 timeout: float | None = None) -> pb.SessionResponse:
-        self.send(req)
-        resp = self.recv(timeout)
-        if resp.HasField("error") and raise_errors:
-            raise ShardError(resp.error, resp.header)
-        return resp
-
-    def close(self) -> None:
-        """Half-closes the stream (the worker releases the session)."""
-        if not self._closed:
-            self._closed = True
-            self._requests.put(_DONE)
-
-    def cancel_stream(self) -> None:
-        self._call.cancel()
-
-    def __enter__(self) -> "SessionStream":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def wait_closed(self, timeout: float = 10.0) -> grpc.StatusCode:
-        """Waits for the stream to end; returns its status code."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
-                self.recv(timeout=max(0.01, end - time.monotonic()))
-            except WorkerError as exc:
-                return exc.code
-            except TimeoutError:
-                break
-        raise TimeoutError("stream did not end")
-
-    # -- frames --------------------------------------------------------------------------
-    def header(self, phase: int, start: int, end: int, *, step: int | None = None,
-               expect: int | None = None, payload: pb.TokenSpan | pb.TensorBundle | None = None,
-               **overrides: object) -> pb.FrameHeader:
-        ident = self.cap.identity
-        step = self.step if step is None else step
-        if expect is None:
-            expect = pb.CACHE_EXPECTATION_KIND_EMPTY if step == 0 else pb.CACHE_EXPECTATION_KIND_POSITION
-        h = pb.FrameHeader(
-            schema_version=pb.SCHEMA_VERSION_V1, request_id=f"{self.session_id}:{next(self._ids)}",
-            session_id=self.session_id, route_epoch=self.epoch,
-            compatibility_fingerprint=ident.compatibility_fingerprint,
-            shard_range=pb.ShardRange(start=ident.range.start, end=ident.range.end),
-            phase=phase, positions=pb.PositionRange(start=start, end=end), step=step,
-            cache_expectation=pb.CacheExpectation(kind=expect, position=self.positions),
-            compression=pb.COMPRESSION_NONE,
-            payload_checksum=bundle_mod.frame_payload_checksum(payload),
-        )
-        for k, v in overrides.items():
-            if isinstance(v, pb.ShardRange | pb.PositionRange | pb.CacheExpectation):
-                getattr(h, k).CopyFrom(v)
-            else:
-                setattr(h, k, v)
-        return h
-
-    def _input_frame(self, phase: int, tokens: Sequence[int] | None, rows: np.ndarray | None,
-                     sample: bool) -> pb.SessionRequest:
-        n = len(tokens) if tokens is not None else int(rows.shape[0])
-        payload: pb.TokenSpan | pb.TensorBundle
-        if tokens is not None:
-            payload = pb.TokenSpan(token_ids=list(tokens))
-        else:
-            payload = bundle_mod.boundary_bundle(np.ascontiguousarray(rows, dtype=np.float32))
-        frame = pb.StepFrame(header=self.header(phase, self.positions, self.positions + n, payload=payload),
-                             sample=sample)
-        if tokens is not None:
-            frame.tokens.CopyFrom(payload)
-        else:
-            frame.bundle.CopyFrom(payload)
-        if self.sampling is not None and self.step == 0:
-            frame.sampling.CopyFrom(self.sampling.to_proto())
-        if self.step == 0 and getattr(self, "downstream", None):
-            frame.downstream.extend(self.downstream)
-        return pb.SessionRequest(step=frame)
-
-    def _applied(self, resp: pb.SessionResponse) -> pb.SessionResponse:
-        self.step += 1
-        self.positions = resp.header.cached_positions
-        return resp
-
-    def prefill_chunk(self, tokens: Sequence[int] | None = None, *, rows: np.ndarray | None = None,
-                      sample: bool = True) -> pb.SessionResponse:
-        return self._applied(self.exchange(self._input_frame(pb.PHASE_PREFILL, tokens, rows, sample)))
-
-    def prefill(self, tokens: Sequence[int], *, chunk: int | None = None) -> int | None:
-        """Appends a prompt in chunks of at most max_prefill_chunk_tokens; returns the token
-        sampled after it (tail) or None."""
-        chunk = chunk or self.cap.capacity.max_prefill_chunk_tokens or 256
-        resp = None
-        for i in range(0, len(tokens), chunk):
-            part = tokens[i:i + chunk]
-            resp = self.prefill_chunk(part, sample=i + chunk >= len(tokens))
-        return sampled(resp) if resp is not None else None
-
-    def decode_step(self, token: int, *, fast: bool = True) -> pb.SessionResponse:
-        if fast and self.step > 0:
-            req = pb.SessionRequest(fast_decode=pb.FastDecodeFrame(
-                session_id=self.session_id, route_epoch=self.epoch, step=self.step, position=self.positions,
-                token_id=token))
-        else:
-            req = self._input_frame(pb.PHASE_DECODE, [token], None, True)
-        return self._applied(self.exchange(req))
-
-    def decode(self, token: int, *, fast: bool = True) -> int | None:
-        return sampled(self.decode_step(token, fast=fast))
-
-    def generate(self, first: int, n: int, *, fast: bool = True) -> list[int]:
-        """Feeds ``first`` and each sampled token back ``n`` times; returns the n tokens sampled."""
-        out: list[int] = []
-        tok = first
-        for _ in range(n):
-            nxt = self.decode(tok, fast=fast)
-            assert nxt is not None
-            out.append(nxt)
-            tok = nxt
-        return out
-
-    # -- server-side generation (StepFrame.generate) --------------------------------------
-    def generate_frame(self, phase: int, tokens: Sequence[int], n: int, *,
-                       continue_after_finish: bool = False) -> pb.SessionRequest:
-        """A sampling StepFrame (last prefill chunk, or one DECODE row) asking the worker to
-        answer ``n`` tokens, feeding each back itself."""
-        req = self._input_frame(phase, tokens, None, True)
-        req.step.generate.CopyFrom(pb.GenerateParams(max_tokens=n, continue_after_finish=continue_after_finish))
-        return req
-
-    def read_generated(self, n: int, *, continue_after_finish: bool = False,
-                       timeout: float | None = None) -> list[pb.SessionResponse]:
-        """Reads the responses of a generate frame already sent: ``n`` tokens, fewer when a
-        token finishes the generation (unless ``continue_after_finish``). Tracks step and
-        positions: afterwards the session holds every position but the last token's."""
-        out: list[pb.SessionResponse] = []
-        while len(out) < max(1, n):
-            resp = self.recv(timeout)
-            if resp.HasField("error"):
-                raise ShardError(resp.error, resp.header)
-            out.append(resp)
-            self.step = resp.header.step + 1
-            self.positions = resp.header.cached_positions
-            tok = resp.tail.tokens[0] if resp.HasField("tail") and resp.tail.tokens else None
-            if tok is None:
-                raise ShardError(pb.ShardError(reason=pb.ERROR_REASON_UNSPECIFIED,
-                                               message="a generated response carried no token"), resp.header)
-            if not continue_after_finish and tok.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                break
-        return out
-
-    def prefill_generate(self, tokens: Sequence[int], n: int, *, continue_after_finish: bool = False,
-                         chunk: int | None = None) -> list[int]:
-        """Appends a prompt (chunked as :meth:`prefill`); the last chunk asks for ``n`` tokens,
-        the first sampled after the prompt. Returns the tokens sampled."""
-        chunk = chunk or self.cap.capacity.max_prefill_chunk_tokens or 256
-        cut = ((len(tokens) - 1) // chunk) * chunk
-        head, last = list(tokens[:cut]), list(tokens[cut:])
-        for i in range(0, len(head), chunk):
-            self.prefill_chunk(head[i:i + chunk], sample=False)
-        self.send(self.generate_frame(pb.PHASE_PREFILL, last, n, continue_after_finish=continue_after_finish))
-        return [sampled(r) for r in self.read_generated(n, continue_after_finish=continue_after_finish)]
-
-    def decode_generate(self, token: int, n: int, *, continue_after_finish: bool = False) -> list[int]:
-        """Feeds ``token`` (one DECODE row, a full frame) and lets the worker continue: returns
-        the ``n`` tokens sampled (fewer at a finish reason unless ``continue_after_finish``)."""
-        self.send(self.generate_frame(pb.PHASE_DECODE, [token], n, continue_after_finish=continue_after_finish))
-        return [sampled(r) for r in self.read_generated(n, continue_after_finish=continue_after_finish)]
-
-    def truncate(self, position: int) -> pb.SessionResponse:
-        req = pb.SessionRequest(step=pb.StepFrame(header=self.header(pb.PHASE_TRUNCATE, position, position)))
-        resp = self.exchange(req)
-        self.step += 1
-        self.positions = resp.header.cached_positions
-        return resp
-
-    def release(self) -> pb.SessionResponse:
-        req = pb.SessionRequest(step=pb.StepFrame(header=self.header(pb.PHASE_RELEASE, self.positions,
-                                                                     self.positions)))
-        resp = self.exchange(req)
-        self.positions = 0
-        return resp
-
-
-def sampled(resp: pb.SessionResponse | None) -> int | None:
-    if resp is None or not resp.HasField("tail") or not resp.tail.tokens:
-        return None
-    return resp.tail.tokens[0].token_id
-
-
-def boundary_rows(resp: pb.SessionResponse, n_embd: int) -> np.ndarray:
-    """The residual rows of a non-tail shard's response."""
-    n = resp.header.positions.end - resp.header.positions.start
-    return bundle_mod.read_boundary(resp.boundary, n_tokens=n, n_embd=n_embd)
+T = TypeVar("T")
 
 
 class AsyncWorkerClient:
-    """asyncio variant (grpc.aio) of :class:`WorkerClient` for route code that drives many
-    sessions from one event loop. Same frames; errors raise the same exception types."""
+    """One channel to one worker, for asyncio code (create it, and use it, on one event loop).
 
-    def __init__(self, target: str, *, timeout: float = 10.0,
+    ``target``: host:port, or ``relay+tcp://host:port`` for a hop through a byte relay (same
+    frames; see :mod:`dgr.protocol.relay`). ``tls``: TLS material (CA: TLS; CA, cert and key:
+    mutual TLS; on a relayed hop it secures the relay's byte stream); ``credentials``: ready
+    gRPC channel credentials instead. ``timeout``: the deadline of each unary call and the
+    default step deadline of a session."""
+
+    def __init__(self, target: str, *, timeout: float = 10.0, tls: "TlsFiles | None" = None,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        opts = channel_options()
-        self._channel = (grpc.aio.secure_channel(target, credentials, options=opts) if credentials
-                         else grpc.aio.insecure_channel(target, options=opts))
-        self.stub = pb_grpc.ShardRuntimeServiceStub(self._channel)
+        if is_relay_endpoint(target):
+            self.channel: Any = RelayChannel()
+            self.stub: Any = RelayStub(target, ssl=tls.client_context() if tls else None)
+        else:
+            self.channel = open_channel(target, tls=tls, credentials=credentials, aio=True)
+            self.stub = pb_grpc.ShardRuntimeServiceStub(self.channel)
         self._cap: pb.GetCapabilityResponse | None = None
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self.channel.close()
 
     async def __aenter__(self) -> "AsyncWorkerClient":
         return self
@@ -491,98 +92,350 @@ class AsyncWorkerClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, fn, req, timeout: float | None):
+    async def _call(self, fn: Any, req: Any, timeout: float | None) -> Any:
         try:
             return await fn(req, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as exc:
-            raise _wrap(exc) from None
+            raise wrap_rpc_error(exc) from None
 
-    async def capability(self, *, refresh: bool = False) -> pb.GetCapabilityResponse:
+    # -- unary RPCs ----------------------------------------------------------------------
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        """grpc.health.v1 Check (grpcio-health-checking): SERVING / NOT_SERVING / UNKNOWN /
+        SERVICE_UNKNOWN."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        resp = await self._call(health_pb2_grpc.HealthStub(self.channel).Check,
+                                health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def wait_ready(self, deadline_s: float = 30.0) -> pb.GetCapabilityResponse:
+        """Polls GetCapability until it answers or the deadline passes."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        last: Exception | None = None
+        while loop.time() < end:
+            try:
+                return await self.capability(refresh=True, timeout=min(2.0, max(0.1, end - loop.time())))
+            except WorkerError as exc:
+                last = exc
+                await asyncio.sleep(0.05)
+        raise TimeoutError(f"worker at {self.target} not ready after {deadline_s}s: {last}")
+
+    async def capability(self, *, refresh: bool = False, timeout: float | None = None) -> pb.GetCapabilityResponse:
         if self._cap is None or refresh:
-            self._cap = await self._call(self.stub.GetCapability, pb.GetCapabilityRequest(), None)
+            self._cap = await self._call(self.stub.GetCapability, pb.GetCapabilityRequest(), timeout)
         return self._cap
 
-    async def metrics(self) -> pb.GetMetricsResponse:
-        return await self._call(self.stub.GetMetrics, pb.GetMetricsRequest(), None)
+    async def metrics(self, timeout: float | None = None) -> pb.GetMetricsResponse:
+        return await self._call(self.stub.GetMetrics, pb.GetMetricsRequest(), timeout)
 
-    async def release(self, session_id: str, epoch: int = 0) -> pb.ReleaseSessionResponse:
+    async def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples named ``name`` whose labels include ``labels``."""
+        return sum(s.value for s in (await self.metrics()).samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    async def load(self) -> pb.LoadSnapshot:
+        return (await self.metrics()).load
+
+    async def release(self, session_id: str, epoch: int = 0, timeout: float | None = None) -> pb.ReleaseSessionResponse:
         return await self._call(self.stub.ReleaseSession,
-                                pb.ReleaseSessionRequest(session_id=session_id, route_epoch=epoch), None)
+                                pb.ReleaseSessionRequest(session_id=session_id, route_epoch=epoch), timeout)
 
-    async def cancel(self, session_id: str, epoch: int = 0) -> pb.CancelSessionResponse:
+    async def cancel(self, session_id: str, epoch: int = 0, timeout: float | None = None) -> pb.CancelSessionResponse:
         return await self._call(self.stub.CancelSession,
-                                pb.CancelSessionRequest(session_id=session_id, route_epoch=epoch), None)
+                                pb.CancelSessionRequest(session_id=session_id, route_epoch=epoch), timeout)
 
-    async def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
-        r = await self._call(self.stub.Tokenize, pb.TokenizeRequest(text=text, add_special=add_special), None)
+    async def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = False,
+                       timeout: float | None = None) -> list[int]:
+        r = await self._call(self.stub.Tokenize, pb.TokenizeRequest(text=text, add_special=add_special,
+                                                                    parse_special=parse_special), timeout)
         return list(r.token_ids)
 
+    async def detokenize(self, ids: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False,
+                         timeout: float | None = None) -> bytes:
+        r = await self._call(self.stub.Detokenize, pb.DetokenizeRequest(
+            token_ids=list(ids), remove_special=remove_special, unparse_special=unparse_special), timeout)
+        return r.text
+
+    # -- sessions ------------------------------------------------------------------------
     async def open_session(self, session_id: str | None = None, epoch: int = 1, *,
-                           sampling: Sampling | None = None) -> "AsyncSessionStream":
+                           sampling: Sampling | None = None, step_timeout: float | None = None,
+                           stream_deadline: float | None = None, downstream: Sequence[pb.ChainHop] = (),
+                           effective_start: int = 0) -> AsyncSessionStream:
+        """A Session stream. ``step_timeout``: seconds to wait for each answer (client side);
+        ``stream_deadline``: a gRPC deadline for the whole stream (the worker sees it expire,
+        cancels the stream and releases the session); ``downstream``: the Shards after this
+        one of a chained route, sent on the opening frame (this worker must be the head)."""
         cap = await self.capability()
-        return AsyncSessionStream(self, cap, session_id or uuid.uuid4().hex, epoch, sampling)
+        return AsyncSessionStream(self.stub.Session(timeout=stream_deadline), cap, session_id or uuid.uuid4().hex,
+                                  epoch, target=self.target, sampling=sampling, downstream=downstream,
+                                  step_timeout=self.timeout if step_timeout is None else step_timeout,
+                                  effective_start=effective_start)
 
 
-class AsyncSessionStream:
-    """asyncio Session stream; frames are built exactly as :class:`SessionStream` builds them."""
+# ---- the sync surface: the same coroutines, run on one private event-loop thread --------------
 
-    def __init__(self, client: AsyncWorkerClient, cap: pb.GetCapabilityResponse, session_id: str, epoch: int,
-                 sampling: Sampling | None) -> None:
+class _ClientLoop:
+    """The event loop the sync clients run on: one daemon thread, started when the first sync
+    client opens and stopped when the last one closes. It is not kept running idle because
+    every event loop of a process that uses grpc.aio is woken by every gRPC completion of the
+    process: an idle extra loop would tax the route driver's own loop on each message."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+
+    def acquire(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                self.thread = threading.Thread(target=self.loop.run_forever, name="dgr-worker-client", daemon=True)
+                self.thread.start()
+            self._users += 1
+            return self.loop
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users > 0 or self.loop is None:
+                return
+            loop, thread, self.loop, self.thread = self.loop, self.thread, None, None
+        if threading.current_thread() is thread:   # closed from a callback on the loop itself
+            loop.call_soon(loop.stop)
+            return
+        asyncio.run_coroutine_threadsafe(_cancel_pending(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        assert thread is not None
+        thread.join()
+        loop.close()
+
+
+async def _cancel_pending() -> None:
+    """Ends what grpc.aio left scheduled on the loop (it is about to close)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_CLIENT_LOOP = _ClientLoop()
+
+
+def _submit(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> concurrent.futures.Future[T]:
+    if threading.current_thread() is _CLIENT_LOOP.thread:
+        coro.close()
+        raise RuntimeError("a sync WorkerClient call from its own event-loop thread would deadlock; "
+                           "use AsyncWorkerClient in asyncio code")
+    return asyncio.run_coroutine_threadsafe(coro, loop)
+
+
+async def _new_client(target: str, kw: dict[str, Any]) -> AsyncWorkerClient:
+    return AsyncWorkerClient(target, **kw)   # a grpc.aio channel belongs to the loop it is made on
+
+
+class WorkerClient:
+    """One channel to one worker, sync: every call of :class:`AsyncWorkerClient`, blocking.
+    Close it (or use ``with``): the last sync client to close stops the client loop."""
+
+    def __init__(self, target: str, *, timeout: float = 10.0, tls: "TlsFiles | None" = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._loop: asyncio.AbstractEventLoop | None = _CLIENT_LOOP.acquire()
+        try:
+            self.aio = self._run(_new_client(target, dict(timeout=timeout, tls=tls, credentials=credentials)))
+        except BaseException:
+            self._loop = None
+            _CLIENT_LOOP.release()
+            raise
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self._loop is None:
+            coro.close()
+            raise WorkerError(grpc.StatusCode.CANCELLED, f"the client of {self.target} is closed")
+        return _submit(coro, self._loop)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs ``coro`` on the client loop and returns its result (its deadlines bound the wait)."""
+        return self._submit(coro).result()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def close(self) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._run(self.aio.close())
+        finally:
+            self._loop = None
+            _CLIENT_LOOP.release()
+
+    def __enter__(self) -> "WorkerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- unary RPCs ----------------------------------------------------------------------
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """grpc.health.v1 Check: SERVING / NOT_SERVING / UNKNOWN / SERVICE_UNKNOWN."""
+        return self._run(self.aio.health(service, timeout))
+
+    def wait_ready(self, deadline_s: float = 30.0) -> pb.GetCapabilityResponse:
+        """Polls GetCapability until it answers or the deadline passes."""
+        return self._run(self.aio.wait_ready(deadline_s))
+
+    def capability(self, *, refresh: bool = False, timeout: float | None = None) -> pb.GetCapabilityResponse:
+        return self._run(self.aio.capability(refresh=refresh, timeout=timeout))
+
+    def metrics(self, timeout: float | None = None) -> pb.GetMetricsResponse:
+        return self._run(self.aio.metrics(timeout))
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples named ``name`` whose labels include ``labels``."""
+        return self._run(self.aio.metric(name, **labels))
+
+    def load(self) -> pb.LoadSnapshot:
+        return self._run(self.aio.load())
+
+    def release(self, session_id: str, epoch: int = 0, timeout: float | None = None) -> pb.ReleaseSessionResponse:
+        return self._run(self.aio.release(session_id, epoch, timeout))
+
+    def cancel(self, session_id: str, epoch: int = 0, timeout: float | None = None) -> pb.CancelSessionResponse:
+        return self._run(self.aio.cancel(session_id, epoch, timeout))
+
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        return self._run(self.aio.tokenize(text, add_special=add_special, parse_special=parse_special))
+
+    def detokenize(self, ids: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False) -> bytes:
+        return self._run(self.aio.detokenize(ids, remove_special=remove_special, unparse_special=unparse_special))
+
+    def open_session(self, session_id: str | None = None, epoch: int = 1, *,
+                     sampling: Sampling | None = None, step_timeout: float | None = None,
+                     stream_deadline: float | None = None,
+                     downstream: Sequence[pb.ChainHop] = ()) -> "SessionStream":
+        """A Session stream (arguments as :meth:`AsyncWorkerClient.open_session`)."""
+        return SessionStream(self, self._run(self.aio.open_session(
+            session_id, epoch, sampling=sampling, step_timeout=step_timeout, stream_deadline=stream_deadline,
+            downstream=downstream)))
+
+
+async def _call_soon(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+class SessionStream:
+    """One Route Session on one worker, sync: the methods of :class:`AsyncSessionStream`,
+    blocking; its state (``step``, ``positions``, ``cap``, ``session_id`` …) and frame builders
+    (``header``, ``input_frame``, ``_input_frame``, ``fast_decode``, ``generate_frame``) are the
+    async stream's own.
+
+    ``recv(timeout)`` leaves the read pending when it times out (the next ``recv`` returns that
+    answer: tests use it to see that nothing more comes); a step helper's deadline (``prefill``,
+    ``exchange`` …) ends the stream, as it does in asyncio code.
+    """
+
+    _OWN = frozenset({"client", "stream", "_pending"})
+
+    def __init__(self, client: WorkerClient, stream: AsyncSessionStream) -> None:
         self.client = client
-        self.session_id = session_id
-        self.epoch = epoch
-        self.sampling = sampling
-        self.cap = cap
-        self.step = 0
-        self.positions = 0
-        self._ids = itertools.count()
-        self._call = client.stub.Session()
+        self.stream = stream
+        self._pending: concurrent.futures.Future[pb.SessionResponse] | None = None
 
-    # frame builders shared with the sync stream
-    header = SessionStream.header
-    _input_frame = SessionStream._input_frame
-    _applied = SessionStream._applied
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
-    async def exchange(self, req: pb.SessionRequest, *, raise_errors: bool = True,
-                       timeout: float | None = None) -> pb.SessionResponse:
-        import asyncio
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.stream, name, value)
 
+    def __enter__(self) -> "SessionStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- raw frames ----------------------------------------------------------------------
+    def send(self, req: pb.SessionRequest) -> None:
+        self.client._run(self.stream.send(req))
+
+    def recv(self, timeout: float | None = None) -> pb.SessionResponse:
+        """Next response; raises WorkerError when the stream ended with a status, StepTimeout
+        (a TimeoutError) when none came within ``timeout`` (default: the step deadline)."""
+        t = self.stream.step_timeout if timeout is None else timeout
+        fut = self._pending or self.client._submit(self.stream.recv(timeout=math.inf))
+        self._pending = None
         try:
-            await self._call.write(req)
-            resp = await asyncio.wait_for(self._call.read(), self.client.timeout if timeout is None else timeout)
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from None
-        if resp is grpc.aio.EOF:
-            raise WorkerError(grpc.StatusCode.OK, "stream ended")
-        if resp.HasField("error") and raise_errors:
-            raise ShardError(resp.error, resp.header)
-        return resp
+            return fut.result(t)
+        except concurrent.futures.TimeoutError:
+            if fut.done():
+                raise
+            self._pending = fut
+            raise StepTimeout(self.stream.target, t) from None
 
-    async def prefill(self, tokens: Sequence[int]) -> int | None:
-        chunk = self.cap.capacity.max_prefill_chunk_tokens or 256
-        resp = None
-        for i in range(0, len(tokens), chunk):
-            req = self._input_frame(pb.PHASE_PREFILL, tokens[i:i + chunk], None, i + chunk >= len(tokens))
-            resp = self._applied(await self.exchange(req))
-        return sampled(resp)
+    def exchange(self, req: pb.SessionRequest, *, raise_errors: bool = True,
+                 timeout: float | None = None) -> pb.SessionResponse:
+        if self._pending is not None:   # a read already waits for the next answer: it gets this one
+            self.send(req)
+            resp = self.recv(timeout)
+            if raise_errors and resp.HasField("error"):
+                raise ShardError(resp.error, resp.header)
+            return resp
+        return self.client._run(self.stream.exchange(req, raise_errors=raise_errors, timeout=timeout))
 
-    async def decode(self, token: int) -> int | None:
-        req = pb.SessionRequest(fast_decode=pb.FastDecodeFrame(
-            session_id=self.session_id, route_epoch=self.epoch, step=self.step, position=self.positions,
-            token_id=token))
-        return sampled(self._applied(await self.exchange(req)))
+    def close(self) -> None:
+        """Half-closes the stream (the worker releases the session); nothing once the client
+        is closed (closing it ended the stream)."""
+        if self.client._loop is not None:
+            self.client._run(self.stream.close())
 
-    async def generate(self, first: int, n: int) -> list[int]:
-        out: list[int] = []
-        tok = first
-        for _ in range(n):
-            tok = await self.decode(tok)  # type: ignore[assignment]
-            out.append(tok)
-        return out
+    def cancel_stream(self) -> None:
+        self.client._run(_call_soon(self.stream.cancel))
 
-    async def close(self) -> None:
-        """Half-closes the stream (the worker releases the session)."""
-        try:
-            await self._call.done_writing()
-        except grpc.RpcError:
-            pass
+    def wait_closed(self, timeout: float = 10.0) -> grpc.StatusCode:
+        """Waits for the stream to end; returns its status code."""
+        if self._pending is not None:
+            try:
+                self.recv(timeout)
+            except WorkerError as exc:
+                return exc.code
+            except StepTimeout:
+                raise TimeoutError("stream did not end") from None
+        return self.client._run(self.stream.wait_closed(timeout))
+
+    # -- steps ---------------------------------------------------------------------------
+    def prefill_chunk(self, tokens: Sequence[int] | None = None, *, rows: "np.ndarray | None" = None,
+                      sample: bool = True) -> pb.SessionResponse:
+        return self.client._run(self.stream.prefill_chunk(tokens, rows=rows, sample=sample))
+
+    def prefill(self, tokens: Sequence[int], *, chunk: int | None = None) -> int | None:
+        return self.client._run(self.stream.prefill(tokens, chunk=chunk))
+
+    def decode_step(self, token: int, *, fast: bool = True) -> pb.SessionResponse:
+        return self.client._run(self.stream.decode_step(token, fast=fast))
+
+    def decode(self, token: int, *, fast: bool = True) -> int | None:
+        return self.client._run(self.stream.decode(token, fast=fast))
+
+    def generate(self, first: int, n: int, *, fast: bool = True) -> list[int]:
+        return self.client._run(self.stream.generate(first, n, fast=fast))
+
+    def read_generated(self, n: int, *, continue_after_finish: bool = False,
+                       timeout: float | None = None) -> list[pb.SessionResponse]:
+        return self.client._run(self.stream.read_generated(n, continue_after_finish=continue_after_finish, timeout=timeout))
+
+    def prefill_generate(self, tokens: Sequence[int], n: int, *, continue_after_finish: bool = False,
+                         chunk: int | None = None) -> list[int]:
+        return self.client._run(self.stream.prefill_generate(tokens, n, continue_after_finish=continue_after_finish, chunk=chunk))
+
+    def decode_generate(self, token: int, n: int, *, continue_after_finish: bool = False) -> list[int]:
+        return self.client._run(self.stream.decode_generate(token, n, continue_after_finish=continue_after_finish))
+
+    def truncate(self, position: int) -> pb.SessionResponse:
+        return self.client._run(self.stream.truncate(position))
+
+    def release(self) -> pb.SessionResponse:
+        return self.client._run(self.stream.release())

@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 
 from ..errors import DgrError
+from .channel import open_channel
 from ..shard.v1 import shard_runtime_pb2 as pb
 
 # ---- framing --------------------------------------------------------------------------------
@@ -136,20 +137,20 @@ class RelayBridge:
     gRPC call on the worker at ``target``, forwarding frames as opaque bytes."""
 
     def __init__(self, target: str, *, host: str = "127.0.0.1", port: int = 0,
-                 max_frame: int = DEFAULT_MAX_FRAME, credentials: grpc.ChannelCredentials | None = None,
-                 ssl: Any = None) -> None:
-        """``credentials``: TLS to the worker; ``ssl``: an ssl.SSLContext for the relay side."""
+                 max_frame: int = DEFAULT_MAX_FRAME, tls: Any = None,
+                 credentials: grpc.ChannelCredentials | None = None, ssl: Any = None) -> None:
+        """``tls`` (a :class:`~dgr.protocol.tls.TlsFiles`) or ``credentials``: TLS to the worker
+        (as :func:`~dgr.protocol.channel.open_channel`); ``ssl``: an ssl.SSLContext for the relay side."""
         self.target, self.host, self.port, self.max_frame = target, host, port, max_frame
-        self.credentials, self.ssl = credentials, ssl
+        self.tls, self.credentials, self.ssl = tls, credentials, ssl
         self._server: asyncio.AbstractServer | None = None
         self._channel: grpc.aio.Channel | None = None
         self.connections = 0
         self.frames_forwarded = 0
 
     async def start(self) -> "RelayBridge":
-        opts = [("grpc.max_send_message_length", self.max_frame), ("grpc.max_receive_message_length", self.max_frame)]
-        self._channel = (grpc.aio.secure_channel(self.target, self.credentials, options=opts) if self.credentials
-                         else grpc.aio.insecure_channel(self.target, options=opts))
+        self._channel = open_channel(self.target, tls=self.tls, credentials=self.credentials, aio=True,
+                                     max_message_bytes=self.max_frame)
         self._server = await asyncio.start_server(self._serve, self.host, self.port, ssl=self.ssl)
         self.port = self._server.sockets[0].getsockname()[1]
         return self

@@ -8,7 +8,9 @@ and C++ (worker/tests/proto_vectors_test.cpp) both read:
     type FULL.NAME       message type to decode the bytes as (current schema)
     file NAME.bin        the frame bytes
     kind K               current | older_schema | newer_schema (who wrote the bytes)
-    handling H           decode | accept | reject:ERROR_REASON_X (check_request of a SessionRequest)
+    handling H           decode | accept | reject:ERROR_REASON_X (check_frame of a SessionRequest:
+                         the frame's rules, then its bundle's)
+    capability NAME      (optional) the handling is checked against the Shard of vector NAME
     reencode identical   re-serializing the decoded message gives the same bytes (unknowns kept)
     field PATH VALUE     every set field of the decoded message, field-number order
     end                  ends a block
@@ -36,16 +38,15 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from . import bundle as B
+from . import vector_rules as R
 from ..errors import DgrError
 from ..paths import repo_root
 from ..shard.v1 import shard_runtime_pb2 as pb
 
 PKG = "dgr.shard.v1"
 INDEX = "index.txt"
-FINGERPRINT = "9f2c1e7a5b3d4c6e8f0a1b2c3d4e5f60718293a4b5c6d7e8f9a0b1c2d3e4f5a6"
-ARTIFACT = "4a1b9c0d2e3f405162738495a6b7c8d9e0f1a2b3c4d5e6f708192a3b4c5d6e7f"
-
-
+FINGERPRINT = R.FINGERPRINT
+ARTIFACT = R.ARTIFACT
 def vectors_dir(root: Path | None = None) -> Path:
     return (root or repo_root()) / "tests" / "vectors" / "proto"
 
@@ -168,25 +169,11 @@ def _residual(n_tokens: int, n_embd: int, offset: float = 0.0) -> np.ndarray:
     return ((np.arange(n_tokens * n_embd, dtype=np.float32) - 13.0) / 8.0 + offset).reshape(n_tokens, n_embd)
 
 
-def _header(cls=pb.FrameHeader, **kw):
-    base = dict(schema_version=pb.SCHEMA_VERSION_V1, request_id="req-0001", session_id="sess-a1",
-                route_epoch=3, compatibility_fingerprint=FINGERPRINT)
-    base.update(kw)
-    return cls(**base)
+_header = R.header
 
 
 def _capability() -> Message:
-    return pb.GetCapabilityResponse(
-        schema_version=pb.SCHEMA_VERSION_V1, min_schema_version=pb.SCHEMA_VERSION_V1,
-        identity=pb.ShardIdentity(artifact_id=ARTIFACT, recipe_json='{"arch":"llama","act":"f32"}',
-                                  compatibility_fingerprint=FINGERPRINT, range=pb.ShardRange(start=15, end=30),
-                                  n_layer=30, head=False, tail=True, n_embd=576, n_vocab=49152,
-                                  architecture="llama"),
-        capacity=pb.Capacity(max_sessions=8, kv_cells=16384, max_session_positions=2048, max_batch_tokens=512,
-                             max_prefill_chunk_tokens=256, max_message_bytes=64 << 20,
-                             max_fragment_bytes=1 << 20, compressions=[pb.COMPRESSION_NONE]),
-        runtime=pb.RuntimeInfo(dgr_version="0.1.0", llama_commit="0c1e57098bba43ac29e6e3b677cdceebdd22334f",
-                               patch_digest="sha256:00ff", backend="cpu"))
+    return R.capability()
 
 
 def _open_prefill_tokens() -> Message:
@@ -325,6 +312,7 @@ class Case:
     kind: str  # current | older_schema | newer_schema
     build: Callable[[], Message]
     handling: str = "decode"
+    capability: str = ""  # handling checked against the Shard of this capability vector
 
 
 CASES: tuple[Case, ...] = (
@@ -362,6 +350,9 @@ CASES: tuple[Case, ...] = (
          "reject:ERROR_REASON_BAD_REQUEST"),
     Case("newer_schema_unknown_phase", "SessionRequest", "newer_schema", _newer_enum,
          "reject:ERROR_REASON_BAD_REQUEST"),
+    Case(R.HEAD_CAP, "GetCapabilityResponse", "current", lambda: R.capability(head=True)),
+    Case(R.SMALL_CAP, "GetCapabilityResponse", "current", R.small_tail_capability),
+    *(Case(name, "SessionRequest", "current", build, handling, cap) for name, build, handling, cap in R.RULES),
 )
 
 
@@ -383,6 +374,8 @@ def render() -> dict[str, bytes]:
         files[f"{case.name}.bin"] = data
         lines += [f"vector {case.name}", f"type {PKG}.{case.type}", f"file {case.name}.bin", f"kind {case.kind}",
                   f"sha256 {hashlib.sha256(data).hexdigest()}", f"handling {case.handling}", "reencode identical"]
+        if case.capability:
+            lines.append(f"capability {case.capability}")
         lines += [f"field {p} {v}" for p, v in flatten(decoded)]
         lines.append("end")
     for name, value in pb.ErrorReason.items():

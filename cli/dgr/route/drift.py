@@ -21,12 +21,15 @@ within; :meth:`DriftReport.violations` checks a report against them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ..errors import DgrError
+
+_log = logging.getLogger(__name__)
 
 TOP_K = 5
 
@@ -177,7 +180,7 @@ async def _tokenize(endpoints: Sequence[str], prompts: Sequence[str], chat: bool
 
 def measure(model: Path, split: Sequence[tuple[int, int]], backends: Sequence[str], prompts: Sequence[str], *,
             n_tokens: int = 64, reference_backend: str = "cpu", threads: int | None = None, chat: bool = True,
-            log: Callable[[str], None] | None = None) -> DriftReport:
+            ) -> DriftReport:
     """Run the reference whole model, then the route (free greedy and forced), one prompt at a
     time; every worker is local and stopped afterwards."""
     import os
@@ -186,20 +189,19 @@ def measure(model: Path, split: Sequence[tuple[int, int]], backends: Sequence[st
     from ..gguf.recipe import backend_plan
     from .local import LocalRoute
 
-    log = log or (lambda _m: None)
     if n_tokens < 1:
         raise DgrError("the drift needs at least one generated token per prompt")
     threads = threads or os.cpu_count() or 1
     n_layer = split[-1][1]
     t0 = time.perf_counter()
-    log(f"reference: whole model [0:{n_layer}) on {reference_backend}, {len(prompts)} prompt(s) x {n_tokens} tokens")
-    with LocalRoute(model, [(0, n_layer)], threads=threads, backend=reference_backend, log=log) as lw:
+    _log.info(f"reference: whole model [0:{n_layer}) on {reference_backend}, {len(prompts)} prompt(s) x {n_tokens} tokens")
+    with LocalRoute(model, [(0, n_layer)], threads=threads, backend=reference_backend) as lw:
         toks = asyncio.run(_tokenize(lw.endpoints, prompts, chat))
         ref = asyncio.run(_runs(lw.endpoints, toks, n_tokens))
     plan = backend_plan(list(backends))
-    log(f"route {','.join(f'{a}:{b}' for a, b in split)} on {','.join(backends)} (plan {plan}): greedy, then "
+    _log.info(f"route {','.join(f'{a}:{b}' for a, b in split)} on {','.join(backends)} (plan {plan}): greedy, then "
         "teacher-forced on the reference tokens")
-    with LocalRoute(model, split, threads=threads, backend=list(backends), log=log) as lr:
+    with LocalRoute(model, split, threads=threads, backend=list(backends)) as lr:
         greedy = asyncio.run(_runs(lr.endpoints, toks, n_tokens))
         forced = asyncio.run(_runs(lr.endpoints, toks, n_tokens, forced=[r[0] for r in ref]))
     rep = DriftReport(str(model), [f"{a}:{b}" for a, b in split], list(backends), plan, reference_backend, n_tokens)

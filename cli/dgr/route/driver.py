@@ -30,226 +30,30 @@ import itertools
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
-import grpc
-
-from ..protocol.bundle import frame_payload_checksum
-from ..errors import DgrError
-from ..shard.v1 import shard_runtime_pb2 as pb
-from ..shard.v1 import shard_runtime_pb2_grpc as pbg
-
+from ..protocol.client import AsyncWorkerClient
+from ..protocol.errors import WorkerError
+from ..protocol.stream import AsyncSessionStream
+from ..protocol.stream import Sampling  # re-exported: one Sampling class for the client and the route driver
 from ..protocol.tls import TlsFiles  # noqa: F401  (RouteDriver(tls=…))
-from ..protocol.client import Sampling  # re-exported: one Sampling class for the client and the route driver
+from ..shard.v1 import shard_runtime_pb2 as pb
+from .generation import Collector, GenerationResult, run_chained, run_stepwise
+from .shards import RouteError, RouteSessionError, ShardHandle, route_error  # noqa: F401  (re-exported)
 from .telemetry import GenerationTelemetry, NodeTiming
+
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_TOKENS_PER_ANSWER", "GenerationResult", "RouteDriver", "RouteError",
+           "RouteSessionError", "Sampling", "ShardHandle", "route_error"]
 
 DEFAULT_TIMEOUT_S = 60.0
 # generated tokens per answer from a chained head (GenerateParams.tokens_per_answer)
 DEFAULT_TOKENS_PER_ANSWER = 4
 RELEASE_TIMEOUT_S = 2.0
 PROBE_TIMEOUT_S = 2.0      # chained mode: capability probe that finds a silent shard after a failure
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-
-
-class RouteError(DgrError):
-    """The route cannot be used (incomplete, incompatible, unreachable)."""
-
-
-class RouteSessionError(DgrError):
-    """One route session failed; names the Shard and the structured reason."""
-
-    def __init__(self, shard: "ShardHandle", reason: str, message: str, *, grpc_code: int | None = None) -> None:
-        self.shard_endpoint = shard.endpoint
-        self.shard_range = (shard.start, shard.end)
-        self.reason = reason
-        self.detail = message
-        self.grpc_code = grpc_code
-        super().__init__(f"shard {shard.endpoint} [{shard.start}:{shard.end}) failed: {reason}: {message}")
-
-
-@dataclass
-class ShardHandle:
-    endpoint: str
-    channel: grpc.aio.Channel
-    stub: pbg.ShardRuntimeServiceStub
-    capability: pb.GetCapabilityResponse
-
-    @property
-    def start(self) -> int:
-        return self.capability.identity.range.start
-
-    @property
-    def end(self) -> int:
-        return self.capability.identity.range.end
-
-
-@dataclass
-class GenerationResult:
-    session_id: str
-    prompt_tokens: list[int]
-    tokens: list[int]
-    finish_reason: str
-    telemetry: GenerationTelemetry
-    error: RouteSessionError | None = None
-    # per sampled token when Sampling.top_logprobs > 0: [(token id, logprob), ...] most likely first
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-
-
-class _Stream:
-    """One Session stream to one Shard: write a request, read the response(s) of that step."""
-
-    def __init__(self, shard: ShardHandle, timeout: float) -> None:
-        self.shard = shard
-        self.call = shard.stub.Session(timeout=None)
-        self.timeout = timeout
-        self.step = 0
-        self.busy_s = 0.0           # send -> complete response, all steps
-        self.decode_busy_s = 0.0    # the same, decode steps only
-        self.decode_steps = 0
-        self.seam_bytes_in = 0      # boundary payload bytes received by this shard (from the previous hop)
-        self.frame_bytes_in = 0     # serialized request frames sent to this shard
-        self.frame_bytes_out = 0    # serialized responses received from this shard
-        self.decode_frame_bytes_in = 0
-
-    async def exchange(self, req: pb.SessionRequest) -> pb.SessionResponse:
-        t0 = time.perf_counter()
-        resp = await self._guard(self._write_read(req))
-        dt = time.perf_counter() - t0
-        self.busy_s += dt
-        nin, nout = req.ByteSize(), resp.ByteSize()
-        self.frame_bytes_in += nin
-        self.frame_bytes_out += nout
-        if req.WhichOneof("frame") == "fast_decode":
-            self.decode_busy_s += dt
-            self.decode_steps += 1
-            self.decode_frame_bytes_in += nin
-        return self._checked(resp)
-
-    async def read_generated(self) -> pb.SessionResponse:
-        """The next response of a server-side generation (no request of ours answers it)."""
-        t0 = time.perf_counter()
-        resp = await self._guard(self._read())
-        dt = time.perf_counter() - t0
-        self.busy_s += dt
-        self.decode_busy_s += dt
-        self.decode_steps += max(1, len(resp.tail.tokens))   # one step per token (tokens_per_answer)
-        self.frame_bytes_out += resp.ByteSize()
-        return self._checked(resp)
-
-    def _checked(self, resp: pb.SessionResponse) -> pb.SessionResponse:
-        if resp.WhichOneof("result") == "error":
-            e = resp.error
-            raise RouteSessionError(self.shard, pb.ErrorReason.Name(e.reason), e.message, grpc_code=e.grpc_code)
-        return resp
-
-    async def _write_read(self, req: pb.SessionRequest) -> pb.SessionResponse:
-        await self.call.write(req)
-        return await self._read()
-
-    async def _read(self) -> pb.SessionResponse:
-        resp = await self.call.read()
-        if resp is grpc.aio.EOF:
-            code, details = await self._final_status()
-            raise RouteSessionError(self.shard, code if code not in ("", "OK") else "STREAM_CLOSED",
-                                    details or "the worker closed the session stream")
-        if resp.WhichOneof("result") == "boundary":
-            resp = await self._complete_boundary(resp)
-        return resp
-
-    async def _guard(self, aw: Awaitable[pb.SessionResponse]) -> pb.SessionResponse:
-        """Bounds one answer by the step deadline and maps transport failures to RouteSessionError."""
-        try:
-            async with asyncio.timeout(self.timeout):
-                return await aw
-        except TimeoutError:
-            raise RouteSessionError(self.shard, "DEADLINE_EXCEEDED", f"no answer within {self.timeout:.0f}s") from None
-        except grpc.aio.AioRpcError as exc:
-            raise RouteSessionError(self.shard, exc.code().name, exc.details() or "", grpc_code=exc.code().value[0]) from None
-        except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:  # the call already ended
-            code, details = await self._final_status()
-            raise RouteSessionError(self.shard, code or "STREAM_CLOSED", details or str(exc) or "the session stream ended",
-                                    grpc_code=None) from None
-
-    async def _final_status(self) -> tuple[str, str]:
-        """The status the stream ended with (e.g. UNAVAILABLE when the worker died)."""
-        try:
-            code = await asyncio.wait_for(self.call.code(), 1.0)
-            details = await asyncio.wait_for(self.call.details(), 1.0)
-            return code.name, details or ""
-        except Exception:
-            return "", ""
-
-    async def _complete_boundary(self, resp: pb.SessionResponse) -> pb.SessionResponse:
-        """A boundary bundle may be spread over several responses with the same header."""
-        def missing(b: pb.TensorBundle) -> bool:
-            have: dict[str, int] = {}
-            for t in b.tensors:
-                have[t.name] = have.get(t.name, 0) + len(t.fragments)
-            return any(have[t.name] < t.fragment_count for t in b.tensors)
-
-        while missing(resp.boundary):
-            more = await self.call.read()
-            if more is grpc.aio.EOF or more.WhichOneof("result") != "boundary":
-                raise RouteSessionError(self.shard, "BAD_BUNDLE", "boundary bundle ended before all fragments arrived")
-            for t in more.boundary.tensors:
-                dst = next((d for d in resp.boundary.tensors if d.name == t.name), None)
-                if dst is None:
-                    resp.boundary.tensors.append(t)
-                else:
-                    dst.fragments.extend(t.fragments)
-        return resp
-
-    async def close(self) -> None:
-        try:
-            await self.call.done_writing()
-        except Exception:
-            pass
-        self.call.cancel()
 
 
 def exc_shard(driver: "RouteDriver", exc: RouteSessionError) -> ShardHandle:
     return next(s for s in driver.shards if s.endpoint == exc.shard_endpoint)
-
-
-def _bundle_bytes(b: pb.TensorBundle) -> int:
-    return sum(len(f.data) for t in b.tensors for f in t.fragments)
-
-
-class _Gen:
-    """What one generation collected so far (shared by both modes)."""
-
-    def __init__(self, max_tokens: int, stop_on_eog: bool, top_logprobs: bool,
-                 on_token: Callable[[int], Awaitable[None] | None] | None) -> None:
-        self.max_tokens = max_tokens
-        self.stop_on_eog = stop_on_eog
-        self.want_top = top_logprobs
-        self.on_token = on_token
-        self.out: list[int] = []
-        self.top: list[list[tuple[int, float]]] = []
-        self.forced: list[int] | None = None   # teacher forcing (stepwise): the tokens fed back
-        self.finish = "length"
-
-    async def emit(self, tok: pb.SampledToken) -> bool:
-        """Records one sampled token; True when the generation is complete."""
-        self.out.append(tok.token_id)
-        if self.want_top:
-            self.top.append([(t.token_id, t.logprob) for t in tok.top_logprobs])
-        if self.on_token is not None:
-            r = self.on_token(tok.token_id)
-            if asyncio.iscoroutine(r):
-                await r
-        if self.stop_on_eog and tok.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            self.finish = pb.FinishReason.Name(tok.finish_reason).removeprefix("FINISH_REASON_").lower()
-            return True
-        return len(self.out) >= self.max_tokens
 
 
 class RouteDriver:
@@ -280,25 +84,19 @@ class RouteDriver:
         self._ids = itertools.count(1)
         self._active: dict[str, int] = {}   # session id -> epoch of sessions in flight
         self._cancelled: set[str] = set()   # sessions cancelled through this driver
+        self._releasing: set[asyncio.Future] = set()   # background releases of failed sessions
 
     async def connect(self, *, validate: bool = True) -> "RouteDriver":
         """Opens channels and reads every shard's capability; ``validate`` checks that the
         shards form a complete compatible route (off: e.g. tokenizing on a head alone)."""
-        from ..protocol.relay import RelayChannel, RelayStub, is_relay_endpoint
-
-        for ep in self.endpoints:
-            if is_relay_endpoint(ep):  # a hop through a byte relay (same frames, opaque bytes)
-                ch, stub = RelayChannel(), RelayStub(ep, ssl=self.tls.client_context() if self.tls else None)
-            else:
-                ch = (grpc.aio.secure_channel(ep, self.tls.grpc_credentials(), options=CHANNEL_OPTIONS) if self.tls
-                      else grpc.aio.insecure_channel(ep, options=CHANNEL_OPTIONS))
-                stub = pbg.ShardRuntimeServiceStub(ch)
+        for ep in self.endpoints:   # a relay+tcp:// endpoint is a hop through a byte relay (same frames)
+            client = AsyncWorkerClient(ep, timeout=self.timeout, tls=self.tls)
             try:
-                cap = await stub.GetCapability(pb.GetCapabilityRequest(), timeout=self.timeout)
-            except grpc.aio.AioRpcError as exc:
-                await ch.close()
-                raise RouteError(f"shard {ep} is unreachable: {exc.code().name}: {exc.details()}") from None
-            self.shards.append(ShardHandle(ep, ch, stub, cap))
+                cap = await client.capability(timeout=self.timeout)
+            except WorkerError as exc:
+                await client.close()
+                raise RouteError(f"shard {ep} is unreachable: {exc.code.name}: {exc.details}") from None
+            self.shards.append(ShardHandle(ep, client, cap))
         if validate:
             self._validate()
             if self.chain and not self.chain_supported:
@@ -367,8 +165,10 @@ class RouteDriver:
         return self.shards[0]
 
     async def close(self) -> None:
+        if self._releasing:
+            await asyncio.wait(list(self._releasing), timeout=RELEASE_TIMEOUT_S + 1)
         for s in self.shards:
-            await s.channel.close()
+            await s.client.close()
 
     async def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         r = await self.head.stub.Tokenize(pb.TokenizeRequest(text=text, add_special=add_special,
@@ -379,14 +179,12 @@ class RouteDriver:
         r = await self.head.stub.Detokenize(pb.DetokenizeRequest(token_ids=list(ids)), timeout=self.timeout)
         return r.text
 
-    def _header(self, shard: ShardHandle, sid: str, epoch: int, step: int, phase: int, start: int, end: int,
-                expect: pb.CacheExpectation, request_id: str) -> pb.FrameHeader:
-        return pb.FrameHeader(
-            schema_version=pb.SCHEMA_VERSION_V1, request_id=request_id, session_id=sid, route_epoch=epoch,
-            compatibility_fingerprint=self.fingerprint,
-            shard_range=pb.ShardRange(start=shard.start, end=shard.end), effective_start=shard.start,
-            phase=phase, positions=pb.PositionRange(start=start, end=end), step=step,
-            cache_expectation=expect, compression=pb.COMPRESSION_NONE)
+    async def open_stream(self, shard: ShardHandle, sid: str, epoch: int, *, sampling: Sampling | None = None,
+                          downstream: Sequence[pb.ChainHop] = ()) -> AsyncSessionStream:
+        """A Session stream of session ``sid`` to one shard (the protocol client's stream, with
+        this driver's step deadline; its failures map to RouteSessionError by :func:`route_error`)."""
+        return await shard.client.open_session(sid, epoch, sampling=sampling, downstream=downstream,
+                                               step_timeout=self.timeout, effective_start=shard.start)
 
     def chain_hops(self) -> list[pb.ChainHop]:
         """The ``StepFrame.downstream`` of a chained session's opening frame."""
@@ -411,18 +209,26 @@ class RouteDriver:
         chained = self.chained
         if forced_tokens is not None and chained:
             raise RouteError("forced tokens need the stepwise mode (RouteDriver(chain=False))")
-        streams = [_Stream(self.head, self.timeout)] if chained else [_Stream(s, self.timeout) for s in self.shards]
+        if chained:   # one stream, to the head; the opening frame names the chain and the sampling
+            shards = [self.head]
+            streams = [await self.open_stream(self.head, sid, epoch, sampling=sampling, downstream=self.chain_hops())]
+        else:         # one stream per shard; the tail's opening frame carries the sampling contract
+            shards = list(self.shards)
+            streams = [await self.open_stream(s, sid, epoch, sampling=sampling if s is self.shards[-1] else None)
+                       for s in shards]
         self._active[sid] = epoch
-        g = _Gen(max_tokens, stop_on_eog, bool(sampling.top_logprobs), on_token)
+        g = Collector(max_tokens, stop_on_eog, bool(sampling.top_logprobs), on_token)
         g.forced = list(forced_tokens) if forced_tokens is not None else None
         t0 = time.perf_counter()
         try:
             if not prompt_tokens:
                 raise RouteError("the prompt is empty")
             if chained:
-                await self._run_chained(streams[0], prompt_tokens, sampling, sid, epoch, tel, g, t0)
+                await run_chained(self.head, self.shards[-1], streams[0], prompt_tokens, chunk=self.chunk_tokens,
+                                  tokens_per_answer=self.tokens_per_answer, tel=tel, g=g, t0=t0)
             else:
-                await self._run_stepwise(streams, prompt_tokens, sampling, sid, epoch, tel, g, t0)
+                await run_stepwise(list(zip(shards, streams)), prompt_tokens, chunk=self.chunk_tokens, tel=tel,
+                                   g=g, t0=t0)
             tel.status = "completed"
             return GenerationResult(sid, list(prompt_tokens), g.out, g.finish, tel, top_logprobs=g.top)
         except RouteSessionError as exc:
@@ -441,11 +247,11 @@ class RouteDriver:
         finally:
             tel.completion_tokens = len(g.out)
             tel.total_s = time.perf_counter() - t0
-            tel.nodes = [NodeTiming(f"{st.shard.endpoint}[{st.shard.start}:{st.shard.end})", st.busy_s,
+            tel.nodes = [NodeTiming(f"{sh.endpoint}[{sh.start}:{sh.end})", st.busy_s,
                                     st.step, st.seam_bytes_in, decode_busy_s=st.decode_busy_s,
                                     decode_steps=st.decode_steps, frame_bytes_in=st.frame_bytes_in,
                                     frame_bytes_out=st.frame_bytes_out,
-                                    decode_frame_bytes_in=st.decode_frame_bytes_in) for st in streams]
+                                    decode_frame_bytes_in=st.decode_frame_bytes_in) for sh, st in zip(shards, streams)]
             if chained:
                 # the other shards ran the same steps, driven by the head (the driver never waited on them)
                 h = streams[0]
@@ -456,145 +262,20 @@ class RouteDriver:
             # bounded: a hung shard must not hold the caller (its session TTL frees it later). In
             # chained mode the head closes its downstream streams; releasing them too is harmless.
             extra = [self._release_shard(s, sid, epoch) for s in self.shards[1:]] if chained else []
-            try:
-                await asyncio.wait_for(asyncio.gather(*(self._release(st, sid, epoch) for st in streams), *extra,
+            release = asyncio.wait_for(asyncio.gather(*(self._release(sh, st, sid, epoch)
+                                                        for sh, st in zip(shards, streams)), *extra,
                                                       return_exceptions=True), RELEASE_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                pass
-
-    async def _run_stepwise(self, streams: list[_Stream], prompt_tokens: Sequence[int], sampling: Sampling,
-                            sid: str, epoch: int, tel: GenerationTelemetry, g: _Gen, t0: float) -> None:
-        n = len(prompt_tokens)
-        chunk = self.chunk_tokens
-        samp = sampling.to_proto()
-        for ci, a in enumerate(range(0, n, chunk)):
-            b = min(n, a + chunk)
-            expect = pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_EMPTY) if a == 0 else \
-                pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_POSITION, position=a)
-            last = b == n
-            payload: pb.TokenSpan | pb.TensorBundle = pb.TokenSpan(token_ids=list(prompt_tokens[a:b]))
-            resp = None
-            step_id = f"{tel.request_id}/p{ci}"   # work id of this route step, same on every seam
-            for i, st in enumerate(streams):
-                h = self._header(st.shard, sid, epoch, st.step, pb.PHASE_PREFILL, a, b, expect, step_id)
-                h.payload_checksum.CopyFrom(frame_payload_checksum(payload))
-                frame = pb.StepFrame(header=h, sample=last)
-                if isinstance(payload, pb.TokenSpan):
-                    frame.tokens.CopyFrom(payload)
-                else:
-                    frame.bundle.CopyFrom(payload)
-                    st.seam_bytes_in += _bundle_bytes(payload)
-                if i == len(streams) - 1 and ci == 0:
-                    frame.sampling.CopyFrom(samp)
-                resp = await st.exchange(pb.SessionRequest(step=frame))
-                st.step += 1
-                if i < len(streams) - 1:
-                    payload = resp.boundary
-            tok_out = resp.tail.tokens if resp is not None else []
-        tel.ttft_s = time.perf_counter() - t0
-        tel.prefill_s = tel.ttft_s
-        if not tok_out:
-            raise RouteSessionError(self.shards[-1], "BAD_RESPONSE", "the tail returned no token after prefill")
-        pos = n
-        t_dec = time.perf_counter()
-        try:
-            while True:
-                if await g.emit(tok_out[0]):
-                    break
-                k = pos - n
-                fast_payload: int | pb.TensorBundle = (
-                    g.forced[k] if g.forced is not None and k < len(g.forced) else tok_out[0].token_id)
-                step_id = f"{tel.request_id}/d{pos}"
-                for i, st in enumerate(streams):
-                    fd = pb.FastDecodeFrame(session_id=sid, route_epoch=epoch, step=st.step, position=pos,
-                                            request_id=step_id)
-                    if isinstance(fast_payload, int):
-                        fd.token_id = fast_payload
-                    else:
-                        fd.bundle.CopyFrom(fast_payload)
-                        st.seam_bytes_in += _bundle_bytes(fast_payload)
-                    resp = await st.exchange(pb.SessionRequest(fast_decode=fd))
-                    st.step += 1
-                    if i < len(streams) - 1:
-                        fast_payload = resp.boundary
-                tok_out = resp.tail.tokens
-                if not tok_out:
-                    raise RouteSessionError(self.shards[-1], "BAD_RESPONSE", "the tail returned no token")
-                pos += 1
-        finally:
-            tel.decode_s = time.perf_counter() - t_dec
-
-    async def _run_chained(self, st: _Stream, prompt_tokens: Sequence[int], sampling: Sampling,
-                           sid: str, epoch: int, tel: GenerationTelemetry, g: _Gen, t0: float) -> None:
-        """One stream to the head: prefill chunks (the opening one names the chain), the last
-        one asks the head to generate; then read one response per token."""
-        n = len(prompt_tokens)
-        chunk = self.chunk_tokens     # the head forwards each chunk as is: it must fit every shard
-        resp: pb.SessionResponse | None = None
-        for ci, a in enumerate(range(0, n, chunk)):
-            b = min(n, a + chunk)
-            expect = pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_EMPTY) if a == 0 else \
-                pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_POSITION, position=a)
-            last = b == n
-            payload = pb.TokenSpan(token_ids=list(prompt_tokens[a:b]))
-            h = self._header(st.shard, sid, epoch, st.step, pb.PHASE_PREFILL, a, b, expect, f"{tel.request_id}/p{ci}")
-            h.payload_checksum.CopyFrom(frame_payload_checksum(payload))
-            frame = pb.StepFrame(header=h, tokens=payload, sample=last)
-            if ci == 0:
-                frame.downstream.extend(self.chain_hops())
-                frame.sampling.CopyFrom(sampling.to_proto())   # the head passes it on to the tail
-            if last:
-                frame.generate.CopyFrom(pb.GenerateParams(max_tokens=max(1, g.max_tokens),
-                                                          continue_after_finish=not g.stop_on_eog,
-                                                          tokens_per_answer=self.tokens_per_answer))
-            resp = await st.exchange(pb.SessionRequest(step=frame))
-            self._check_chained(resp, st.step, pb.PHASE_PREFILL, a)
-            st.step += 1
-        assert resp is not None
-        tel.ttft_s = time.perf_counter() - t0
-        tel.prefill_s = tel.ttft_s
-        tok_out = resp.tail.tokens
-        if not tok_out:
-            raise RouteSessionError(self.shards[-1], "BAD_RESPONSE", "the tail returned no token after prefill")
-        pos = n
-        t_dec = time.perf_counter()
-        try:
-            # an answer holds one token, or several in order (tokens_per_answer), one step each
-            pending = list(tok_out[:1])
-            while not await self._emit_all(g, pending):
-                resp = await st.read_generated()
-                pending = list(resp.tail.tokens)
-                self._check_chained(resp, st.step + max(0, len(pending) - 1), pb.PHASE_DECODE, pos)
-                if not pending:
-                    raise RouteSessionError(self.shards[-1], "BAD_RESPONSE", "the tail returned no token")
-                if resp.header.positions.end != pos + len(pending):
-                    raise RouteSessionError(
-                        self.head, "BAD_RESPONSE",
-                        f"chained head answered {len(pending)} token(s) for positions "
-                        f"[{resp.header.positions.start}:{resp.header.positions.end})")
-                st.step += len(pending)
-                pos += len(pending)
-        finally:
-            tel.decode_s = time.perf_counter() - t_dec
-
-    @staticmethod
-    async def _emit_all(g: _Gen, tokens: Sequence[pb.SampledToken]) -> bool:
-        """Emits tokens in order; True once the generation is done (the rest is not emitted)."""
-        for t in tokens:
-            if await g.emit(t):
-                return True
-        return False
-
-    def _check_chained(self, resp: pb.SessionResponse, step: int, phase: int, start: int) -> None:
-        """A chained head answers each step with the tail's output, in order."""
-        h = resp.header
-        kind = resp.WhichOneof("result")
-        if kind != "tail" or h.step != step or h.phase != phase or h.positions.start != start:
-            raise RouteSessionError(
-                self.head, "BAD_RESPONSE",
-                f"chained head answered {kind or 'no result'} for step {h.step} ({pb.Phase.Name(h.phase)}, "
-                f"positions [{h.positions.start}:{h.positions.end})); expected a tail output for step {step} "
-                f"({pb.Phase.Name(phase)}) at position {start}")
+            if tel.status == "failed":
+                # a failed shard may be silent: release in the background so that the caller
+                # (failover, dgr/route/failover.py) moves on at once; close() waits for it
+                t = asyncio.ensure_future(release)
+                self._releasing.add(t)
+                t.add_done_callback(lambda f: (self._releasing.discard(f), f.cancelled() or f.exception()))
+            else:
+                try:
+                    await release
+                except asyncio.TimeoutError:
+                    pass
 
     def _named_shard(self, message: str) -> ShardHandle | None:
         """The downstream shard an error message names (the farthest along the route)."""
@@ -621,6 +302,8 @@ class RouteDriver:
         if len(self.shards) == 1 or exc.shard_endpoint != self.head.endpoint:
             return exc
         shard = self._named_shard(exc.detail)
+        if shard is None and ("ping timeout" in exc.detail or "keepalive" in exc.detail):
+            return exc      # the driver's own connection to the head went silent: the head it is
         if shard is None and exc.reason.removeprefix("ERROR_REASON_") in (
                 "UNAVAILABLE", "DEADLINE_EXCEEDED", "STREAM_CLOSED", "INTERNAL", "UNKNOWN"):
             shard = await self._silent_shard()
@@ -639,22 +322,20 @@ class RouteDriver:
         and its downstream streams itself)."""
         async def one(s: ShardHandle) -> bool:
             try:
-                r = await s.stub.CancelSession(pb.CancelSessionRequest(session_id=session_id, route_epoch=epoch),
-                                               timeout=5)
-                return r.cancelled
-            except grpc.aio.AioRpcError:
+                return (await s.client.cancel(session_id, epoch, timeout=5)).cancelled
+            except WorkerError:
                 return False
         self._cancelled.add(session_id)
         first = await one(self.head)
         return [first, *await asyncio.gather(*(one(s) for s in self.shards[1:]))]
 
-    async def _release(self, st: _Stream, sid: str, epoch: int) -> None:
+    async def _release(self, shard: ShardHandle, st: AsyncSessionStream, sid: str, epoch: int) -> None:
         await st.close()
-        await self._release_shard(st.shard, sid, epoch)
+        st.cancel()
+        await self._release_shard(shard, sid, epoch)
 
     async def _release_shard(self, shard: ShardHandle, sid: str, epoch: int) -> None:
         try:
-            await shard.stub.ReleaseSession(pb.ReleaseSessionRequest(session_id=sid, route_epoch=epoch),
-                                            timeout=RELEASE_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
+            await shard.client.release(sid, epoch, timeout=RELEASE_TIMEOUT_S)
+        except WorkerError:
             pass

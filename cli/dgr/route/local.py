@@ -10,11 +10,12 @@ Used by ``dgr route run``, ``dgr demo``, ``dgr bench route`` and ``dgr accept DG
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import DgrError
 from .sessions import WorkerStats
@@ -107,7 +108,7 @@ class LocalRoute:
                  slices: bool = False, threads: int | None = None, max_sessions: int = 8,
                  ctx_per_session: int = 2048, extra_args: Sequence[str] = (),
                  backend: str | Sequence[str] = "cpu",
-                 slice_dir: Path | None = None, log: Callable[[str], None] | None = None,
+                 slice_dir: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.model = model
         self.split = list(split)
@@ -124,11 +125,11 @@ class LocalRoute:
         self.backend = self.backends[0]
         self.plan = ""
         self.slice_dir = slice_dir
-        self.log = log or _log.info  # a caller's own sink, else this module's logger
         self.workers: list[Any] = []
         self.files: list[Path] = []
         self.fingerprint = ""
         self.artifact_id = ""
+        self.recipe_json = ""
         # Co-located shards: libgomp's idle threads spin (~300k rounds) after every parallel region
         # and steal the cores the next shard computes on; a short spin keeps the hand-off cheap
         # (measured on 2 cores, SmolLM2 0:15|15:30: single-session decode 0.53 -> ~0.88 of the
@@ -146,7 +147,7 @@ class LocalRoute:
         if self.fake:
             return WorkerArgs(fake_model=True, n_layer=self.split[-1][1], **common)
         return WorkerArgs(model=self.files[i], fingerprint=self.fingerprint, artifact_id=self.artifact_id,
-                          threads=self.threads or None, **common)
+                          recipe_json=self.recipe_json or None, threads=self.threads or None, **common)
 
     def _prepare_model(self) -> None:
         from ..gguf.recipe import recipe_for
@@ -157,19 +158,10 @@ class LocalRoute:
         self.plan = backend_plan(self.backends)
         recipe = recipe_for(self.model, backend=self.backend, backends=self.plan, progress=False)
         self.fingerprint, self.artifact_id = recipe.fingerprint(), recipe.artifact_id
-        if not self.slices:
-            self.files = [self.model] * len(self.split)
-            return
-        from ..gguf.slice import LayerRange, slice_gguf
-
-        out_dir = self.slice_dir or Path(tempfile.gettempdir()) / "dgr-slices" / self.artifact_id[:16]
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for a, b in self.split:
-            path = out_dir / f"{self.model.stem}.{a}-{b}.gguf"
-            if not path.is_file():
-                self.log(f"slicing layers {a}:{b} -> {path}")
-                slice_gguf(self.model, LayerRange(a, b), path, progress=False)
-            self.files.append(path)
+        # the worker proves every field from the file; the recipe tells it the backend plan
+        self.recipe_json = json.dumps(recipe.to_json(), sort_keys=True, separators=(",", ":"))
+        self.files = slice_files(self.model, self.split, self.artifact_id, self.slice_dir) if self.slices \
+            else [self.model] * len(self.split)
 
     def start(self) -> list[str]:
         from .supervisor import WorkerProcess, WorkerStartError
@@ -186,7 +178,7 @@ class LocalRoute:
                                                             env=backend_env(self.backends[i], self.env)))
                 except WorkerStartError as exc:
                     raise DgrError(f"worker for layers {a}:{b} did not start: {exc}") from None
-                self.log(f"worker [{a}:{b}) {self.backends[i]} pid {self.workers[-1].pid} on {self.workers[-1].target}")
+                _log.info(f"worker [{a}:{b}) {self.backends[i]} pid {self.workers[-1].pid} on {self.workers[-1].target}")
         except BaseException:
             self.stop()
             raise
@@ -211,21 +203,70 @@ class LocalRoute:
         self.stop()
 
     def stats(self) -> list[WorkerStats]:
-        out = []
-        for (a, b), w in zip(self.split, self.workers):
-            st = WorkerStats(f"{a}:{b}", w.target, w.pid)
-            st.kv_bytes_per_cell = 0 if self.fake or self.model is None else kv_bytes_per_cell(self.model, a, b)
-            out.append(st)
-        return out
+        return worker_stats(None if self.fake else self.model, self.split, [w.target for w in self.workers],
+                            [w.pid for w in self.workers])
 
 
-def ensure_worker(backend: str = "cpu", log: Callable[[str], None] | None = None) -> Path:
+def cached_slice(model: Path, rng: "LayerRange", path: Path, artifact_id: str, *,
+                 log: Callable[[str], None] | None = None) -> Path:
+    """The slice of ``rng`` at ``path``: a cached file is reused only when it verifies against
+    the manifest it carries, is a slice of ``artifact_id`` and covers ``rng`` (every tensor's
+    bytes hashed: `dgr gguf verify-slice`); never on its path, size or mtime. Anything else
+    (missing, tampered, another artifact or range) is cut again from ``model``, with a warning
+    naming what failed."""
+    from ..gguf.slice import SliceError, slice_gguf, verify_slice
+
+    say = log or _log.info
+    if path.is_file():
+        try:
+            rep = verify_slice(path, expect_range=rng, progress=False)
+            if rep.source_artifact_id == artifact_id:
+                return path
+            problem = f"it is a slice of {rep.source_artifact_id[:16]}, not of {artifact_id[:16]}"
+        except (SliceError, DgrError) as exc:
+            problem = str(exc)
+        _log.warning("cached slice %s refused: %s; cutting it again", path, problem)
+        say(f"cached slice {path} refused ({problem}); cutting it again")
+        path.unlink()
+    say(f"slicing layers {rng.start}:{rng.end} -> {path}")
+    slice_gguf(model, rng, path, progress=False)
+    return path
+
+
+def worker_stats(model: Path | None, split: Sequence[tuple[int, int]], endpoints: Sequence[str],
+                 pids: Sequence[int]) -> list[WorkerStats]:
+    """One :class:`WorkerStats` per worker of a route (KV bytes per cell from ``model``; 0
+    without one, e.g. fake-model workers)."""
+    out = []
+    for (a, b), ep, pid in zip(split, endpoints, pids):
+        st = WorkerStats(f"{a}:{b}", ep, pid)
+        st.kv_bytes_per_cell = 0 if model is None else kv_bytes_per_cell(model, a, b)
+        out.append(st)
+    return out
+
+
+def slice_files(model: Path, split: Sequence[tuple[int, int]], artifact_id: str,
+                out_dir: Path | None = None) -> list[Path]:
+    """One slice file per range of ``split``, made once and reused only when it verifies
+    (:func:`cached_slice`): in ``out_dir``, default <tmp>/dgr-slices/<artifact id prefix>/."""
+    from ..gguf.slice import LayerRange
+
+    out_dir = out_dir or Path(tempfile.gettempdir()) / "dgr-slices" / artifact_id[:16]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    for a, b in split:
+        path = out_dir / f"{model.stem}.{a}-{b}.gguf"
+        files.append(cached_slice(model, LayerRange(a, b), path, artifact_id))
+    return files
+
+
+def ensure_worker(backend: str = "cpu") -> Path:
     """The dgr-worker binary, built first when missing (patched llama.cpp + worker)."""
     from ..upstream import build as build_mod
 
     try:
         return build_mod.worker_binary(backend)
     except DgrError:
-        (log or _log.info)(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
+        _log.info(f"dgr-worker is not built yet: building it for {backend} (one-time, minutes)")
         build_mod.build(backend)
         return build_mod.worker_binary(backend)

@@ -114,12 +114,15 @@ def run_local(model: Path | None, split: Sequence[tuple[int, int]], prompts: Seq
 def generate_remote(endpoints: Sequence[str], prompts: Sequence[str], *, max_tokens: int = 32,
                     sampling: Any = None, chat: bool = True, stop_on_eog: bool = True,
                     on_text: Callable[[int, str], None] | None = None,
-                    chain: bool | None = None, tls: Any = None) -> RunReport:
-    """Sessions against already running workers (``dgr route generate --shard …``)."""
+                    chain: bool | None = None, tls: Any = None, standby: Sequence[str] = (),
+                    max_restarts: int = 2) -> RunReport:
+    """Sessions against already running workers (``dgr route generate --shard …``); ``standby``:
+    workers a session fails over to (docs/failover.md)."""
     from .driver import RouteError
 
     try:
         return asyncio.run(run_sessions(endpoints, prompts, max_tokens=max_tokens, sampling=sampling, chat=chat,
-                                        stop_on_eog=stop_on_eog, on_text=on_text, chain=chain, tls=tls))
+                                        stop_on_eog=stop_on_eog, on_text=on_text, chain=chain, tls=tls,
+                                        standby=standby, max_restarts=max_restarts))
     except RouteError:
         raise

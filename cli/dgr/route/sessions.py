@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..procfs import status_bytes
 from .text import PieceCache, TextDecoder, chat_prompt_text
 
 DEFAULT_PROMPTS = (
@@ -97,6 +97,8 @@ class RunReport:
     # chained mode, per seam: serialized decode frame bytes a worker sent downstream per decode
     # frame (dgr_chain_frame_bytes_sent_total / dgr_chain_frames_sent_total, phase="decode")
     chain_seam_bytes_per_decode_token: list[float] = field(default_factory=list)
+    routes: list[list[str]] = field(default_factory=list)   # with standbys: every route used, in order
+    work: dict[str, Any] | None = None   # with standbys: the work records summed (work_records.summarize)
 
     @property
     def ok(self) -> bool:
@@ -169,6 +171,7 @@ class RunReport:
             "driver_cpu_s": self.driver_cpu_s,
             "sessions": [asdict(s) for s in self.sessions],
             "workers": [w.to_json() for w in self.workers],
+            **({"routes": self.routes, "work": self.work} if self.work is not None else {}),
         }
 
 
@@ -203,7 +206,7 @@ class _Sampler:
             st.kv_cells_peak = max(st.kv_cells_peak, r.load.kv_cells_used)
             st.active_sessions_peak = max(st.active_sessions_peak, r.load.active_sessions)
             st.sessions_left, st.kv_cells_left = r.load.active_sessions, r.load.kv_cells_used
-            rss = _rss(pid)
+            rss = status_bytes(pid, "VmRSS")
             st.rss_bytes = rss or st.rss_bytes
             st.rss_peak_bytes = max(st.rss_peak_bytes, rss)
             maps.append(_metric_map(r))
@@ -295,16 +298,6 @@ def chain_hop_rtt(before: Sequence[tuple[float, float]], after: Sequence[tuple[f
     return chain_seam_bytes(before, after)
 
 
-def _rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 async def prompt_tokens(driver: Any, prompts: Sequence[str], *, chat: bool) -> list[list[int]]:
     """Token ids of each prompt; with ``chat``, as one user message formatted by the model's own
     chat template (the head's ApplyChatTemplate). A model without a usable template gets the
@@ -332,17 +325,28 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
                        stream_period: float = 0.2, timeout: float = 60.0,
                        token_prompts: Sequence[Sequence[int]] | None = None,
                        chain: bool | None = None, tokens_per_answer: int | None = None,
-                       tls: Any = None) -> RunReport:
+                       tls: Any = None, standby: Sequence[str] = (), max_restarts: int = 2) -> RunReport:
     """Runs one Route Session per prompt, all concurrently; streams text through ``on_text``
     (session index, new text) and returns per-session and per-worker figures. ``chain``: the
     driver's mode (None: chained when the workers support it, False: stepwise, True: chained
     or fail). ``tokens_per_answer``: chained mode, tokens per answer from the head (None: the
     driver's default; 1: every token is timed as it is made). ``tls``: a
-    :class:`dgr.protocol.tls.TlsFiles` for mutual TLS to every shard."""
+    :class:`dgr.protocol.tls.TlsFiles` for mutual TLS to every shard. ``standby``: further
+    workers; with them a session whose shard fails restarts from token zero on a route that uses
+    a standby (:mod:`dgr.route.failover`) and its work record comes with its telemetry."""
     from .driver import RouteDriver, Sampling
 
     kw = {"tokens_per_answer": tokens_per_answer} if tokens_per_answer else {}
-    driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain, tls=tls, **kw).connect()
+    router = None
+    if standby:
+        from .failover import FailoverRouter
+
+        router = await FailoverRouter(list(endpoints), max_restarts=max_restarts, timeout=timeout, chain=chain,
+                                      tls=tls, **kw).connect()
+        router.finder.endpoints += [e for e in standby if e not in router.finder.endpoints]
+        driver = router.route
+    else:
+        driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain, tls=tls, **kw).connect()
     try:
         toks = [list(t) for t in token_prompts] if token_prompts is not None else \
             await prompt_tokens(driver, prompts, chat=chat)
@@ -389,11 +393,20 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
             got[i].append(tok)
 
         async def one(i: int, p: list[int]) -> Any:
+            if router is not None:
+                f = await router.generate(p, max_tokens=max_tokens, sampling=sampling or Sampling(),
+                                          stop_on_eog=stop_on_eog, on_token=lambda tok: on_token(i, tok))
+                last = f.results[-1]      # the last attempt's telemetry carries the work record
+                return type(last)(f.session_id, f.prompt_tokens, f.tokens, f.finish_reason, last.telemetry,
+                                  error=f.error, top_logprobs=[])
             return await driver.generate(p, max_tokens=max_tokens, sampling=sampling or Sampling(),
                                          stop_on_eog=stop_on_eog, on_token=lambda tok: on_token(i, tok))
 
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(toks)))
         wall = time.perf_counter() - t0
+        if router is not None and router.route is not driver:
+            chained = False       # the route changed: the seam counters of the first route do not apply
+            driver = router.route
         cpu = time.process_time() - c0
         done.set()
         if stream_task:
@@ -419,7 +432,22 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
                 hop_decode_rtt_s=([tel.nodes[0].decode_step_s, *chain_hops] if chained else
                                   [n.decode_step_s for n in tel.nodes]), telemetry=tel.to_json(),
                 top_logprobs=[list(x) for x in r.top_logprobs], token_times_s=times[i]))
-        return RunReport(label, [f"{s.endpoint}[{s.start}:{s.end})" for s in driver.shards], reports, wall,
-                         stats, cpu, mode=driver.mode, chain_seam_bytes_per_decode_token=chain_seam)
+        rep = RunReport(label, [f"{s.endpoint}[{s.start}:{s.end})" for s in driver.shards], reports, wall,
+                        stats, cpu, mode=driver.mode, chain_seam_bytes_per_decode_token=chain_seam)
+        if router is not None:
+            from .work_records import summarize
+            rep.routes = router.routes
+            rep.work = summarize([_work(r.telemetry.work) for r in results if r.telemetry.work])
+        return rep
     finally:
-        await driver.close()
+        if router is not None:
+            await router.close()
+        else:
+            await driver.close()
+
+
+def _work(d: dict[str, Any]) -> Any:
+    from .work_records import AttemptRecord, SessionWorkRecord, ShardWork
+
+    atts = [AttemptRecord(**{**a, "shards": [ShardWork(**x) for x in a["shards"]]}) for a in d["attempts"]]
+    return SessionWorkRecord(**{**d, "attempts": atts})

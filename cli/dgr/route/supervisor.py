@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from ..procfs import status_bytes
 from ..protocol.client import WorkerClient
 
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
@@ -35,6 +36,19 @@ def default_binary(backend: str = "cpu") -> Path:
     from ..upstream.build import worker_binary_path
 
     return worker_binary_path(backend)
+
+
+def stop_child(proc: subprocess.Popen, grace: float = 15.0) -> int | None:
+    """Stops a child process: SIGTERM, up to ``grace`` seconds to exit, then SIGKILL; reaps it
+    and returns its exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 class WorkerStartError(RuntimeError):
@@ -77,6 +91,7 @@ class WorkerArgs:
     tls_cert: Path | str | None = None
     tls_key: Path | str | None = None
     tls_client_ca: Path | str | None = None
+    require_client_auth: bool = False
     chain_peers: str | None = None
     chain_tls_ca: Path | str | None = None
     io_nice: int | None = None
@@ -177,10 +192,10 @@ class WorkerProcess:
 
     def rss_bytes(self) -> int:
         """VmRSS from /proc/PID/status."""
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("VmRSS not found")
+        rss = status_bytes(self.pid, "VmRSS")
+        if not rss:
+            raise RuntimeError(f"no VmRSS for pid {self.pid} (exited?)")
+        return rss
 
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM, then wait for the exit code (SIGKILL after the timeout)."""

@@ -46,6 +46,9 @@ class GenerationTelemetry:
     total_s: float = 0.0
     error: str | None = None
     nodes: list[NodeTiming] = field(default_factory=list)
+    # failover (dgr/route/failover.py): the session's work record over every attempt, on the
+    # telemetry of its last attempt (completed / cancelled / failed / restarted / unverified)
+    work: dict[str, Any] | None = None
 
     @property
     def decode_tok_s(self) -> float:

@@ -7,7 +7,6 @@ port in a background thread with its own event loop, and stops it cleanly.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import socket
 import threading
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dgr.errors import DgrError
+from dgr.netaddr import is_loopback_host
 
 LOOPBACK = "127.0.0.1"
 
@@ -53,12 +53,8 @@ class ServeOptions:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    """Parsed or resolved, every address checked (dgr.netaddr); never a prefix match."""
+    return is_loopback_host(host)
 
 
 def free_port(host: str = LOOPBACK) -> int:

@@ -139,20 +139,52 @@ def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> No
         raise DgrError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}); last lines:\n" + "\n".join(tail[-15:]))
 
 
+def sanitize_build_dir(backend: str = "cpu") -> Path:
+    """build/<backend>-asan: the dgr targets built with AddressSanitizer + UBSan (`dgr build --sanitize`)."""
+    return paths.build_dir() / f"{backend}-asan"
+
+
 def build(backend: str = "cpu", *, jobs: int | None = None, clean: bool = False,
-          targets: tuple[str, ...] = DEFAULT_TARGETS, extra_cmake: tuple[str, ...] = ()) -> BuildResult:
-    """Build ``targets`` in build/<backend>/; concurrent calls on one tree wait for each other."""
+          targets: tuple[str, ...] = DEFAULT_TARGETS, extra_cmake: tuple[str, ...] = (),
+          sanitize: bool = False) -> BuildResult:
+    """Build ``targets`` in build/<backend>/; concurrent calls on one tree wait for each other.
+
+    ``sanitize``: build in build/<backend>-asan/ with the dgr targets (worker core, worker, tools,
+    CTest programs; not llama.cpp) compiled with -fsanitize=address,undefined."""
     flags = check_toolchain(backend)
+    bdir = sanitize_build_dir(backend) if sanitize else paths.backend_build_dir(backend)
+    if sanitize:
+        extra_cmake = (*extra_cmake, "-DDGR_SANITIZE=ON")
     paths.build_dir().mkdir(parents=True, exist_ok=True)
-    with open(paths.build_dir() / f".build-{backend}.lock", "w") as lock:
+    with open(paths.build_dir() / f".build-{bdir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _build_locked(backend, flags, jobs=jobs, clean=clean, targets=targets, extra_cmake=extra_cmake)
+        return _build_locked(backend, flags, bdir, jobs=jobs, clean=clean, targets=targets, extra_cmake=extra_cmake)
 
 
-def _build_locked(backend: str, flags: list[str], *, jobs: int | None, clean: bool,
+def cmake_build(source: Path, bdir: Path, config: list[str], targets: tuple[str, ...] | list[str], *,
+                jobs: int | None = None, stamp: dict | None = None) -> None:
+    """Configure ``source`` into ``bdir`` (CMake, Ninja) when the configuration changed or was
+    never made, then build ``targets``. ccache is the compiler launcher when installed, with
+    CCACHE_BASEDIR=/ so scratch and clean trees reuse cached objects. The stamp
+    ``bdir/dgr-config.json`` holds the CMake arguments (with ``stamp``: that dict plus them,
+    for what decides the build without being a CMake flag, e.g. the pin and patch digest)."""
+    if shutil.which("ccache"):
+        config = [*config, "-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
+                  "-DGGML_CCACHE=OFF"]
+    stamp_doc: object = config if stamp is None else {**stamp, "cmake": config}
+    stamp_file = bdir / "dgr-config.json"
+    previous = json.loads(stamp_file.read_text()) if stamp_file.is_file() else None
+    if previous != stamp_doc or not (bdir / "build.ninja").is_file():
+        _run(["cmake", "-S", str(source), "-B", str(bdir), *config])
+        stamp_file.write_text(json.dumps(stamp_doc, indent=1))
+    env = dict(os.environ)
+    env.setdefault("CCACHE_BASEDIR", "/")
+    _run(["ninja", "-C", str(bdir), f"-j{jobs or os.cpu_count() or 2}", *targets], env=env)
+
+
+def _build_locked(backend: str, flags: list[str], bdir: Path, *, jobs: int | None, clean: bool,
                   targets: tuple[str, ...], extra_cmake: tuple[str, ...]) -> BuildResult:
     pin, tree, digest = _ensure_sources()
-    bdir = paths.backend_build_dir(backend)
     if clean and bdir.exists():
         shutil.rmtree(bdir)
     bdir.mkdir(parents=True, exist_ok=True)
@@ -166,19 +198,7 @@ def _build_locked(backend: str, flags: list[str], *, jobs: int | None, clean: bo
         f"-DDGR_BACKEND={backend}",
         *flags, *extra_cmake,
     ]
-    if shutil.which("ccache"):
-        config += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
-                   "-DGGML_CCACHE=OFF"]
-    stamp = bdir / "dgr-config.json"
-    previous = json.loads(stamp.read_text()) if stamp.is_file() else None
-    if previous != config or not (bdir / "build.ninja").is_file():
-        _run(["cmake", "-S", str(paths.repo_root() / "worker"), "-B", str(bdir), *config])
-        stamp.write_text(json.dumps(config, indent=1))
-    jobs = jobs or os.cpu_count() or 2
-    # Rewrite absolute paths for ccache so scratch/clean trees reuse cached objects.
-    env = dict(os.environ)
-    env.setdefault("CCACHE_BASEDIR", "/")
-    _run(["ninja", "-C", str(bdir), f"-j{jobs}", *targets], env=env)
+    cmake_build(paths.repo_root() / "worker", bdir, config, targets, jobs=jobs)
     # Upstream notices next to the binaries (also done at configure; re-copied in case of clean bin/).
     bin_dir = bdir / "bin"
     for notice in pin.notices:
@@ -275,21 +295,10 @@ def _build_rpc_locked(backend: str, flags: list[str], *, jobs: int | None, clean
         shutil.rmtree(bdir)
     bdir.mkdir(parents=True, exist_ok=True)
     config = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *_RPC_CMAKE, *flags]
-    if shutil.which("ccache"):
-        config += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
-                   "-DGGML_CCACHE=OFF"]
-    # the pin and patch digest are in the stamp (not CMake flags): a new series reconfigures
-    stamp_doc = {"source": str(tree), "pin": pin.commit, "patches": digest, "cmake": config}
-    stamp = bdir / "dgr-config.json"
-    previous = json.loads(stamp.read_text()) if stamp.is_file() else None
     print(f"llama.cpp RPC tools ({backend}) in {bdir}", file=sys.stderr, flush=True)
-    if previous != stamp_doc or not (bdir / "build.ninja").is_file():
-        _run(["cmake", "-S", str(tree), "-B", str(bdir), *config])
-        stamp.write_text(json.dumps(stamp_doc, indent=1))
-    jobs = jobs or os.cpu_count() or 2
-    env = dict(os.environ)
-    env.setdefault("CCACHE_BASEDIR", "/")
-    _run(["ninja", "-C", str(bdir), f"-j{jobs}", *RPC_TARGETS], env=env)
+    # the pin and patch digest are in the stamp (not CMake flags): a new series reconfigures
+    cmake_build(tree, bdir, config, RPC_TARGETS, jobs=jobs,
+                stamp={"source": str(tree), "pin": pin.commit, "patches": digest})
     bin_dir = bdir / "bin"
     for alias, name in _RPC_ALIASES.items():   # `rpc-server`, the name the docs and older pins use
         link = bin_dir / alias

@@ -11,9 +11,7 @@ MESHNET_ENABLE_REAL_INFERENCE_TESTS=1 and it is installed, and on any ``--model`
 from __future__ import annotations
 
 import fcntl
-import json
 import os
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -58,19 +56,9 @@ def build(backend: str = "cpu", *, jobs: int | None = None) -> Path:
         bdir = build_dir(backend)
         bdir.mkdir(parents=True, exist_ok=True)
         config = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", f"-DLLAMA_SOURCE_DIR={tree}", *flags]
-        if shutil.which("ccache"):
-            config += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
-                       "-DGGML_CCACHE=OFF"]
         # pin and series in the stamp: a new series reconfigures
-        stamp_doc = {"source": str(tree), "pin": pin.commit, "patches": digest, "cmake": config}
-        stamp = bdir / "dgr-config.json"
-        previous = json.loads(stamp.read_text()) if stamp.is_file() else None
-        if previous != stamp_doc or not (bdir / "build.ninja").is_file():
-            build_mod._run(["cmake", "-S", str(examples_dir()), "-B", str(bdir), *config])
-            stamp.write_text(json.dumps(stamp_doc, indent=1))
-        env = dict(os.environ)
-        env.setdefault("CCACHE_BASEDIR", "/")
-        build_mod._run(["ninja", "-C", str(bdir), f"-j{jobs or os.cpu_count() or 2}", TARGET], env=env)
+        build_mod.cmake_build(examples_dir(), bdir, config, [TARGET], jobs=jobs,
+                              stamp={"source": str(tree), "pin": pin.commit, "patches": digest})
         return bdir / "bin"
 
 

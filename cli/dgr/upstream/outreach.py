@@ -134,32 +134,27 @@ def _numstat(patch: Path) -> tuple[FileChange, ...]:
     return tuple(changes)
 
 
-def _added_lines(diff: str, path: str) -> tuple[str, ...]:
-    """Lines a diff adds to ``path`` (without the leading ``+``)."""
-    lines: list[str] = []
+def _lines_of(diff: str, path: str):
+    """The lines a diff has for ``path`` after its ``+++`` header (hunk headers and content)."""
     current = None
     for line in diff.splitlines():
         if line.startswith("diff --git "):
             current = None
         elif line.startswith("+++ "):
             current = line[4:].removeprefix("b/")
-        elif current == path and line.startswith("+"):
-            lines.append(line[1:])
-    return tuple(lines)
+        elif current == path:
+            yield line
+
+
+def _added_lines(diff: str, path: str) -> tuple[str, ...]:
+    """Lines a diff adds to ``path`` (without the leading ``+``)."""
+    return tuple(line[1:] for line in _lines_of(diff, path) if line.startswith("+"))
 
 
 def _hunks(diff: str, path: str) -> str:
     """The ``@@`` hunks a diff has for ``path``, verbatim."""
-    out: list[str] = []
-    current = None
-    for line in diff.splitlines():
-        if line.startswith("diff --git "):
-            current = None
-        elif line.startswith("+++ "):
-            current = line[4:].removeprefix("b/")
-        elif current == path and (line.startswith(("@@", "+", "-", " ")) or line == ""):
-            out.append(line)
-    return "\n".join(out)
+    return "\n".join(line for line in _lines_of(diff, path)
+                     if line.startswith(("@@", "+", "-", " ")) or line == "")
 
 
 def read_patch(path: Path) -> Patch:

@@ -24,8 +24,12 @@ constexpr size_t kDefaultFragmentBytes = size_t(1) << 20;
 constexpr int kMaxDims = 8;
 // Longest session id (FrameHeader.session_id: "at most 128 bytes").
 constexpr size_t kMaxSessionIdBytes = 128;
+// Longest request id (FrameHeader.request_id, FastDecodeFrame.request_id: "at most 128 bytes").
+constexpr size_t kMaxRequestIdBytes = 128;
 // Most SamplingParams.top_logprobs a worker returns per token.
 constexpr uint32_t kMaxTopLogprobs = 64;
+// Most SamplingParams.stop_token_ids.
+constexpr int kMaxStopTokens = 64;
 // The boundary bundle's one tensor in schema v1.
 inline constexpr const char * kResidual = "residual";
 // Schema versions accepted without a capability: [min, max].
@@ -128,8 +132,9 @@ pb::Checksum crc_checksum(uint32_t value);
 // BAD_BUNDLE when a set checksum does not match; nothing to check when unset.
 Result verify_checksum(const pb::Checksum & expected, uint32_t actual, const char * what);
 
-// The sampling contract's value ranges (BAD_REQUEST).
-Result check_sampling(const pb::SamplingParams & s);
+// The sampling contract's value ranges (BAD_REQUEST); stop token ids in [0, n_vocab) when
+// n_vocab > 0 (else only >= 0).
+Result check_sampling(const pb::SamplingParams & s, uint32_t n_vocab = 0);
 
 // Stateless checks of one SessionRequest frame, in three stages that a worker applies in this
 // order, with its session-state checks (epoch, step, cache expectation, positions held) between
@@ -137,8 +142,9 @@ Result check_sampling(const pb::SamplingParams & s);
 // vocabulary and chunk limits against that Shard. Bundles are checked by Assembler.
 //
 // 1. the frame kind and header: schema version, fingerprint, range, effective start,
-//    compression, phase, session id (1..128 bytes), route epoch (>= 1). `whole_range`: the
-//    Shard runs its whole range (effective_start must be unset or the range start).
+//    compression, phase, cache expectation kind, session id (1..128 bytes), request id (at most
+//    128 bytes), route epoch (>= 1). `whole_range`: the Shard runs its whole range
+//    (effective_start must be unset or the range start).
 Result check_header(const pb::SessionRequest & req, const pb::GetCapabilityResponse * cap = nullptr,
                     bool whole_range = false);
 // 2. rows: PREFILL/DECODE carry a non-empty position range, DECODE exactly one row, at most the
@@ -150,5 +156,9 @@ Result check_input(const pb::SessionRequest & req, const pb::GetCapabilityRespon
                    bool sampling_applies = true);
 // All three stages.
 Result check_request(const pb::SessionRequest & req, const pb::GetCapabilityResponse * cap = nullptr);
+// check_request, then (a frame carrying a bundle) the bundle's own rules as one complete step:
+// what a golden vector's handling certifies (Assembler limits from the capability's
+// max_message_bytes / max_fragment_bytes).
+Result check_frame(const pb::SessionRequest & req, const pb::GetCapabilityResponse * cap = nullptr);
 
 } // namespace dgr::bundle

@@ -9,7 +9,7 @@ namespace dgr::bundle {
 namespace {
 
 // gRPC status code numbers (grpc/doc/statuscodes.md).
-constexpr int kCancelled = 1, kUnknown = 2, kInvalidArgument = 3, kResourceExhausted = 8,
+constexpr int kCancelled = 1, kUnknown = 2, kInvalidArgument = 3, kPermissionDenied = 7, kResourceExhausted = 8,
               kFailedPrecondition = 9, kAborted = 10, kInternal = 13, kUnavailable = 14;
 
 ProtocolError err(pb::ErrorReason reason, std::string message, std::string tensor = {}, uint64_t limit = 0) {
@@ -48,12 +48,14 @@ int grpc_code_for(pb::ErrorReason reason) {
             return kInternal;
         case pb::ERROR_REASON_UNAVAILABLE:
             return kUnavailable;
+        case pb::ERROR_REASON_SESSION_NOT_OWNED:
+            return kPermissionDenied;
         default:
             return kUnknown;
     }
 }
 
-Result check_sampling(const pb::SamplingParams & s) {
+Result check_sampling(const pb::SamplingParams & s, uint32_t n_vocab) {
     const auto bad_req = pb::ERROR_REASON_BAD_REQUEST;
     if (s.mode() != pb::SAMPLING_MODE_UNSPECIFIED && s.mode() != pb::SAMPLING_MODE_GREEDY &&
         s.mode() != pb::SAMPLING_MODE_STOCHASTIC) {
@@ -71,6 +73,16 @@ Result check_sampling(const pb::SamplingParams & s) {
     if (s.top_logprobs() > kMaxTopLogprobs) {
         return err(bad_req, "top_logprobs " + std::to_string(s.top_logprobs()) + " above " +
                                 std::to_string(kMaxTopLogprobs));
+    }
+    if (s.stop_token_ids_size() > kMaxStopTokens) {
+        return err(bad_req, std::to_string(s.stop_token_ids_size()) + " stop_token_ids, at most " +
+                                std::to_string(kMaxStopTokens));
+    }
+    for (int32_t t : s.stop_token_ids()) {
+        if (t < 0 || (n_vocab && uint32_t(t) >= n_vocab)) {
+            return err(bad_req, "stop token id " + std::to_string(t) + " outside [0, " +
+                                    (n_vocab ? std::to_string(n_vocab) : std::string("n_vocab")) + ")");
+        }
     }
     return std::nullopt;
 }
@@ -104,10 +116,12 @@ Result check_header(const pb::SessionRequest & req, const pb::GetCapabilityRespo
     const auto                bad_req = pb::ERROR_REASON_BAD_REQUEST;
     const pb::ShardIdentity * id      = cap ? &cap->identity() : nullptr;
     const std::string *       sid     = nullptr;
+    const std::string *       rid     = nullptr;
     uint64_t                  epoch   = 0;
     switch (req.frame_case()) {
         case pb::SessionRequest::kFastDecode:
             sid   = &req.fast_decode().session_id();
+            rid   = &req.fast_decode().request_id();
             epoch = req.fast_decode().route_epoch();
             break;
         case pb::SessionRequest::kStep: {
@@ -153,7 +167,13 @@ Result check_header(const pb::SessionRequest & req, const pb::GetCapabilityRespo
                 phase != pb::PHASE_RELEASE) {
                 return err(bad_req, "unknown phase " + std::to_string(phase));
             }
+            const int kind = h.cache_expectation().kind();
+            if (kind != pb::CACHE_EXPECTATION_KIND_UNSPECIFIED && kind != pb::CACHE_EXPECTATION_KIND_EMPTY &&
+                kind != pb::CACHE_EXPECTATION_KIND_POSITION) {
+                return err(bad_req, "unknown cache expectation kind " + std::to_string(kind));
+            }
             sid   = &h.session_id();
+            rid   = &h.request_id();
             epoch = h.route_epoch();
             break;
         }
@@ -162,6 +182,9 @@ Result check_header(const pb::SessionRequest & req, const pb::GetCapabilityRespo
     }
     if (sid->empty() || sid->size() > kMaxSessionIdBytes) {
         return err(bad_req, "session_id must be 1.." + std::to_string(kMaxSessionIdBytes) + " bytes");
+    }
+    if (rid->size() > kMaxRequestIdBytes) {
+        return err(bad_req, "request_id above " + std::to_string(kMaxRequestIdBytes) + " bytes");
     }
     if (epoch == 0) {
         return err(bad_req, "route_epoch starts at 1");
@@ -225,7 +248,7 @@ Result check_input(const pb::SessionRequest & req, const pb::GetCapabilityRespon
         return std::nullopt;  // no input (check_rows)
     }
     if (sampling_applies && s.has_sampling()) {
-        if (Result r = check_sampling(s.sampling())) {
+        if (Result r = check_sampling(s.sampling(), id ? id->n_vocab() : 0)) {
             return r;
         }
     }
@@ -263,6 +286,30 @@ Result check_request(const pb::SessionRequest & req, const pb::GetCapabilityResp
         return r;
     }
     return check_input(req, cap);
+}
+
+Result check_frame(const pb::SessionRequest & req, const pb::GetCapabilityResponse * cap) {
+    if (Result r = check_request(req, cap)) {
+        return r;
+    }
+    const pb::TensorBundle * b = nullptr;
+    int compression = pb::COMPRESSION_UNSPECIFIED;
+    if (req.has_step() && req.step().has_bundle()) {
+        b = &req.step().bundle();
+        compression = req.step().header().compression();
+    } else if (req.has_fast_decode() && req.fast_decode().has_bundle()) {
+        b = &req.fast_decode().bundle();
+    }
+    if (!b) {
+        return std::nullopt;
+    }
+    Limits lim;
+    if (cap) {
+        lim.max_tensor_bytes = cap->capacity().max_message_bytes();
+        lim.max_fragment_bytes = cap->capacity().max_fragment_bytes();
+    }
+    std::vector<Tensor> out;
+    return read_bundle(*b, &out, lim, compression);
 }
 
 } // namespace dgr::bundle

@@ -1,6 +1,7 @@
 #include "common/identity.h"
 
 #include "common/sha256.h"
+#include "common/slice_verify.h"
 #include "version.h"
 
 #include "ggml.h"
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <set>
 
@@ -41,6 +43,26 @@ uint64_t scalar_size(uint32_t t) {
 struct Corrupt {
     std::string what;
 };
+
+// A name read from the file, for a one-line error: quoted, control bytes as \xNN, at most 120 bytes.
+std::string quoted(const std::string & s) {
+    std::string out = "'";
+    for (size_t i = 0; i < s.size(); ++i) {
+        if (out.size() > 120) {
+            out += "...";
+            break;
+        }
+        const unsigned char c = (unsigned char) s[i];
+        if (c < 0x20 || c == 0x7F || c == '\\' || c == '\'') {
+            char b[8];
+            std::snprintf(b, sizeof b, "\\x%02x", (unsigned) c);
+            out += b;
+        } else {
+            out += char(c);
+        }
+    }
+    return out + "'";
+}
 
 // Bounds-checked little-endian reads over the map.
 struct Cursor {
@@ -231,7 +253,7 @@ bool GgufHeader::open(const std::string & path, std::string * error) {
             p.vtype = cur.u32();
             cur.skip_value(p.vtype);
             p.end = cur.pos;
-            if (!pairs_.emplace(key, p).second) throw Corrupt{"duplicate metadata key '" + key + "'"};
+            if (!pairs_.emplace(key, p).second) throw Corrupt{"duplicate metadata key " + quoted(key)};
         }
         struct Raw {
             std::string name;
@@ -248,7 +270,7 @@ bool GgufHeader::open(const std::string & path, std::string * error) {
             if (!valid_utf8(r.name)) throw Corrupt{"tensor name at offset " + std::to_string(at) + " is not UTF-8"};
             const uint32_t n_dims = cur.u32();
             if (n_dims < 1 || n_dims > kMaxDims) {
-                throw Corrupt{"tensor '" + r.name + "' has " + std::to_string(n_dims) + " dimensions"};
+                throw Corrupt{"tensor " + quoted(r.name) + " has " + std::to_string(n_dims) + " dimensions"};
             }
             for (uint32_t d = 0; d < n_dims; ++d) r.dims.push_back(cur.u64());
             r.type = cur.u32();
@@ -266,29 +288,42 @@ bool GgufHeader::open(const std::string & path, std::string * error) {
         const uint64_t data_offset = (cur.pos + alignment_ - 1) / alignment_ * alignment_;
         std::set<std::string> seen;
         for (Raw & r : raw) {
-            if (!seen.insert(r.name).second) throw Corrupt{"duplicate tensor '" + r.name + "'"};
+            if (!seen.insert(r.name).second) throw Corrupt{"duplicate tensor " + quoted(r.name)};
             if (r.type >= (uint32_t) GGML_TYPE_COUNT || ggml_blck_size((ggml_type) r.type) <= 0 ||
                 ggml_type_size((ggml_type) r.type) == 0) {
-                throw Corrupt{"tensor '" + r.name + "' has unknown ggml type " + std::to_string(r.type)};
+                throw Corrupt{"tensor " + quoted(r.name) + " has unknown ggml type " + std::to_string(r.type)};
+            }
+            // ggml holds dimensions and element counts as int64: refuse a zero dimension, one that
+            // is negative as int64 and a count that overflows it (as Python's dgr.gguf does)
+            uint64_t n_el = 1;
+            for (size_t d = 0; d < r.dims.size(); ++d) {
+                const std::string ne = "ne" + std::to_string(d) + " = " + std::to_string(r.dims[d]);
+                if (r.dims[d] == 0) throw Corrupt{"tensor " + quoted(r.name) + " has a zero dimension (" + ne + ")"};
+                if (r.dims[d] > (uint64_t) INT64_MAX) {
+                    throw Corrupt{"tensor " + quoted(r.name) + " dimension " + ne + " is negative as a signed 64-bit count"};
+                }
+                if (__builtin_mul_overflow(n_el, r.dims[d], &n_el) || n_el > (uint64_t) INT64_MAX) {
+                    throw Corrupt{"tensor " + quoted(r.name) + ": the element count overflows 64 bits"};
+                }
             }
             const uint64_t block = (uint64_t) ggml_blck_size((ggml_type) r.type);
             if (r.dims[0] % block) {
-                throw Corrupt{"tensor '" + r.name + "': ne0 " + std::to_string(r.dims[0]) +
+                throw Corrupt{"tensor " + quoted(r.name) + ": ne0 " + std::to_string(r.dims[0]) +
                               " is not a multiple of the block size " + std::to_string(block)};
             }
             // ggml_row_size(type, ne0) * ne1 * ne2 * ne3, overflow-checked
             uint64_t n_bytes = 0;
             bool overflow = __builtin_mul_overflow(r.dims[0] / block, (uint64_t) ggml_type_size((ggml_type) r.type), &n_bytes);
             for (size_t d = 1; d < r.dims.size(); ++d) overflow |= __builtin_mul_overflow(n_bytes, r.dims[d], &n_bytes);
-            if (overflow) throw Corrupt{"tensor '" + r.name + "' is too large"};
+            if (overflow) throw Corrupt{"tensor " + quoted(r.name) + " is too large"};
             if (r.off % alignment_) {
-                throw Corrupt{"tensor '" + r.name + "' data offset " + std::to_string(r.off) + " is not aligned to " +
+                throw Corrupt{"tensor " + quoted(r.name) + " data offset " + std::to_string(r.off) + " is not aligned to " +
                               std::to_string(alignment_)};
             }
             uint64_t start = 0, end = 0;
             if (__builtin_add_overflow(data_offset, r.off, &start) || __builtin_add_overflow(start, n_bytes, &end) ||
                 end > size_) {
-                throw Corrupt{"tensor '" + r.name + "' ends past the end of the file (" + std::to_string(size_) +
+                throw Corrupt{"tensor " + quoted(r.name) + " ends past the end of the file (" + std::to_string(size_) +
                               " bytes)"};
             }
             tensors_.push_back(GgufTensor{std::move(r.name), r.type, std::move(r.dims), start, n_bytes});
@@ -400,6 +435,18 @@ bool identify_artifact(const std::string & path, ArtifactIdentity * out, std::st
             wt.update(line.substr(a + 1, c - a - 1) + "\n");
         }
         out->weight_types_digest = hex_digest(wt);
+        // the ids are the slice's own claim: prove them (every tensor's bytes against the
+        // manifest it carries) before anything is served under them
+        if (log) {
+            uint64_t bytes = 0;
+            for (const GgufTensor & t : g.tensors()) bytes += t.n_bytes;
+            char buf[64];
+            std::snprintf(buf, sizeof buf, " (%.0f MiB)", (double) bytes / 1048576.0);
+            log("verifying slice " + path + buf + " against its embedded manifest...");
+        }
+        SliceVerdict v;
+        if (!verify_slice(g, &v, error)) return false;
+        out->tensor_bytes = v.bytes_hashed;
         return true;
     }
     out->metadata_digest = g.metadata_digest();
@@ -419,18 +466,11 @@ bool identify_artifact(const std::string & path, ArtifactIdentity * out, std::st
                        std::to_string(ts.size()) + "\n";
     Sha256 wt;
     wt.update("dgr-weight-types/v1\n");
-    for (const GgufTensor * t : ts) {
-        Sha256 h;
-        constexpr uint64_t kChunk = 16u << 20;
-        for (uint64_t off = 0; off < t->n_bytes; off += kChunk) {
-            h.update(g.data() + t->offset + off, (size_t) std::min(kChunk, t->n_bytes - off));
-        }
-        std::string shape;
-        for (size_t d = 0; d < t->dims.size(); ++d) shape += (d ? "x" : "") + std::to_string(t->dims[d]);
-        const std::string name = manifest_encode_name(t->name);
-        text += "tensor " + name + " " + std::to_string(t->ggml_type) + " " + shape + " " + std::to_string(t->n_bytes) +
-                " " + hex_digest(h) + "\n";
-        wt.update(name + " " + std::to_string(t->ggml_type) + "\n");
+    const std::vector<std::string> digests = tensor_sha256s(g, ts);  // every core
+    for (size_t i = 0; i < ts.size(); ++i) {
+        const GgufTensor * t = ts[i];
+        text += manifest_line(*t, digests[i]) + "\n";
+        wt.update(manifest_encode_name(t->name) + " " + std::to_string(t->ggml_type) + "\n");
     }
     out->manifest_text = std::move(text);
     out->artifact_id = sha256_hex(out->manifest_text);
@@ -449,8 +489,8 @@ bool local_recipe_for(const std::string & path, LocalRecipe * out, std::string *
     RecipeFingerprintFields & f = out->fields;
     if (!adapter_for(id.architecture, &f.arch_adapter, &f.arch_adapter_version)) {
         if (error) {
-            *error = path + ": architecture '" + id.architecture +
-                     "' has no dgr adapter; unsupported architectures fail closed (supported: llama, gemma3, qwen3, qwen3moe)";
+            *error = path + ": architecture " + quoted(id.architecture) +
+                     " has no dgr adapter; unsupported architectures fail closed (supported: llama, gemma3, qwen3, qwen3moe)";
         }
         return false;
     }

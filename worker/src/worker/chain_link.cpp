@@ -52,9 +52,11 @@ bundle::Result Scheduler::check_hops(const pb::StepFrame & sf) const {
             return refusal(pb::ERROR_REASON_FINGERPRINT_MISMATCH,
                            where + " has another compatibility fingerprint than this worker");
         }
-        if (!peer_allowed(peers_.options(), h.endpoint())) {
+        const PeerCheck peer = peers_.check(h.endpoint());
+        if (!peer.allowed) {
             return refusal(pb::ERROR_REASON_BAD_REQUEST,
-                           where + " is not an allowed peer of this worker (dgr-worker --chain-peers; default: loopback)");
+                           where + " is not an allowed peer of this worker: " + peer.why +
+                               " (dgr-worker --chain-peers; default: loopback)");
         }
         at = h.range().end();
     }
@@ -70,13 +72,13 @@ void Scheduler::open_chain(Session & s, const pb::StepFrame & sf) {
     s.chain.hop = hop;
     s.chain.rest.assign(sf.downstream().begin() + 1, sf.downstream().end());
     s.chain.stages = 2 + (uint32_t) s.chain.rest.size();
-    s.chain.colocated = std::all_of(sf.downstream().begin(), sf.downstream().end(), [](const pb::ChainHop & h) {
-        return is_loopback_host(endpoint_host(h.endpoint()));
+    s.chain.colocated = std::all_of(sf.downstream().begin(), sf.downstream().end(), [this](const pb::ChainHop & h) {
+        return peers_.check(h.endpoint()).loopback;
     });
     const std::string sid = s.id;
     const uint64_t gen = s.generation;
     s.chain.down = DownstreamLink::open(
-        peers_.stub(hop.endpoint()), hop.endpoint(),
+        peers_.stub(peers_.check(hop.endpoint())), hop.endpoint(),
         [this, sid, gen](pb::SessionResponse r) { post_downstream(sid, gen, std::move(r)); },
         [this, sid, gen](const grpc::Status & st) { post_downstream_end(sid, gen, st); });
 }

@@ -50,6 +50,7 @@ grpc::ServerUnaryReactor * ShardService::ApplyChatTemplate(grpc::CallbackServerC
                                                            const pb::ApplyChatTemplateRequest * req,
                                                            pb::ApplyChatTemplateResponse * resp) {
     auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     auto fail = [&](pb::ErrorReason reason, const std::string & msg) {
         pb::ShardError e = make_error(reason, msg);
         ctx->AddTrailingMetadata("dgr-error-bin", e.SerializeAsString());

@@ -3,6 +3,7 @@
 // back as an event; it never waits on the network.
 #pragma once
 
+#include "common/net_address.h"
 #include "dgr/shard/v1/shard_runtime.grpc.pb.h"
 
 #include <grpcpp/grpcpp.h>
@@ -20,7 +21,8 @@ namespace dgr::worker {
 namespace pb = ::dgr::shard::v1;
 
 struct ChainOptions {
-    // Hosts a session may chain to ("*": any). Default: loopback only.
+    // Hosts a session may chain to ("*": any): IP literals, or names resolved once when the
+    // scheduler starts (common/net_address.h). Default: loopback only.
     std::vector<std::string> peers = {"127.0.0.1", "localhost", "::1"};
     // TLS towards downstream workers: CA to verify them (empty: plaintext), and the client
     // identity presented to them (mTLS), usually the worker's own --tls-cert/--tls-key.
@@ -28,10 +30,16 @@ struct ChainOptions {
     uint64_t max_message_bytes = 64ull << 20;
 };
 
-// host part of "host:port" / "[v6]:port", lower-cased; empty when malformed
-std::string endpoint_host(const std::string & endpoint);
-bool peer_allowed(const ChainOptions & o, const std::string & endpoint);
-bool is_loopback_host(const std::string & host);  // localhost, ::1, 127/8
+// A downstream endpoint checked against the allowlist: its addresses (parsed literal, or the
+// addresses its listed name resolved to at startup) and the gRPC target dialled (the checked
+// address itself, never the name again).
+struct PeerCheck {
+    bool allowed = false;
+    bool loopback = false;       // every address is loopback (the hop shares this host)
+    std::string why;             // when refused
+    std::string target;          // gRPC target: "ipv4:A:P" / "ipv6:[A]:P", or the endpoint ("*" and a name)
+    std::string tls_name;        // host name for TLS verification when dialling an address
+};
 
 class DownstreamLink : public grpc::ClientBidiReactor<pb::SessionRequest, pb::SessionResponse>,
                        public std::enable_shared_from_this<DownstreamLink> {
@@ -71,11 +79,16 @@ private:
 // Channels and stubs per downstream endpoint, shared by sessions.
 class ChainPeers {
 public:
-    explicit ChainPeers(ChainOptions o) : opts_(std::move(o)) {}
+    // Builds the allowlist (names resolved once, here; a name that does not resolve admits nothing).
+    explicit ChainPeers(ChainOptions o);
     const ChainOptions & options() const { return opts_; }
-    pb::ShardRuntimeService::Stub * stub(const std::string & endpoint);
+    // Parses `endpoint` and checks every address it stands for; never resolves a name that is
+    // not in the list (no DNS on the scheduler thread), except with "*".
+    PeerCheck check(const std::string & endpoint) const;
+    pb::ShardRuntimeService::Stub * stub(const PeerCheck & peer);
 private:
     ChainOptions opts_;
+    AddressAllowlist allow_;
     std::mutex mu_;
     std::map<std::string, std::unique_ptr<pb::ShardRuntimeService::Stub>> stubs_;
 };

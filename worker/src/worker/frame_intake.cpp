@@ -6,6 +6,7 @@
 //   -> positions held -> rows (position range, DECODE one row, chunk limit) -> TRUNCATE/RELEASE
 //   -> positions budget -> input (sampling, role, token count, vocabulary, payload checksum)
 //   -> bundle assembly -> downstream hops, generate -> admission (sessions, KV cells).
+#include "common/sha256.h"
 #include "worker/errors.h"
 #include "worker/scheduler.h"
 
@@ -34,6 +35,32 @@ SamplingConfig to_config(const pb::SamplingParams & p) {
     return c;
 }
 
+// SHA-256 of the frame as received, without its request_id (a work id, not content): two
+// frames with the same digest ask for the same step with the same input.
+std::string frame_digest(pb::SessionRequest & req) {
+    std::string * rid = nullptr;
+    if (req.has_step() && req.step().has_header()) {
+        rid = req.mutable_step()->mutable_header()->mutable_request_id();
+    } else if (req.has_fast_decode()) {
+        rid = req.mutable_fast_decode()->mutable_request_id();
+    }
+    std::string saved;
+    if (rid) saved.swap(*rid);
+    std::string bytes;
+    req.SerializeToString(&bytes);
+    if (rid) rid->swap(saved);
+    return sha256_hex(bytes);
+}
+
+// Remember that a frame with `digest` was taken for `step` of the session (replays compare).
+void note_digest(Session & s, uint64_t step, std::string digest) {
+    if (s.digest_step != (int64_t) step) {
+        s.digest_step = (int64_t) step;
+        s.step_digests.clear();
+    }
+    if (s.step_digests.size() < 4096) s.step_digests.push_back(std::move(digest));
+}
+
 }  // namespace
 
 // The fields of one frame (StepFrame or FastDecodeFrame) and the header its answer gets.
@@ -48,6 +75,7 @@ struct Scheduler::Intake {
     pb::CacheExpectationKind expect = pb::CACHE_EXPECTATION_KIND_UNSPECIFIED;
     uint32_t expect_pos = 0;
     pb::ResponseHeader hdr;
+    std::string digest;  // frame_digest(), set by on(FrameEvent)
 
     explicit Intake(const pb::SessionRequest & r)
         : req(r), fast(r.has_fast_decode()), sf(r.has_step() ? &r.step() : nullptr) {
@@ -103,6 +131,23 @@ void Scheduler::on(FrameEvent & ev) {
     }
 
     Session * s = table_.find(in.sid);
+    if (s && s->sink != ev.sink) {
+        // Ownership: a live session answers only the stream that opened it. Another stream may
+        // supersede it with a newer epoch only when the owner's stream is gone, or when both
+        // carry the same authenticated client identity (mTLS).
+        const bool newer_open = in.epoch > s->epoch && in.expect == pb::CACHE_EXPECTATION_KIND_EMPTY && !in.fast;
+        const bool owner_gone = !s->sink || s->sink->client_gone.load();
+        const bool same_client = !sink.client_identity.empty() && s->sink &&
+                                 s->sink->client_identity == sink.client_identity;
+        if (!(newer_open && (owner_gone || same_client))) {
+            metrics_.rejected_not_owned++;
+            return fail(pb::ERROR_REASON_SESSION_NOT_OWNED,
+                        "session id '" + in.sid + "' is in use by another stream" +
+                            (sink.client_identity.empty() ? "" : " or client") +
+                            "; choose another session id (nothing was read or changed)");
+        }
+    }
+    in.digest = frame_digest(*ev.req);
     bool opening = false;
     if (!check_session_state(ev, in, s, &opening)) return;
     const uint32_t held = opening ? 0 : s->positions;
@@ -213,6 +258,7 @@ void Scheduler::on(FrameEvent & ev) {
         s->gen.continue_after_finish = sf->generate().continue_after_finish();
         s->gen.per_answer = std::max<uint32_t>(1, sf->generate().tokens_per_answer());
     }
+    note_digest(*s, in.step, in.digest);
     s->busy = true;
     s->reserved = n;
     s->last_used = Clock::now();
@@ -293,7 +339,19 @@ bool Scheduler::check_session_state(FrameEvent & ev, Intake & in, Session * s, b
         }
         if (s->busy) return fail(pb::ERROR_REASON_BAD_REQUEST, "a step of this session is already queued");
         const bool partial_of_step = s->partial && s->partial->step == in.step;
-        if ((int64_t) in.step == s->last_step && s->has_stored && !partial_of_step) {
+        if ((int64_t) in.step == s->last_step && !partial_of_step) {
+            const bool same = s->has_stored && s->digest_step == s->last_step &&
+                              std::find(s->step_digests.begin(), s->step_digests.end(), in.digest) !=
+                                  s->step_digests.end();
+            if (!same) {
+                pb::ShardError e = make_error(
+                    pb::ERROR_REASON_STEP_OUT_OF_ORDER,
+                    s->has_stored && s->digest_step == s->last_step
+                        ? "step " + std::to_string(in.step) + " was used by a different frame; a replay must resend it unchanged"
+                        : "step " + std::to_string(in.step) + " has no stored answer to replay");
+                e.set_last_step((uint64_t) s->last_step);
+                return fail_with(e);
+            }
             pb::SessionResponse r = s->stored;
             r.mutable_header()->set_replayed(true);
             metrics_.replayed_steps++;
@@ -356,6 +414,7 @@ void Scheduler::phase_without_input(FrameEvent & ev, Intake & in, Session & s) {
     in.hdr.mutable_payload_checksum()->set_value(0);
     *r.mutable_header() = in.hdr;
     if (in.phase == pb::PHASE_TRUNCATE) {
+        note_digest(s, in.step, in.digest);
         s.stored = r;
         s.has_stored = true;
         s.last_used = Clock::now();
@@ -401,6 +460,7 @@ bool Scheduler::take_input(FrameEvent & ev, Intake & in, Session * s, bool openi
             return false;
         }
         if (local) s->partial = std::move(local);
+        note_digest(*s, in.step, in.digest);
         queued_--;
         sink.resume();
         return false;

@@ -126,6 +126,8 @@ std::vector<pm::MetricFamily> Metrics::families(const Gauges & g) const {
     f.push_back(counter("dgr_steps_total", "Steps answered.", d(steps)));
     f.push_back(counter("dgr_replayed_steps_total", "Resent steps answered from the stored response.", d(replayed_steps)));
     f.push_back(counter("dgr_step_errors_total", "Steps answered with a ShardError.", d(step_errors)));
+    f.push_back(counter("dgr_sessions_not_owned_total",
+                        "Frames refused: they named a Session another stream owns.", d(rejected_not_owned)));
     f.push_back(counter("dgr_sessions_opened_total", "Sessions opened.", d(sessions_opened)));
     f.push_back(counter("dgr_sessions_released_total", "Sessions released.", d(sessions_released)));
     f.push_back(counter("dgr_sessions_evicted_total", "Sessions evicted (TTL or LRU).", d(sessions_evicted)));

@@ -66,6 +66,7 @@ public:
     std::atomic<uint64_t> rejected_sessions{0};  // admission refused (max sessions, kv)
     std::atomic<uint64_t> rejected_queue{0};     // queue limit
     std::atomic<uint64_t> rejected_kv{0};        // append refused for KV budget
+    std::atomic<uint64_t> rejected_not_owned{0}; // a frame naming another stream's session
     std::atomic<uint64_t> step_errors{0};
     std::atomic<double> busy_seconds{0.0};       // time spent inside decode calls
     // the same for decode calls without prefill rows (per-token compute, for profiles)

@@ -1,8 +1,10 @@
 #include "worker/serve.h"
 
 #include "common/identity.h"
+#include "common/net_address.h"
 #include "version.h"
 #include "worker/fake_backend.h"
+#include "worker/identity_check.h"
 #include "worker/kv_budget.h"
 #include "worker/llama_backend.h"
 #include "worker/metrics.h"
@@ -76,24 +78,24 @@ int serve_main(int argc, char ** argv) {
             backend = std::make_unique<FakeBackend>(f);
         }
     } else {
-        if (o.fingerprint.empty() || o.artifact_id.empty()) {
-            // No identity given (`dgr worker serve` passes one): compute the real one, equal to
-            // dgr.identity.identify + dgr.recipe.recipe_for (common/identity.h). Unreadable file,
-            // architecture without an adapter, ...: refuse to start.
-            dgr::LocalRecipe r;
+        {
+            // Identity proven by the file (worker/identity_check.h): computed from what is loaded
+            // (a slice verified against its manifest first); the flags may only name it.
             const auto log = [](const std::string & line) { std::fprintf(stderr, "dgr-worker: %s\n", line.c_str()); };
             const auto t0 = std::chrono::steady_clock::now();
-            if (!dgr::local_recipe_for(o.model, &r, &err, log)) {
-                std::fprintf(stderr, "dgr-worker: error: cannot compute the artifact identity: %s\n", err.c_str());
+            ProvenIdentity proven;
+            if (!prove_identity(o.model, IdentityClaim{o.fingerprint, o.artifact_id, o.recipe_json}, &proven, &err, log)) {
+                std::fprintf(stderr, "dgr-worker: error: refusing to serve %s: %s\n", o.model.c_str(), err.c_str());
                 return 2;
             }
-            if (!r.identity.slice) {
-                std::fprintf(stderr, "dgr-worker: artifact id %s (%.2f s)\n", r.identity.artifact_id.c_str(),
-                             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-            }
-            if (o.artifact_id.empty()) o.artifact_id = r.identity.artifact_id;
-            if (o.fingerprint.empty()) o.fingerprint = r.fingerprint;
-            if (o.recipe_json.empty()) o.recipe_json = r.recipe_json;
+            const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            std::fprintf(stderr, "dgr-worker: %s %s: artifact id %s, %.0f MiB hashed in %.2f s\n",
+                         proven.recipe.identity.slice ? "verified slice of" : "identified", o.model.c_str(),
+                         proven.recipe.identity.artifact_id.c_str(),
+                         (double) proven.recipe.identity.tensor_bytes / 1048576.0, secs);
+            o.artifact_id = proven.recipe.identity.artifact_id;
+            o.fingerprint = proven.fingerprint;
+            o.recipe_json = proven.recipe_json;
         }
         llama_backend_init();
         if (o.kv_budget_mb > 0 && !o.kv_cells) {
@@ -190,6 +192,11 @@ int serve_main(int argc, char ** argv) {
             for (auto & c : item) c = (char) std::tolower((unsigned char) c);
             if (!item.empty()) so.chain.peers.push_back(item);
         }
+        dgr::AddressAllowlist check;
+        if (!check.build(so.chain.peers, &err)) {
+            std::fprintf(stderr, "dgr-worker: error: --chain-peers: %s\n", err.c_str());
+            return 2;
+        }
     }
     so.chain.max_message_bytes = o.max_message_bytes;
     if (!o.chain_tls_ca.empty()) {
@@ -221,15 +228,20 @@ int serve_main(int argc, char ** argv) {
         }
     }
     // its delivery thread starts here, at --io-nice too
-    ShardService service(*backend, scheduler, metrics, ServiceInfo{b.dgr_version, b.pin_commit, b.patch_digest, b.backend});
+    ShardService service(*backend, scheduler, metrics,
+                         ServiceInfo{b.dgr_version, b.pin_commit, b.patch_digest, b.backend, o.require_client_auth});
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
     std::shared_ptr<grpc::ServerCredentials> creds;
     if (!o.tls_cert.empty()) {
         bool ok1 = false, ok2 = false, ok3 = true;
-        grpc::SslServerCredentialsOptions ssl(o.tls_client_ca.empty()
-                                                  ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+        // --tls-client-ca: the handshake requires a verified client cert (every RPC, health too);
+        // with --require-client-auth it only verifies one when presented, and the service refuses
+        // calls without one (ShardService), so health and reflection stay open.
+        grpc::SslServerCredentialsOptions ssl(o.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                              : o.require_client_auth
+                                                  ? GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY
                                                   : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
         grpc::SslServerCredentialsOptions::PemKeyCertPair pair{read_file(o.tls_key, &ok1), read_file(o.tls_cert, &ok2)};
         ssl.pem_key_cert_pairs.push_back(pair);
@@ -247,8 +259,9 @@ int serve_main(int argc, char ** argv) {
     builder.RegisterService(&service);
     builder.SetMaxReceiveMessageSize((int) std::min<uint64_t>(o.max_message_bytes, INT32_MAX));
     builder.SetMaxSendMessageSize((int) std::min<uint64_t>(o.max_message_bytes, INT32_MAX));
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+    // the server's own pings find a silent client (driver or previous shard) within 2 s
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 1000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 1000);
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);

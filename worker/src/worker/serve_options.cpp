@@ -1,5 +1,7 @@
 #include "worker/serve_options.h"
 
+#include "common/net_address.h"
+
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -21,7 +23,11 @@ void usage() {
         "  --fake-row-delay-us N     fake model: and N us per row of the call (a batch-size cost)\n"
         "  --listen HOST:PORT        default 127.0.0.1:50151; port 0 picks a free port\n"
         "  --allow-remote            allow a non-loopback --listen without TLS\n"
-        "  --tls-cert F --tls-key F  serve TLS; --tls-client-ca F: require client certs (mTLS)\n"
+        "  --tls-cert F --tls-key F  serve TLS; --tls-client-ca F: require client certs (mTLS) on\n"
+        "                            every connection (health and reflection included)\n"
+        "  --require-client-auth     with --tls-client-ca: every ShardRuntimeService RPC needs a verified\n"
+        "                            client cert (UNAUTHENTICATED otherwise); health and reflection stay\n"
+        "                            open to TLS clients without one\n"
         "  --threads N               compute threads (llama.cpp)\n"
         "  --n-gpu-layers N          layers offloaded to an accelerator (llama.cpp default: all)\n"
         "  --max-sessions N          concurrent sessions (llama sequences), default 16\n"
@@ -67,9 +73,8 @@ bool parse_u64(const char * s, uint64_t * out) {
 
 bool is_loopback(const std::string & listen) {
     const size_t colon = listen.rfind(':');
-    std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
-    if (host.size() > 1 && host.front() == '[') host = host.substr(1, host.size() - 2);
-    return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+    const std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
+    return host_is_loopback(host);  // parsed, or resolved with every address checked
 }
 
 std::string read_file(const std::string & path, bool * ok) {
@@ -150,6 +155,7 @@ int parse_serve_options(int argc, char ** argv, ServeOptions * o) {
         else if (a == "--tls-cert") ok = str(&o->tls_cert);
         else if (a == "--tls-key") ok = str(&o->tls_key);
         else if (a == "--tls-client-ca") ok = str(&o->tls_client_ca);
+        else if (a == "--require-client-auth") o->require_client_auth = true;
         else if (a == "--threads") { ok = num(&u); o->threads = (int32_t) u; }
         else if (a == "--n-gpu-layers") { ok = num(&u); o->n_gpu_layers = (int32_t) u; }
         else if (a == "--max-sessions") ok = num32(&o->max_sessions);
@@ -199,6 +205,10 @@ int parse_serve_options(int argc, char ** argv, ServeOptions * o) {
     const bool tls = !o->tls_cert.empty() || !o->tls_key.empty();
     if (tls && (o->tls_cert.empty() || o->tls_key.empty())) {
         std::fprintf(stderr, "dgr-worker: error: TLS needs both --tls-cert and --tls-key\n");
+        return 2;
+    }
+    if (o->require_client_auth && o->tls_client_ca.empty()) {
+        std::fprintf(stderr, "dgr-worker: error: --require-client-auth needs --tls-client-ca (and --tls-cert/--tls-key)\n");
         return 2;
     }
     if (!o->tls_client_ca.empty() && !tls) {

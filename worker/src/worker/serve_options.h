@@ -18,6 +18,7 @@ struct ServeOptions {
     bool allow_remote = false;
     bool kv_unified = false;
     std::string tls_cert, tls_key, tls_client_ca;
+    bool require_client_auth = false;  // mTLS for ShardRuntimeService only; health/reflection open
     int32_t threads = 0;
     int32_t n_gpu_layers = -1;
     uint32_t max_sessions = 16;

@@ -102,6 +102,7 @@ private:
     std::chrono::steady_clock::time_point held_since_{};  // when the held answer began
     std::deque<pb::SessionResponse> out_;
     pb::SessionResponse writing_;
+    grpc::ByteBuffer writing_bytes_;
     bool write_in_flight_ = false;
     bool need_read_ = false;
     bool read_closed_ = false;
@@ -110,26 +111,44 @@ private:
     grpc::Status final_;
 };
 
-class SessionReactor final : public grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> {
+class SessionReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
 public:
-    SessionReactor(Scheduler & sched, uint32_t queue_limit, std::shared_ptr<Deliverer> deliverer)
+    SessionReactor(Scheduler & sched, uint32_t queue_limit, std::shared_ptr<Deliverer> deliverer,
+                   std::string client_identity)
         : sched_(sched), queue_limit_(queue_limit) {
         handle_ = std::make_shared<StreamHandle>(this, std::move(deliverer));
-        req_ = std::make_unique<pb::SessionRequest>();
-        StartRead(req_.get());
+        handle_->client_identity = std::move(client_identity);
+        StartRead(&in_);
     }
     void read_next() {
-        req_ = std::make_unique<pb::SessionRequest>();
-        StartRead(req_.get());
+        in_.Clear();
+        StartRead(&in_);
     }
     void OnReadDone(bool ok) override {
         if (!ok) {
             handle_->on_read_closed();
+            handle_->client_gone = true;
             sched_.post_stream_closed(handle_, false);
             return;
         }
         const auto t0 = Clock::now();
-        std::unique_ptr<pb::SessionRequest> req = std::move(req_);
+        auto req = std::make_unique<pb::SessionRequest>();
+        const size_t n_bytes = in_.Length();
+        const grpc::Status parsed = grpc::SerializationTraits<pb::SessionRequest>::Deserialize(&in_, req.get());
+        if (!parsed.ok()) {
+            // not a SessionRequest: end the stream INVALID_ARGUMENT with a BAD_REQUEST ShardError
+            // (never OK); the scheduler then releases the session the stream was bound to
+            pb::SessionResponse r;
+            r.mutable_header()->set_schema_version(pb::SCHEMA_VERSION_V1);
+            const std::string why = "undecodable frame: " + std::to_string(n_bytes) +
+                                    " bytes that are not a dgr.shard.v1.SessionRequest; the stream ends";
+            pb::ShardError e = make_error(pb::ERROR_REASON_BAD_REQUEST, why, true);
+            *r.mutable_error() = e;
+            handle_->client_gone = true;
+            handle_->deliver(std::move(r), true, status_with(grpc::StatusCode::INVALID_ARGUMENT, why, e), false);
+            sched_.post_stream_closed(handle_, false);
+            return;
+        }
         if (!sched_.post_frame(handle_, std::move(req), t0)) {
             // queue full: answer here without touching the scheduler (non-terminal)
             pb::SessionResponse r;
@@ -142,7 +161,10 @@ public:
         }
     }
     void OnWriteDone(bool ok) override { handle_->on_write_done(ok); }
-    void OnCancel() override { sched_.post_stream_closed(handle_, true); }
+    void OnCancel() override {
+        handle_->client_gone = true;
+        sched_.post_stream_closed(handle_, true);
+    }
     void OnDone() override {
         handle_->detach();
         delete this;
@@ -153,7 +175,7 @@ private:
     Scheduler & sched_;
     uint32_t queue_limit_;
     std::shared_ptr<StreamHandle> handle_;
-    std::unique_ptr<pb::SessionRequest> req_;
+    grpc::ByteBuffer in_;
 };
 
 std::atomic<uint64_t> SessionReactor::rejected_queue_{0};
@@ -234,7 +256,10 @@ void StreamHandle::pump() {
         writing_ = std::move(out_.front());
         out_.pop_front();
         write_in_flight_ = true;
-        reactor_->StartWrite(&writing_);
+        bool own = false;
+        writing_bytes_.Clear();
+        grpc::SerializationTraits<pb::SessionResponse>::Serialize(writing_, &writing_bytes_, &own);
+        reactor_->StartWrite(&writing_bytes_);
         return;
     }
     if (finish_pending_) {
@@ -316,19 +341,22 @@ ShardService::ShardService(ModelBackend & backend, Scheduler & scheduler, Metric
 
 ShardService::~ShardService() { deliverer_->stop(); }
 
-grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> * ShardService::Session(grpc::CallbackServerContext *) {
-    return new SessionReactor(scheduler_, scheduler_.options().queue_limit, deliverer_);
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> * ShardService::Session(grpc::CallbackServerContext * ctx) {
+    std::string who = client_identity_of(*ctx);
+    if (rt_.require_client_auth && who.empty()) return refused_stream();
+    return new SessionReactor(scheduler_, scheduler_.options().queue_limit, deliverer_, std::move(who));
 }
 
 grpc::ServerUnaryReactor * ShardService::GetCapability(grpc::CallbackServerContext * ctx, const pb::GetCapabilityRequest *,
                                                        pb::GetCapabilityResponse * resp) {
+    auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     *resp = scheduler_.capability();
     auto * r = resp->mutable_runtime();
     r->set_dgr_version(rt_.dgr_version);
     r->set_llama_commit(rt_.llama_commit);
     r->set_patch_digest(rt_.patch_digest);
     r->set_backend(rt_.backend);
-    auto * reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
 }
@@ -337,6 +365,7 @@ grpc::ServerUnaryReactor * ShardService::ReleaseSession(grpc::CallbackServerCont
                                                         const pb::ReleaseSessionRequest * req,
                                                         pb::ReleaseSessionResponse * resp) {
     auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     scheduler_.post_release(*req, [reactor, resp](pb::ReleaseSessionResponse r) {
         *resp = std::move(r);
         reactor->Finish(grpc::Status::OK);
@@ -348,6 +377,7 @@ grpc::ServerUnaryReactor * ShardService::CancelSession(grpc::CallbackServerConte
                                                        const pb::CancelSessionRequest * req,
                                                        pb::CancelSessionResponse * resp) {
     auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     scheduler_.post_cancel(*req, [reactor, resp](pb::CancelSessionResponse r) {
         *resp = std::move(r);
         reactor->Finish(grpc::Status::OK);
@@ -362,6 +392,8 @@ std::vector<prometheus::MetricFamily> ShardService::metric_families() const {
 
 grpc::ServerUnaryReactor * ShardService::GetMetrics(grpc::CallbackServerContext * ctx, const pb::GetMetricsRequest *,
                                                     pb::GetMetricsResponse * resp) {
+    auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     const Gauges g = scheduler_.gauges();
     auto * l = resp->mutable_load();
     l->set_active_sessions(g.active_sessions);
@@ -374,7 +406,6 @@ grpc::ServerUnaryReactor * ShardService::GetMetrics(grpc::CallbackServerContext 
         for (const auto & kv : s.labels) (*ms->mutable_labels())[kv.first] = kv.second;
         ms->set_value(s.value);
     }
-    auto * reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
 }
@@ -396,6 +427,7 @@ std::vector<prometheus::MetricFamily> ShardService::prometheus_families() const 
 grpc::ServerUnaryReactor * ShardService::Tokenize(grpc::CallbackServerContext * ctx, const pb::TokenizeRequest * req,
                                                   pb::TokenizeResponse * resp) {
     auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     std::vector<int32_t> ids;
     std::string err;
     if (req->text().size() > (1u << 20)) {
@@ -419,6 +451,7 @@ grpc::ServerUnaryReactor * ShardService::Tokenize(grpc::CallbackServerContext * 
 grpc::ServerUnaryReactor * ShardService::Detokenize(grpc::CallbackServerContext * ctx, const pb::DetokenizeRequest * req,
                                                     pb::DetokenizeResponse * resp) {
     auto * reactor = ctx->DefaultReactor();
+    if (refuse_unauthenticated(ctx, reactor)) return reactor;
     const uint32_t n_vocab = backend_.info().n_vocab;
     std::vector<int32_t> ids(req->token_ids().begin(), req->token_ids().end());
     for (int32_t t : ids) {

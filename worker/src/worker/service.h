@@ -20,9 +20,24 @@ class Deliverer;  // service.cpp: hands Session stream writes to gRPC off the sc
 
 struct ServiceInfo {
     std::string dgr_version, llama_commit, patch_digest, backend;
+    // --require-client-auth: every ShardRuntimeService RPC needs an authenticated client
+    // certificate (UNAUTHENTICATED otherwise); health and reflection do not (serve.cpp).
+    bool require_client_auth = false;
 };
 
-class ShardService final : public pb::ShardRuntimeService::CallbackService {
+// The authenticated client identity of a call: "subject=<x509 subject>;san=<peer identities>"
+// from the mTLS peer certificate, empty when the connection carries none.
+std::string client_identity_of(const grpc::CallbackServerContext & ctx);
+
+// The callback service with Session taking raw bytes: the reactor decodes each frame itself, so
+// an undecodable frame is answered INVALID_ARGUMENT (gRPC's own decoding would end the stream OK).
+using Svc = pb::ShardRuntimeService;
+using ServiceBase = Svc::WithCallbackMethod_GetCapability<Svc::WithRawCallbackMethod_Session<
+    Svc::WithCallbackMethod_ReleaseSession<Svc::WithCallbackMethod_CancelSession<Svc::WithCallbackMethod_GetMetrics<
+        Svc::WithCallbackMethod_Tokenize<Svc::WithCallbackMethod_Detokenize<
+            Svc::WithCallbackMethod_ApplyChatTemplate<Svc::Service>>>>>>>>;
+
+class ShardService final : public ServiceBase {
 public:
     // Starts the delivery thread (it inherits the calling thread's priority: see serve.cpp).
     ShardService(ModelBackend & backend, Scheduler & scheduler, Metrics & metrics, ServiceInfo rt);
@@ -30,7 +45,7 @@ public:
 
     grpc::ServerUnaryReactor * GetCapability(grpc::CallbackServerContext * ctx, const pb::GetCapabilityRequest * req,
                                              pb::GetCapabilityResponse * resp) override;
-    grpc::ServerBidiReactor<pb::SessionRequest, pb::SessionResponse> * Session(grpc::CallbackServerContext * ctx) override;
+    grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> * Session(grpc::CallbackServerContext * ctx) override;
     grpc::ServerUnaryReactor * ReleaseSession(grpc::CallbackServerContext * ctx, const pb::ReleaseSessionRequest * req,
                                               pb::ReleaseSessionResponse * resp) override;
     grpc::ServerUnaryReactor * CancelSession(grpc::CallbackServerContext * ctx, const pb::CancelSessionRequest * req,
@@ -53,6 +68,12 @@ public:
     std::vector<prometheus::MetricFamily> prometheus_families() const;
 
 private:
+    // With require_client_auth and no authenticated client: finish `reactor` UNAUTHENTICATED
+    // and return true.
+    bool refuse_unauthenticated(grpc::CallbackServerContext * ctx, grpc::ServerUnaryReactor * reactor) const;
+    // A Session call that ends UNAUTHENTICATED before reading a frame (client_auth.cpp).
+    grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> * refused_stream() const;
+
     ModelBackend & backend_;
     Scheduler & scheduler_;
     Metrics & metrics_;

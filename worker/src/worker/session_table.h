@@ -75,9 +75,12 @@ struct Session {
     uint32_t    positions = 0;
     uint32_t    effective_start = 0;
     int64_t     last_step = -1;
-    // the last completed step's answer (replayed when the step is resent)
+    // the last completed step's answer (replayed when the step is resent by the owner with the
+    // same content: one digest per frame of that step, frame_digest() in frame_intake.cpp)
     bool                has_stored = false;
     pb::SessionResponse stored;
+    int64_t             digest_step = -1;
+    std::vector<std::string> step_digests;
     SamplingConfig      sampling;
     SamplingRng         rng;
     std::shared_ptr<StreamSink> sink;

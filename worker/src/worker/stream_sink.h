@@ -6,6 +6,7 @@
 
 #include <grpcpp/support/status.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -34,6 +35,12 @@ public:
     virtual void finish(grpc::Status status) = 0;
     // Session this stream is bound to (its first frame's session id); set by the scheduler.
     std::string bound_session;
+    // The authenticated client identity (mTLS peer certificate: subject and SAN), empty when the
+    // connection carries none. Set once, before the first frame is posted.
+    std::string client_identity;
+    // The client side of the stream ended (half-close or cancel); set by the gRPC reaction
+    // before it posts the close, so a newer epoch on another stream may supersede the session.
+    std::atomic<bool> client_gone{false};
 };
 
 }  // namespace dgr::worker

@@ -33,10 +33,11 @@ def run(ctx: StoryContext) -> None:
                      T + "test_worker_fake.py::test_stream_deadline_releases_the_session",
                      T + "test_worker_generate.py::test_cancel_stops_a_running_generation"])
     # live: the services a client can reach (server reflection ListServices, hand-encoded request)
-    with WorkerProcess.start(["--fake-model"]) as w:
-        c = w.client()
-        call = c._channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-                                        request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    from ...protocol.channel import open_channel
+
+    with WorkerProcess.start(["--fake-model"]) as w, open_channel(w.target) as ch:
+        call = ch.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                request_serializer=lambda b: b, response_deserializer=lambda b: b)
         raw = b"".join(call(iter([b"\x3a\x00"]), timeout=10))
     ctx.record_command("dgr-worker serve --fake-model; grpc.reflection.v1alpha ListServices")
     services = sorted({m.decode() for m in re.findall(rb"[A-Za-z_][\w]*(?:\.[\w]+)+", raw)})

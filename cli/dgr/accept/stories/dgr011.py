@@ -155,7 +155,7 @@ def run(ctx: StoryContext) -> None:
     ctx.record_command(f"dgr.lab.hosts.Lab.up(LabConfig(hosts=3, name='acc11', cores_per_host=1, threads=1, "
                        f"memory_mb={HOST_MEMORY_MB})) (= dgr lab up --hosts 3 --name acc11 --threads 1 "
                        f"--memory-mb {HOST_MEMORY_MB})")
-    lab = Lab.up(cfg, log=lambda m: print(f"[DGR-011] {m}", file=sys.stderr, flush=True))
+    lab = Lab.up(cfg)
     slices = ctx.tmp / "slices"
     try:
         with lab:

@@ -72,7 +72,7 @@ def run(ctx: StoryContext) -> None:
     from ...route.local import LocalRoute, ensure_worker
     from ...route.parity import isolation
     from ...route.sessions import run_sessions
-    from ...bench.route import _prompt
+    from ...bench.route import synthetic_prompt as _prompt
 
     assert ctx.model is not None
     tests_criterion(ctx, "the node admits sessions against weight, KV, scratch and queue budgets",

@@ -59,7 +59,7 @@ def run(ctx: StoryContext) -> None:
     if quick:
         ctx.limitation("DGR_GATE_QUICK=1: a smoke run with short prompts and outputs, not the gate's scenario.")
     ctx.record_command(f"dgr.bench.gate.run_gate({ctx.model}, {cfg})")
-    doc = gate.run_gate(ctx.model, cfg, progress=lambda m: print(f"[DGR-014] {m}", file=sys.stderr, flush=True))
+    doc = gate.run_gate(ctx.model, cfg)
     for e in doc.get("commands", []):
         ctx.commands.append(f"$ {e['command']}\n# exit {e['exit']}, {e['wall_seconds']:.1f}s")
     ctx.attach("gate.json", json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")

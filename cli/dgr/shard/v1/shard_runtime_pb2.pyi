@@ -96,6 +96,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_UNSUPPORTED_COMPRESSION: _ClassVar[ErrorReason]
     ERROR_REASON_BAD_REQUEST: _ClassVar[ErrorReason]
     ERROR_REASON_UNAVAILABLE: _ClassVar[ErrorReason]
+    ERROR_REASON_SESSION_NOT_OWNED: _ClassVar[ErrorReason]
 SCHEMA_VERSION_UNSPECIFIED: SchemaVersion
 SCHEMA_VERSION_V1: SchemaVersion
 CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
@@ -152,6 +153,7 @@ ERROR_REASON_ROLE_MISMATCH: ErrorReason
 ERROR_REASON_UNSUPPORTED_COMPRESSION: ErrorReason
 ERROR_REASON_BAD_REQUEST: ErrorReason
 ERROR_REASON_UNAVAILABLE: ErrorReason
+ERROR_REASON_SESSION_NOT_OWNED: ErrorReason
 
 class ShardRange(_message.Message):
     __slots__ = ("start", "end")

@@ -97,6 +97,15 @@ class ShardRuntimeServiceServicer:
         stream serves exactly one route session id; epochs of that session may follow each
         other on the same stream (see FrameHeader.route_epoch). Closing the client side of the
         stream releases the session (as PHASE_RELEASE would).
+
+        Ownership: a session belongs to the stream that opened it (and, when the worker
+        authenticates clients with mTLS, to that client identity: the peer certificate's subject
+        and SAN). A frame on any other stream naming a live session id is refused with
+        ERROR_REASON_SESSION_NOT_OWNED: no stored answer is returned, nothing is applied, the
+        owner's session and stream are untouched. The one exception: an opening frame of a newer
+        epoch (CACHE_EXPECTATION_KIND_EMPTY) from another stream supersedes the session when the
+        owner's stream has already ended, or when both streams carry the same authenticated
+        client identity (a driver restarting its own session on a fresh stream).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

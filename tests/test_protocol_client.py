@@ -1,0 +1,119 @@
+"""The one protocol client: one channel factory and its options, one Session stream
+implementation behind the sync client, the asyncio client and the route driver."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+
+from dgr.protocol.channel import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, channel_options
+from dgr.protocol.client import AsyncWorkerClient, StepTimeout, WorkerClient
+from dgr.protocol.stream import AsyncSessionStream, sampled
+from dgr.route.supervisor import WorkerProcess
+from dgr.shard.v1 import shard_runtime_pb2 as pb
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_channel_options_keepalive_and_limits():
+    opts = dict(channel_options())
+    # the detection bounds (dgr.protocol.keepalive): a silent peer fails within time + timeout <= 3 s
+    assert opts["grpc.keepalive_time_ms"] == KEEPALIVE_TIME_MS == 1_000
+    assert opts["grpc.keepalive_timeout_ms"] == KEEPALIVE_TIMEOUT_MS == 1_000
+    assert opts["grpc.http2.ping_timeout_ms"] == KEEPALIVE_TIMEOUT_MS
+    assert opts["grpc.keepalive_permit_without_calls"] == 1 and opts["grpc.http2.max_pings_without_data"] == 0
+    assert opts["grpc.max_receive_message_length"] == opts["grpc.max_send_message_length"] == 64 << 20
+    assert opts["grpc.enable_retries"] == 0
+    assert dict(channel_options(1 << 20))["grpc.max_send_message_length"] == 1 << 20
+
+
+def test_the_worker_accepts_our_ping_rate():
+    """The client pings no more often than the worker allows without data (else it would answer
+    with a too_many_pings GOAWAY)."""
+    serve = (REPO / "worker" / "src" / "worker" / "serve.cpp").read_text()
+    m = re.search(r"GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,\s*(\d+)", serve)
+    assert m and KEEPALIVE_TIME_MS >= int(m.group(1))
+
+
+def test_channels_are_opened_in_one_place():
+    """No module but protocol/channel.py creates a gRPC channel (grpc.insecure_channel,
+    grpc.secure_channel, their grpc.aio forms)."""
+    offenders = []
+    for root in (REPO / "cli" / "dgr", REPO / "meshnet_adapter"):
+        for path in root.rglob("*.py"):
+            if path.name == "channel.py" or "shard/v1" in path.as_posix():
+                continue
+            if re.search(r"\b(insecure|secure)_channel\(", path.read_text()):
+                offenders.append(str(path.relative_to(REPO)))
+    assert not offenders, offenders
+
+
+native = pytest.mark.native
+
+
+@pytest.fixture(scope="module")
+def slow_worker(native_bin: Path):
+    with WorkerProcess.start(["--fake-model", "--fake-delay-ms", "400"], binary=native_bin / "dgr-worker") as w:
+        yield w
+
+
+@native
+def test_sync_stream_is_the_async_stream(slow_worker):
+    with WorkerClient(slow_worker.target) as c, c.open_session() as s:
+        assert isinstance(s.stream, AsyncSessionStream)
+        s.step += 0            # state lives on the one stream
+        assert s.stream.step == s.step == 0
+
+
+@native
+def test_sync_recv_timeout_leaves_the_read_pending(slow_worker):
+    """recv(timeout) that passes does not end the stream: the next recv gets that answer."""
+    with WorkerClient(slow_worker.target) as c, c.open_session() as s:
+        s.send(s._input_frame(pb.PHASE_PREFILL, [1, 2, 3], None, True))
+        with pytest.raises(StepTimeout):
+            s.recv(timeout=0.05)
+        resp = s.recv(timeout=10)
+        assert sampled(resp) is not None and resp.header.cached_positions == 3
+
+
+@native
+def test_driver_streams_are_the_protocol_stream(slow_worker):
+    from dgr.route.driver import RouteDriver
+
+    async def main() -> None:
+        d = await RouteDriver([slow_worker.target], chain=False).connect()
+        try:
+            st = await d.open_stream(d.head, "s-probe", 1)
+            assert isinstance(st, AsyncSessionStream)
+            assert isinstance(d.head.client, AsyncWorkerClient)
+            await st.close()
+            st.cancel()
+        finally:
+            await d.close()
+
+    asyncio.run(main())
+
+
+@native
+def test_sync_client_loop_runs_only_while_a_sync_client_is_open(slow_worker):
+    """The sync clients' event-loop thread stops when the last sync client closes: an idle
+    extra grpc.aio loop in the process would be woken by every message of the route driver's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading\n"
+        "from dgr.protocol import client as cm\n"
+        f"c = cm.WorkerClient({slow_worker.target!r}); d = cm.WorkerClient({slow_worker.target!r})\n"
+        "assert c.capability().identity.architecture == 'fake' and d.load() is not None\n"
+        "names = lambda: [t.name for t in threading.enumerate()]\n"
+        "assert 'dgr-worker-client' in names(); c.close()\n"
+        "assert 'dgr-worker-client' in names(); d.close(); d.close()\n"
+        "assert cm._CLIENT_LOOP.loop is None and 'dgr-worker-client' not in names(), names()\n"
+        "e = cm.WorkerClient(" + repr(slow_worker.target) + "); assert e.capability(); e.close()\n"
+        "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]

@@ -1,0 +1,57 @@
+"""The route's slice cache (dgr.route.local.cached_slice, used by LocalRoute and the lab route)
+reuses a cached slice only when it verifies against the manifest it carries, is a slice of the
+route's artifact and covers the asked range; a slice with one altered tensor byte is refused
+(named in the log) and cut again from the source. Synthetic models; seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dgr.gguf.inspect import open_gguf
+from dgr.gguf.identity import identify
+from dgr.gguf.slice import LayerRange, slice_gguf, verify_slice
+from dgr.gguf.synth import SynthSpec, synthesize
+from dgr.route.local import cached_slice
+
+
+def _flip(path: Path, name: str) -> None:
+    with open_gguf(path) as gf:
+        t = next(t for t in gf.tensors if t.name == name)
+        at = t.offset + t.n_bytes // 2
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_cached_slice_is_verified_before_reuse(tmp_path: Path) -> None:
+    src = synthesize(SynthSpec(n_layer=4, dtype="q8_0", seed=3), tmp_path / "src.gguf")
+    other = synthesize(SynthSpec(n_layer=4, dtype="q8_0", seed=4), tmp_path / "other.gguf")
+    aid = identify(src, progress=False, use_cache=False).artifact_id
+    path = tmp_path / "cache" / "src.1-3.gguf"
+    path.parent.mkdir()
+    logs: list[str] = []
+    cached_slice(src, LayerRange(1, 3), path, aid, log=logs.append)
+    fresh = path.read_bytes()
+    assert any("slicing layers 1:3" in line for line in logs)
+
+    logs.clear()
+    cached_slice(src, LayerRange(1, 3), path, aid, log=logs.append)   # a good cached slice is reused
+    assert logs == [] and path.read_bytes() == fresh
+
+    _flip(path, "blk.1.attn_q.weight")                                  # one altered tensor byte
+    logs.clear()
+    cached_slice(src, LayerRange(1, 3), path, aid, log=logs.append)
+    assert any("refused" in line and "blk.1.attn_q.weight" in line for line in logs), logs
+    assert path.read_bytes() == fresh                                   # cut again, and it verifies
+    verify_slice(path, expect_range=LayerRange(1, 3), progress=False)
+
+    slice_gguf(src, LayerRange(0, 2), path.with_name("x.gguf"), progress=False)
+    path.with_name("x.gguf").replace(path)                              # another range at the path
+    logs.clear()
+    cached_slice(src, LayerRange(1, 3), path, aid, log=logs.append)
+    assert any("refused" in line for line in logs) and path.read_bytes() == fresh
+
+    slice_gguf(other, LayerRange(1, 3), path, progress=False)           # another artifact's slice
+    logs.clear()
+    cached_slice(src, LayerRange(1, 3), path, aid, log=logs.append)
+    assert any("refused" in line and "not of" in line for line in logs) and path.read_bytes() == fresh
