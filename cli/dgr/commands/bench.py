@@ -94,6 +94,9 @@ def route(
     rtt_ms: str = typer.Option("0,10", "--rtt-ms", help="With --hosts: added round trips to measure, ms (comma-separated)."),
     sessions: str = typer.Option("1,4,8", "--sessions", help="With --hosts: concurrent session counts."),
     long_prompt: int = typer.Option(512, "--long-prompt", min=1, help="With --hosts: the prompt of the prefill comparison."),
+    pipeline_groups: Optional[int] = typer.Option(
+        None, "--pipeline-groups", min=0, max=16,
+        help="With --hosts: the route workers' --pipeline-groups (default: theirs, auto = one per host)."),
 ) -> None:
     """Route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads; --hosts N: across
     simulated hosts."""
@@ -115,7 +118,7 @@ def route(
         split_given = split != "0:15,15:30"
         hcfg = hb.HostsBenchConfig(hosts=hosts, split=tuple(parse_split(split)) if split_given else None,
                                    n_prompt=n_prompt, n_gen=n_gen, long_prompt=long_prompt, sessions=levels,
-                                   rtts_ms=rtts, repeats=repeats, rpc=rpc)
+                                   rtts_ms=rtts, repeats=repeats, rpc=rpc, pipeline_groups=pipeline_groups)
         doc = hb.run_hosts_bench(resolve_model(model), hcfg)
         _write(out, doc, hb.summary(doc))
         return

@@ -55,6 +55,7 @@ class HostsBenchConfig:
     rpc: bool = True
     backend: str = "cpu"
     lab_name: str = "bench"
+    pipeline_groups: int | None = None  # the route workers' --pipeline-groups (None: their default)
 
 
 def even_split(n_layer: int, hosts: int) -> list[tuple[int, int]]:
@@ -288,6 +289,7 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "schema": SCHEMA, "model": str(model), "model_bytes": model.stat().st_size, "n_layer": n_layer,
         "n_embd": n_embd, "hosts": cfg.hosts, "split": [f"{a}:{b}" for a, b in split],
+        "pipeline_groups": "auto" if cfg.pipeline_groups is None else cfg.pipeline_groups,
         "split_policy": "given (--split)" if cfg.split else
         "balanced by weights per decode step (the tail holds the output matrix)", "threads_per_host": 1,
         "cores_per_host": 1, "n_prompt": cfg.n_prompt, "n_gen": cfg.n_gen, "long_prompt": cfg.long_prompt,
@@ -305,7 +307,9 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
         with Lab.up(lcfg) as lab:
             res["lab"] = {k: lab.state[k] for k in ("subnet", "gateway", "shaping", "cgroup_mode", "hosts")}
             route = LabRoute(lab, model, split, slices=True, memory_budget=False, max_sessions=max_s,
-                             ctx_per_session=ctx, backend=cfg.backend)
+                             ctx_per_session=ctx, backend=cfg.backend,
+                             extra_args=() if cfg.pipeline_groups is None else
+                             ("--pipeline-groups", str(cfg.pipeline_groups)))
             whole = LabRoute(lab, model, [(0, n_layer)], placement=["h1"], slices=False, memory_budget=False,
                              max_sessions=max_s, ctx_per_session=ctx, backend=cfg.backend)
             with route, whole:
