@@ -56,6 +56,15 @@ def test_targets_pair_each_repeat_and_judge_the_median():
     assert "MISS 8 sessions" in text and "busy share 0.50/0.50" in text
 
 
+def test_a_target_without_its_lane_is_not_judged():
+    doc = {"one_host": {"llama_bench": [{"tg_tok_s": 90.0, "pp_long_tok_s": 100.0}], "batched_bench": []},
+           "by_rtt": {"10": {"route": {"8": []}, "rpc": []}}, "long_prompt": 512, "hosts": 2,
+           "seam_bytes_limit": 4864}
+    t = {x["target"]: x for x in targets(doc)}
+    one = next(v for k, v in t.items() if k.startswith("10 ms RTT: 1-session"))
+    assert one["met"] is None and "not measured" in one["note"]
+
+
 def test_even_split():
     assert even_split(30, 2) == [(0, 15), (15, 30)]
     assert even_split(30, 3) == [(0, 10), (10, 20), (20, 30)]

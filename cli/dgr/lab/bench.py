@@ -378,8 +378,10 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     r10 = doc["by_rtt"].get("10")
 
     def add(name: str, per_repeat: list[float], least: float, note: str = "") -> None:
+        if not per_repeat:   # a run without that lane (--sessions, --rtt-ms): not judged
+            note = (note + "; " if note else "") + "not measured in this run"
         out.append({"target": name, "per_repeat": per_repeat, "median": _med(per_repeat), "least": least,
-                    "met": bool(per_repeat) and _med(per_repeat) >= least, "note": note})
+                    "met": (_med(per_repeat) >= least) if per_repeat else None, "note": note})
 
     def dec(res: dict[str, Any], c: int, kind: str = "route") -> list[float]:
         return [r["decode_tok_s"] for r in res[kind].get(str(c), [])]
@@ -456,6 +458,9 @@ def summary(doc: dict[str, Any]) -> str:
     if doc.get("rpc_skipped"):
         lines.append(f"llama.cpp RPC: not measured ({doc['rpc_skipped']})")
     for t in doc["targets"]:
+        if t["met"] is None:
+            lines.append(f"N/A  {t['target']}: not measured in this run")
+            continue
         lines.append(f"{'MET ' if t['met'] else 'MISS'} {t['target']}: median {t['median']:.2f} (repeats "
                      + " / ".join(f"{x:.2f}" for x in t["per_repeat"]) + ")")
     return "\n".join(lines)
