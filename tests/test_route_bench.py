@@ -135,3 +135,19 @@ def test_repeat_lines_show_every_repeat_behind_a_target_ratio():
                                             "route_prefill_vs_llama_bench_pp": []}}}
     assert repeat_lines(doc) == ["  route_decode_vs_llama_bench_tg: median 0.80 of the repeats 0.78 / 0.91 / 0.80"]
     assert repeat_lines({"ratios": {}}) == []
+
+
+@pytest.mark.native
+@pytest.mark.real
+def test_bench_route_runs_end_to_end(native_bin: Path, smollm2_path: Path, tmp_path: Path):
+    """The whole local route bench at a tiny size: every measurement runs and the JSON carries
+    the route, its yardsticks and the targets (the split of route.py into measurement and
+    report once passed a keyword the report did not take)."""
+    if not (native_bin / "llama-batched-bench").is_file() or not (native_bin / "llama-bench").is_file():
+        pytest.skip("llama-bench / llama-batched-bench not built")
+    cfg = route_bench.RouteBenchConfig(n_prompt=16, n_gen=8, concurrency=(1, 2), repeats=1, rpc=False,
+                                       threads=1, driver_overhead=False)
+    doc = route_bench.run_route_bench(smollm2_path, cfg)
+    assert doc["split"] == ["0:15", "15:30"] and doc["concurrency"] == [1, 2]
+    assert "targets" in doc and doc["targets"]
+    assert doc["llama_bench"]["tg_tok_s"] > 0

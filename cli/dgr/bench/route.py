@@ -346,7 +346,7 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig) -> dict[str, Any]:
     overhead = asyncio.run(_driver_overhead()) if cfg.driver_overhead else None
     derived = derive(cfg.concurrency, route_runs=route_runs, step_runs=step_runs, whole_runs=whole_runs,
                      brackets=brackets, lb_runs=lb_runs, bb_runs=bb_runs, floor_runs=floor_runs, rpc_runs=rpc_runs,
-                     n_shards=len(cfg.split), rpc=cfg.rpc, n_embd=n_embd)
+                     n_shards=len(cfg.split), rpc_on=cfg.rpc, n_embd=n_embd)
     return {
         "schema": SCHEMA, "model": str(model), "n_layer": n_layer, "n_embd": n_embd,
         "split": [f"{a}:{b}" for a, b in cfg.split], "threads": threads, "n_prompt": cfg.n_prompt,
