@@ -1,6 +1,7 @@
 // The scheduler of dgr-worker driven through the fake model (worker/fake_backend.h), without
 // gRPC: frames go in through post_frame like the Session reactor posts them, answers come out
 // of a recording StreamSink. Expected tokens come from the same fake model run directly.
+// Over 500 lines on purpose: one CTest program, one scenario per function, sharing its harness.
 #include "worker/errors.h"
 #include "worker/fake_backend.h"
 #include "worker/scheduler.h"

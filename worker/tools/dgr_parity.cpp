@@ -1,5 +1,8 @@
 // dgr-parity: whole model vs the same model as disjoint layer ranges, chained in-process.
 //
+// Over 500 lines on purpose: one standalone measuring program (parity, memory and batched modes
+// share its model loading, batch building and JSON output); it links nothing of the worker.
+//
 // Parity mode (default): runs the whole model and, for every --split, the shards of that split
 // (boundary rows of shard i are the input of shard i+1) over one prompt and N greedy tokens;
 // compares prefill logits of every prompt position (max abs diff, top-1 agreement) and the greedy

@@ -1,3 +1,7 @@
+// The strict GGUF header reader (GgufHeader) and the identity computed from it (artifact id,
+// manifest, tokenizer digest, local recipe), as docs/identity.md defines them.
+// Over 500 lines on purpose: the reader's invariants (bounds, UTF-8, dimension and size checks)
+// and the only code that relies on them sit side by side; the fuzz test drives both together.
 #include "common/identity.h"
 
 #include "common/sha256.h"
