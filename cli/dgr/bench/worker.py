@@ -17,9 +17,9 @@ target (>= 0.9x llama-batched-bench) is judged on server generation (``target_mo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,50 +54,46 @@ def _batched_bench(exe: Path, model: Path, cfg: WorkerBenchConfig) -> dict[int, 
     return {b: r.speed_tg for b, r in rows.items()}
 
 
-def _worker_level(client, b: int, cfg: WorkerBenchConfig, mode: str = "stepwise") -> dict[str, float]:
+def _worker_level(target: str, b: int, cfg: WorkerBenchConfig, mode: str = "stepwise") -> dict[str, float]:
+    """``b`` sessions on the worker at ``target``: each prefills, then (all together) decodes
+    ``gen_tokens``: stepwise one frame per token, or in one server-side generation frame. Driven
+    by the asyncio protocol client on one event loop (what the route driver uses): the sessions
+    are coroutines, so the client adds no thread hand-offs to the worker's figures."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} not in {MODES}")
-    prompt = [(17 * i) % 1000 + 10 for i in range(cfg.prompt_tokens)]
-    ready = threading.Barrier(b + 1)
-    done = threading.Barrier(b + 1)
-    errors: list[BaseException] = []
-    counts = [0] * b
+    return asyncio.run(_worker_level_async(target, b, cfg, mode))
 
-    def run(i: int) -> None:
-        s = None
-        try:
-            s = client.open_session(step_timeout=600)  # fresh id per run
-            tok = s.prefill([(t + i) % 1000 + 10 for t in prompt])
-            ready.wait(600)
+
+async def _worker_level_async(target: str, b: int, cfg: WorkerBenchConfig, mode: str) -> dict[str, float]:
+    from ..protocol.client import AsyncWorkerClient
+
+    prompt = [(17 * i) % 1000 + 10 for i in range(cfg.prompt_tokens)]
+    client = AsyncWorkerClient(target, timeout=600)
+    streams: list = []
+    try:
+        streams = [await client.open_session(step_timeout=600) for _ in range(b)]   # fresh ids per run
+        firsts = await asyncio.gather(*(s.prefill([(t + i) % 1000 + 10 for t in prompt])
+                                        for i, s in enumerate(streams)))
+
+        async def run(s, tok: int) -> int:
             if mode == "stepwise":
                 for _ in range(cfg.gen_tokens):
-                    tok = s.decode(tok)
-                counts[i] = cfg.gen_tokens
-            else:   # one frame; the worker feeds the tokens back itself (greedy, EOG ignored)
-                counts[i] = len(s.decode_generate(tok, cfg.gen_tokens, continue_after_finish=True))
-            done.wait(600)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-            ready.abort()
-            done.abort()
-        finally:
-            if s is not None:
-                s.close()
+                    tok = await s.decode(tok)
+                return cfg.gen_tokens
+            # one frame; the worker feeds the tokens back itself (greedy, EOG ignored)
+            return len(await s.decode_generate(tok, cfg.gen_tokens, continue_after_finish=True))
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(b)]
-    for t in threads:
-        t.start()
-    try:
-        ready.wait(600)
-        m0 = _occupancy(client)
+        m0 = _occupancy(await client.metrics())
         t0 = time.perf_counter()
-        done.wait(600)
+        counts = await asyncio.gather(*(run(s, tok) for s, tok in zip(streams, firsts)))
         wall = time.perf_counter() - t0
-        m1 = _occupancy(client)
-    except threading.BrokenBarrierError:
-        raise DgrError(f"worker bench ({mode}) at {b} sessions failed: {errors[:1]}") from None
-    for t in threads:
-        t.join(60)
+        m1 = _occupancy(await client.metrics())
+    except Exception as exc:  # noqa: BLE001 - one structured failure for the level
+        raise DgrError(f"worker bench ({mode}) at {b} sessions failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        for s in streams:
+            await s.close()
+        await client.close()
     if sum(counts) != b * cfg.gen_tokens:
         raise DgrError(f"worker bench ({mode}) at {b} sessions: {sum(counts)} tokens, expected {b * cfg.gen_tokens}")
     batches = m1[1] - m0[1]
@@ -111,8 +107,8 @@ def _worker_level(client, b: int, cfg: WorkerBenchConfig, mode: str = "stepwise"
     }
 
 
-def _occupancy(client) -> tuple[float, float, float]:
-    s = {m.name: m.value for m in client.metrics().samples if not m.labels}
+def _occupancy(metrics) -> tuple[float, float, float]:
+    s = {m.name: m.value for m in metrics.samples if not m.labels}
     return (s.get("dgr_batch_occupancy_sessions_sum", 0.0), s.get("dgr_batch_occupancy_sessions_count", 0.0),
             s.get("dgr_decode_busy_seconds_total", 0.0))
 
@@ -186,14 +182,13 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
     with WorkerProcess.start(WorkerArgs(model=model, max_sessions=max(levels), ctx_per_session=per,
                                         threads=cfg.threads),
                              binary=worker_bin, ready_timeout=300) as w:
-        client = w.client(timeout=600)
         warm = WorkerBenchConfig(prompt_tokens=8, gen_tokens=8)
         for mode in MODES:
-            _worker_level(client, 1, warm, mode)
+            _worker_level(w.target, 1, warm, mode)
         for b in levels:
             for _ in range(cfg.repeats):
                 for mode in MODES:
-                    r = _worker_level(client, b, cfg, mode)
+                    r = _worker_level(w.target, b, cfg, mode)
                     runs[b][mode].append(r["decode_tokens_per_s"])
                     best = results[b].get(mode)
                     if best is None or r["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
