@@ -25,6 +25,7 @@ namespace pb = dgr::shard::v1;
 using namespace dgr::worker;
 
 #include "check.h"
+#include "fake_reference.h"
 
 namespace {
 
@@ -156,24 +157,7 @@ SchedulerOptions sched_options(uint32_t groups) {
 
 // Greedy tokens of the whole fake model: the prompt, then n - 1 fed-back tokens.
 std::vector<int32_t> reference(const std::vector<int32_t> & prompt, int n) {
-    FakeBackend b(shard(0, 8, 0));
-    std::vector<int32_t> out, feed = prompt;
-    int32_t pos = 0;
-    for (int i = 0; i < n; ++i) {
-        DecodeBatch batch;
-        for (size_t k = 0; k < feed.size(); ++k) {
-            batch.tokens.push_back(feed[k]);
-            batch.pos.push_back(pos++);
-            batch.seq.push_back(0);
-            batch.output.push_back(k + 1 == feed.size());
-        }
-        std::string err;
-        CHECK(b.decode(batch, &err) == BackendStatus::ok, "reference decode: %s", err.c_str());
-        const float * logits = b.output_row((int32_t) feed.size() - 1);
-        out.push_back((int32_t) (std::max_element(logits, logits + b.info().n_vocab) - logits));
-        feed = {out.back()};
-    }
-    return out;
+    return fake_greedy_reference(shard(0, 8, 0), prompt, n);
 }
 
 // The opening PREFILL frame of a chained, generating session.

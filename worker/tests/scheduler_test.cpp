@@ -21,6 +21,7 @@ namespace pb = dgr::shard::v1;
 using namespace dgr::worker;
 
 #include "check.h"
+#include "fake_reference.h"
 
 namespace {
 
@@ -97,26 +98,7 @@ SchedulerOptions options() {
 
 // Greedy tokens of the whole fake model for `prompt` then `n - 1` fed-back tokens.
 std::vector<int32_t> reference(const std::vector<int32_t> & prompt, int n) {
-    FakeBackend b(model());
-    std::vector<int32_t> out;
-    std::vector<int32_t> feed = prompt;
-    int32_t pos = 0;
-    for (int i = 0; i < n; ++i) {
-        DecodeBatch batch;
-        for (size_t k = 0; k < feed.size(); ++k) {
-            batch.tokens.push_back(feed[k]);
-            batch.pos.push_back(pos++);
-            batch.seq.push_back(0);
-            batch.output.push_back(k + 1 == feed.size());
-        }
-        std::string err;
-        CHECK(b.decode(batch, &err) == BackendStatus::ok, "reference decode: %s", err.c_str());
-        const float * logits = b.output_row((int32_t) feed.size() - 1);
-        const int32_t tok = (int32_t) (std::max_element(logits, logits + b.info().n_vocab) - logits);
-        out.push_back(tok);
-        feed = {tok};
-    }
-    return out;
+    return fake_greedy_reference(model(), prompt, n);
 }
 
 // Builds the frames of one session.
