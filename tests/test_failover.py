@@ -311,3 +311,25 @@ def test_cancel_through_the_failover_router_is_not_restarted(native_bin):
     finally:
         for w in ws:
             w.kill()
+
+
+@pytest.mark.native
+@pytest.mark.lab
+def test_drill_on_lab_hosts_recovers(native_bin, monkeypatch):
+    """The drill's --lab mode: primary and standby workers on two simulated hosts (mTLS), the
+    tail killed, every session restarted on the standby with nothing lost."""
+    from dgr.lab import system as sx
+    from dgr.lab.hosts import Lab, LabConfig
+
+    reason = sx.preflight()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("DGR_WORKER_BIN", str(native_bin / "dgr-worker"))
+    with Lab.up(LabConfig(hosts=2, name="dr1")):
+        doc = run_drill(DrillConfig(fault="kill", target="tail", sessions=2, max_tokens=60, after_tokens=6,
+                                    lab="dr1", timeout_s=120))
+    s = doc["summary"]
+    assert s["sessions_recovered"] == 2 and s["sessions_failed"] == 0, s
+    assert s["tokens_lost"] == s["tokens_duplicated"] == s["tokens_mismatched"] == 0
+    assert s["survivors_holding"] == []
+    assert all(ep.split(":")[0].startswith("198.1") for route in s["routes"] for ep in route)

@@ -172,7 +172,7 @@ class Placement:
         for role, placement in plans.items():
             lr = LabRoute(lab, self.cfg.model, list(self.cfg.split), placement=placement, slices=self.cfg.model is not None,
                           max_sessions=max(8, self.cfg.sessions), ctx_per_session=1024, extra_args=extra,
-                          log=self.log, fake=self.cfg.model is None)
+                          fake=self.cfg.model is None)
             self._lab_routes.append(lr)
             lr.start()
             self.tls = lr.tls

@@ -64,7 +64,7 @@ def _lab_drills(ctx: StoryContext, drills: dict[str, dict[str, Any]], real: dict
     cfg = LabConfig(hosts=2, name=LAB, cores_per_host=1, threads=1, memory_mb=900, rtt_ms=0.2, shaper="proxy")
     ctx.record_command(f"dgr lab up --name {LAB} --hosts 2 --threads 1 --memory-mb 900 --rtt-ms 0.2 --shaper proxy "
                        "(dgr.lab.hosts.Lab.up)")
-    lab = Lab.up(cfg, log=lambda m: print(f"[DGR-013] {m}", file=sys.stderr, flush=True))
+    lab = Lab.up(cfg)
     with lab:
         for f in ("kill", "stop", "blackhole"):
             drills[f"lab-{f}-tail"] = _drill(ctx, f"lab-{f}-tail", fault=f, target="tail", lab=LAB, **real)
