@@ -211,4 +211,3 @@ def corpus(data: bytes, seed: int, n: int) -> Iterator[Corruption]:
     rng = random.Random(seed)
     for _ in range(n):
         yield corrupt_once(data, lay, rng)
-

@@ -355,5 +355,3 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig) -> dict[str, Any]:
         **derived, "yardstick_brackets": {str(c): v for c, v in brackets.items()},
         "driver_overhead": overhead, "rss_bytes": rss, "route_worker_env": route_env,
     }
-
-
