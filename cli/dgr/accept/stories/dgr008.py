@@ -23,7 +23,8 @@ def run(ctx: StoryContext) -> None:
                      T + "test_worker_fake.py::test_stop_one_of_eight_mid_generation"])
     tests_criterion(ctx, "it loads one exact artifact/recipe/shard identity and refuses mismatched requests",
                     [T + "test_worker_identity.py::test_bare_worker_serves_real_identity",
-                     T + "test_worker_identity.py::test_given_identity_is_not_recomputed",
+                     T + "test_worker_identity.py::test_identity_flags_that_disagree_with_the_file_refuse_startup",
+                     T + "test_worker_identity.py::test_slice_with_one_altered_tensor_byte_is_refused",
                      T + "test_worker_identity.py::test_truncated_gguf_refused",
                      T + "test_worker_fake.py::test_error_cases_leave_the_session_and_others_intact"])
     tests_criterion(ctx, "the stream enforces bounded messages, flow control, deadlines, idempotent steps and "
