@@ -138,15 +138,25 @@ def _state_errors(ctx: StoryContext) -> dict[str, Any]:
                                  "replayed": bool(r.header.replayed), "same_token": r.tail.tokens[0].token_id == outs[-1],
                                  "kv_cells_unchanged": before and after, "continues_like_undisturbed": outs + nxt == ref,
                                  "answer_ms": ms}
-        # stale epoch: a newer epoch opened elsewhere supersedes this stream's
+        # another stream naming the live session is refused (sessions belong to their stream)
         s2 = c.open_session("victim", epoch=2)
-        s2.prefill([9, 9])
+        try:
+            s2.prefill([9, 9])
+            out["not_owner"] = {"ok": False, "detail": "accepted"}
+        except ShardError as exc:
+            out["not_owner"] = {"ok": exc.reason == pb.ERROR_REASON_SESSION_NOT_OWNED,
+                                "reason": pb.ErrorReason.Name(exc.reason)}
+        # stale epoch: a newer epoch on the owner's stream supersedes; a frame of the older one is refused
+        s.epoch, s.step, s.positions = 2, 0, 0
+        s.prefill([9, 9])
+        old = s._input_frame(pb.PHASE_DECODE, [outs[-1]], None, True)
+        old.step.header.route_epoch = 1
         t0 = time.perf_counter()
         try:
-            s.decode(outs[-1])
+            s.exchange(old)
             out["stale_epoch"] = {"ok": False, "detail": "accepted"}
         except ShardError as exc:
-            out["stale_epoch"] = {"ok": exc.reason == pb.ERROR_REASON_STALE_EPOCH,
+            out["stale_epoch"] = {"ok": exc.reason == pb.ERROR_REASON_STALE_EPOCH and exc.proto.current_epoch == 2,
                                   "reason": pb.ErrorReason.Name(exc.reason), "current_epoch": exc.proto.current_epoch,
                                   "answer_ms": round((time.perf_counter() - t0) * 1e3, 2)}
         for x in (s, s2):
@@ -271,6 +281,7 @@ def run(ctx: StoryContext) -> None:
     ctx.results["state_errors"] = st
     for key, text in (("malformed_bundle", "a malformed bundle (bad checksum)"), ("cache_miss", "a cache miss"),
                       ("stale_epoch", "a stale epoch"), ("duplicate_step", "a duplicate step"),
+                      ("not_owner", "another stream naming the live session (ownership)"),
                       ("stream_reset", "a stream reset (worker killed with a step in flight)")):
         v = st.get(key, {"ok": False})
         ctx.check(f"{text}: structured answer, the session state is never silently changed", v.get("ok", False),
