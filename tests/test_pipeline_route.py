@@ -49,16 +49,19 @@ async def _run(endpoints: list[str], *, chain: bool) -> list:
 def _metrics(w) -> dict[str, float]:
     with w.client() as c:
         return {n: c.metric(n) for n in ("dgr_prefill_pieces_total", "dgr_decode_only_rows_total",
-                                         "dgr_decode_only_batches_total")}
+                                         "dgr_decode_only_batches_total", "dgr_sessions_opened_pipelined_total")}
 
 
 def test_pipelined_route_keeps_the_tokens_and_splits_the_work(route):
     eps = [p.target for p in route]
     head = route[0]
+    before = [_metrics(w) for w in route]
     step = asyncio.run(_run(eps, chain=False))
     m0 = _metrics(head)
+    stepped = [_metrics(w) for w in route]
     chained = asyncio.run(_run(eps, chain=True))
     m1 = _metrics(head)
+    after = [_metrics(w) for w in route]
     for c, s in zip(chained, step):
         assert c.error is None and s.error is None, (c.error, s.error)
         assert len(c.tokens) == 20 and c.tokens == s.tokens
@@ -68,6 +71,11 @@ def test_pipelined_route_keeps_the_tokens_and_splits_the_work(route):
     rows = m1["dgr_decode_only_rows_total"] - m0["dgr_decode_only_rows_total"]
     batches = m1["dgr_decode_only_batches_total"] - m0["dgr_decode_only_batches_total"]
     assert batches > 0 and rows / batches <= math.ceil(SESSIONS / GROUPS)
+    # the pipelining head marks the sessions it opens downstream (StepFrame.pipelined) and the
+    # middle Shard passes the mark on; the route driver's own sessions carry none
+    opened = "dgr_sessions_opened_pipelined_total"
+    assert [s[opened] - b[opened] for s, b in zip(stepped, before)] == [0, 0, 0]
+    assert [a[opened] - s[opened] for a, s in zip(after, stepped)] == [0, SESSIONS, SESSIONS]
 
 
 def test_pipeline_groups_out_of_range_is_refused(native_bin):

@@ -278,6 +278,17 @@ def _pre_v1() -> Message:
     return msg
 
 
+def _open_pipelined_bundle() -> Message:
+    # the opening frame a pipelining Shard forwards downstream (StepFrame.pipelined)
+    bundle = B.boundary_bundle(_residual(2, 8, 0.5))
+    return pb.SessionRequest(step=pb.StepFrame(
+        header=_header(shard_range=pb.ShardRange(start=15, end=30), effective_start=15, phase=pb.PHASE_PREFILL,
+                       positions=pb.PositionRange(start=0, end=2), step=0,
+                       cache_expectation=pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_EMPTY),
+                       compression=pb.COMPRESSION_NONE, payload_checksum=B.frame_payload_checksum(bundle)),
+        bundle=bundle, sample=True, pipelined=True))
+
+
 def _newer_fields() -> Message:
     cls = newer_schema()
     bundle = cls("TensorBundle")()
@@ -319,6 +330,7 @@ CASES: tuple[Case, ...] = (
     Case("capability_response", "GetCapabilityResponse", "current", _capability),
     Case("session_open_prefill_tokens", "SessionRequest", "current", _open_prefill_tokens, "accept"),
     Case("session_prefill_bundle_fragmented", "SessionRequest", "current", _prefill_bundle, "accept"),
+    Case("session_open_pipelined_bundle", "SessionRequest", "current", _open_pipelined_bundle, "accept"),
     Case("session_fast_decode_token", "SessionRequest", "current", _fast_token, "accept"),
     Case("session_fast_decode_bundle", "SessionRequest", "current", _fast_bundle, "accept"),
     Case("session_truncate", "SessionRequest", "current", _truncate, "accept"),

@@ -183,6 +183,7 @@ void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r) {
         f->set_sample(w.sample);
         if (!c.opened) {
             for (const auto & hop : c.rest) *f->add_downstream() = hop;
+            f->set_pipelined(paced_by_pipeline(s));
         }
     } else {
         auto * f = fr.mutable_fast_decode();

@@ -235,7 +235,9 @@ void Scheduler::on(FrameEvent & ev) {
         s = &table_.open(in.sid, in.epoch);
         s->effective_start = info_.layer_start;
         s->sink = ev.sink;
+        s->pipelined = !in.fast && sf->pipelined();
         metrics_.sessions_opened++;
+        if (s->pipelined) metrics_.sessions_opened_pipelined++;
         publish_gauges();
     }
     s->sink = ev.sink;

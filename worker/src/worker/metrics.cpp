@@ -129,6 +129,9 @@ std::vector<pm::MetricFamily> Metrics::families(const Gauges & g) const {
     f.push_back(counter("dgr_sessions_not_owned_total",
                         "Frames refused: they named a Session another stream owns.", d(rejected_not_owned)));
     f.push_back(counter("dgr_sessions_opened_total", "Sessions opened.", d(sessions_opened)));
+    f.push_back(counter("dgr_sessions_opened_pipelined_total",
+                        "Sessions opened by an upstream Shard that forwards in pipeline groups (StepFrame.pipelined).",
+                        d(sessions_opened_pipelined)));
     f.push_back(counter("dgr_sessions_released_total", "Sessions released.", d(sessions_released)));
     f.push_back(counter("dgr_sessions_evicted_total", "Sessions evicted (TTL or LRU).", d(sessions_evicted)));
     f.push_back(counter("dgr_sessions_cancelled_total", "Sessions cancelled.", d(sessions_cancelled)));

@@ -60,6 +60,7 @@ public:
     std::atomic<uint64_t> steps{0};
     std::atomic<uint64_t> replayed_steps{0};
     std::atomic<uint64_t> sessions_opened{0};
+    std::atomic<uint64_t> sessions_opened_pipelined{0};
     std::atomic<uint64_t> sessions_released{0};
     std::atomic<uint64_t> sessions_evicted{0};
     std::atomic<uint64_t> sessions_cancelled{0};

@@ -120,8 +120,12 @@ private:
     // sessions whose next DECODE row is likely to arrive soon: plain ones (a client round trip
     // away) and chained generating ones whose route runs on this host (a downstream compute away)
     struct Expected { uint32_t plain = 0, colocated_chain = 0; };
-    // plain sessions count only when predicted to send by `deadline` (pipeline.h worth_waiting)
+    // sessions paced by a pipeline count only when predicted to send by `deadline` (pipeline.h
+    // worth_waiting); others count while they decode
     Expected expected_decoders(Clock::time_point deadline) const;
+    // rows of `s` come in pipeline groups: opened by a pipelining Shard (StepFrame.pipelined),
+    // or chained downstream by this one with more than one group
+    bool paced_by_pipeline(const Session & s) const;
     // ---- pipelined routes (pipeline.h): the cap on chained DECODE rows per batch (0: none)
     uint32_t chain_group_rows() const;
     // generating chained sessions of `block` downstream now, next row predicted by `deadline`

@@ -90,6 +90,7 @@ struct Session {
     uint32_t reserved = 0;      // KV cells reserved by the queued step
     Clock::time_point answered_at{};  // its last step was answered (or forwarded downstream)
     double   gap_s = 0.0;       // EWMA: answered -> its next DECODE row queued here (pipeline.h)
+    bool     pipelined = false; // opened by a Shard forwarding in pipeline groups (StepFrame.pipelined)
     std::unique_ptr<PartialStep> partial;
     ChainState      chain;
     GenerationState gen;

@@ -366,7 +366,7 @@ class SamplingParams(_message.Message):
     def __init__(self, mode: _Optional[_Union[SamplingMode, str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., ignore_eog: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepFrame(_message.Message):
-    __slots__ = ("header", "tokens", "bundle", "sampling", "sample", "downstream", "generate")
+    __slots__ = ("header", "tokens", "bundle", "sampling", "sample", "downstream", "generate", "pipelined")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +374,7 @@ class StepFrame(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
     header: FrameHeader
     tokens: TokenSpan
     bundle: TensorBundle
@@ -381,7 +382,8 @@ class StepFrame(_message.Message):
     sample: bool
     downstream: _containers.RepeatedCompositeFieldContainer[ChainHop]
     generate: GenerateParams
-    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., tokens: _Optional[_Union[TokenSpan, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., downstream: _Optional[_Iterable[_Union[ChainHop, _Mapping]]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ...) -> None: ...
+    pipelined: bool
+    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., tokens: _Optional[_Union[TokenSpan, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., downstream: _Optional[_Iterable[_Union[ChainHop, _Mapping]]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., pipelined: _Optional[bool] = ...) -> None: ...
 
 class ChainHop(_message.Message):
     __slots__ = ("endpoint", "range", "compatibility_fingerprint")
