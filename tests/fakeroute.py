@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -10,6 +11,29 @@ from dgr.route.supervisor import WorkerArgs, WorkerProcess
 # the fake routes the fixtures start: whole [0:8), 0:4|4:8, and 0:3|3:5|5:8 with a small
 # prefill chunk on the middle shard (so prompts go in several chunks)
 FAKE_RANGES = {"0:4": (), "4:8": (), "0:3": (), "3:5": ("--max-prefill-chunk", "5"), "5:8": ()}
+
+
+# tokens generated per session by the fake-worker tests
+N_GEN = 24
+
+
+def fake_worker_binary(native_bin: Path) -> Path:
+    """The worker the fake-model tests run: DGR_WORKER_BIN (e.g. a sanitizer build), else the native one."""
+    env = os.environ.get("DGR_WORKER_BIN")
+    return Path(env) if env else native_bin / "dgr-worker"
+
+
+def start_worker(worker_bin: Path, *args: str) -> WorkerProcess:
+    return WorkerProcess.start(["--fake-model", *args], binary=worker_bin)
+
+
+def run_alone(client, prompt, n=N_GEN, sampling=None):
+    """Prefill then greedy-generate `n` tokens on a session of its own; returns every token."""
+    with client.open_session(sampling=sampling) as s:
+        first = s.prefill(prompt)
+        out = [first, *s.generate(first, n)]
+        s.release()
+    return out
 
 
 def start_fake(native_bin: Path, *args: str) -> WorkerProcess:

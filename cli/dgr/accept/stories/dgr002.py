@@ -24,10 +24,10 @@ def run(ctx: StoryContext) -> None:
                      T + "test_worker_fake.py::test_capability_health_reflection"])
     tests_criterion(ctx, "one long-lived bidirectional stream per Route Session seam with deadlines, cancellation, "
                          "flow control and structured errors",
-                    [T + "test_worker_fake.py::test_stream_deadline_releases_the_session",
+                    [T + "test_worker_fake_lifecycle.py::test_stream_deadline_releases_the_session",
                      T + "test_worker_fake.py::test_stop_one_of_eight_mid_generation",
                      T + "test_worker_fake.py::test_error_cases_leave_the_session_and_others_intact",
-                     T + "test_worker_fake.py::test_queue_limit_rejects_and_memory_stays_bounded",
+                     T + "test_worker_fake_lifecycle.py::test_queue_limit_rejects_and_memory_stays_bounded",
                      T + "test_route_driver.py::test_hung_worker_hits_the_step_deadline_and_names_the_shard"])
     tests_criterion(ctx, "bounded chunking for prefill and a small decode fast path",
                     [T + "test_proto.py::test_round_trip_large_prefill_split_over_frames",

@@ -39,8 +39,8 @@ def run(ctx: StoryContext) -> None:
     tests_criterion(ctx, "prefill append, decode append, truncate, release, TTL/LRU eviction and an explicit "
                          "cache-miss response",
                     [T + "test_worker_fake.py::test_truncate_and_sampling_are_deterministic",
-                     T + "test_worker_fake.py::test_ttl_eviction_gives_cache_miss",
-                     T + "test_worker_fake.py::test_budgets_reject_with_resource_exhausted"])
+                     T + "test_worker_fake_lifecycle.py::test_ttl_eviction_gives_cache_miss",
+                     T + "test_worker_fake_lifecycle.py::test_budgets_reject_with_resource_exhausted"])
     tests_criterion(ctx, "at least four concurrent sessions on a small real model complete without token or KV "
                          "cross-talk",
                     [T + "test_worker_llama.py::test_smollm2_eight_sessions",
@@ -50,4 +50,4 @@ def run(ctx: StoryContext) -> None:
                     [T + "test_worker_fake.py::test_stop_one_of_eight_mid_generation",
                      T + "test_route_driver.py::test_cancel_one_session_others_continue",
                      T + "test_chain_route.py::test_cancel_one_session_mid_generation_others_complete",
-                     T + "test_worker_fake.py::test_queue_limit_rejects_and_memory_stays_bounded"])
+                     T + "test_worker_fake_lifecycle.py::test_queue_limit_rejects_and_memory_stays_bounded"])

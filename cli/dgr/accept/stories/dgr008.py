@@ -19,7 +19,7 @@ def run(ctx: StoryContext) -> None:
 
     ensure_worker(ctx.backend)
     tests_criterion(ctx, "the worker exposes capability, health, session stream, release, cancellation and metrics",
-                    [T + "test_worker_fake.py::test_capability_health_reflection", T + "test_worker_fake.py::test_prometheus_text",
+                    [T + "test_worker_fake.py::test_capability_health_reflection", T + "test_worker_fake_lifecycle.py::test_prometheus_text",
                      T + "test_worker_fake.py::test_stop_one_of_eight_mid_generation"])
     tests_criterion(ctx, "it loads one exact artifact/recipe/shard identity and refuses mismatched requests",
                     [T + "test_worker_identity.py::test_bare_worker_serves_real_identity",
@@ -29,9 +29,9 @@ def run(ctx: StoryContext) -> None:
                      T + "test_worker_fake.py::test_error_cases_leave_the_session_and_others_intact"])
     tests_criterion(ctx, "the stream enforces bounded messages, flow control, deadlines, idempotent steps and "
                          "independent session cancellation",
-                    [T + "test_worker_fake.py::test_budgets_reject_with_resource_exhausted",
-                     T + "test_worker_fake.py::test_queue_limit_rejects_and_memory_stays_bounded",
-                     T + "test_worker_fake.py::test_stream_deadline_releases_the_session",
+                    [T + "test_worker_fake_lifecycle.py::test_budgets_reject_with_resource_exhausted",
+                     T + "test_worker_fake_lifecycle.py::test_queue_limit_rejects_and_memory_stays_bounded",
+                     T + "test_worker_fake_lifecycle.py::test_stream_deadline_releases_the_session",
                      T + "test_worker_generate.py::test_cancel_stops_a_running_generation"])
     # live: the services a client can reach (server reflection ListServices, hand-encoded request)
     from ...protocol.channel import open_channel
@@ -49,9 +49,10 @@ def run(ctx: StoryContext) -> None:
               "Shard service, health and reflection)",
               "dgr.shard.v1.ShardRuntimeService" in services and set(services) <= allowed, ", ".join(services))
     tests_criterion(ctx, "graceful shutdown releases sessions; a crash is bounded and observable",
-                    [T + "test_worker_fake.py::test_sigterm_drains_and_exits_zero",
-                     T + "test_worker_fake.py::test_kill9_gives_unavailable_quickly",
+                    [T + "test_worker_fake_lifecycle.py::test_sigterm_drains_and_exits_zero",
+                     T + "test_worker_fake_lifecycle.py::test_kill9_gives_unavailable_quickly",
                      T + "test_route_backend.py::test_supervisor_restarts_a_dead_worker_and_fails_its_sessions",
                      T + "test_route_driver.py::test_killed_worker_fails_its_sessions_bounded_and_names_the_shard"])
     tests_criterion(ctx, "Python integration tests run against the fake model mode without downloads",
-                    [T + "test_worker_fake.py", T + "test_route_driver.py", T + "test_chain_route.py"])
+                    [T + "test_worker_fake.py", T + "test_worker_fake_lifecycle.py",
+                     T + "test_route_driver.py", T + "test_chain_route.py"])

@@ -76,10 +76,10 @@ def run(ctx: StoryContext) -> None:
 
     assert ctx.model is not None
     tests_criterion(ctx, "the node admits sessions against weight, KV, scratch and queue budgets",
-                    [T + "test_worker_fake.py::test_budgets_reject_with_resource_exhausted",
+                    [T + "test_worker_fake_lifecycle.py::test_budgets_reject_with_resource_exhausted",
                      T + "test_worker_llama.py::test_memory_budget_fits_kv_after_weights_and_scratch"])
     tests_criterion(ctx, "backpressure bounds queued activations and KV growth",
-                    [T + "test_worker_fake.py::test_queue_limit_rejects_and_memory_stays_bounded"])
+                    [T + "test_worker_fake_lifecycle.py::test_queue_limit_rejects_and_memory_stays_bounded"])
     ensure_worker(ctx.backend)
     threads = os.cpu_count() or 1
     prompts = [_prompt(48, 7 + i) for i in range(max(LEVELS))]

@@ -290,7 +290,7 @@ def run(ctx: StoryContext) -> None:
     # 7. the tests that pin the rest
     tests_criterion(ctx, "cancellation reaches every shard and releases sessions, KV cells and queued steps",
                     [T + "test_chain_route.py::test_cancel_one_session_mid_generation_others_complete",
-                     T + "test_worker_fake.py::test_stream_deadline_releases_the_session"])
+                     T + "test_worker_fake_lifecycle.py::test_stream_deadline_releases_the_session"])
     tests_criterion(ctx, "no route: a structured failure that says why (no standby, recipe mismatch, capacity, "
                     "unreachable); restarts are bounded",
                     [T + "test_failover.py::test_no_route_says_why",
