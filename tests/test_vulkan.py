@@ -71,3 +71,19 @@ def test_mixed_route_on_smollm2_is_within_the_registry_tolerance(vulkan_bin: Pat
     tol = {k: v for k, v in entry.tolerance if k != "tokens"}   # a short run: 16 tokens, not the certified 64
     assert rep.tokens == 16 and len(rep.prompts[0].forced_top1) == 16
     assert rep.violations(tol) == [], route_drift.summary(rep)
+
+
+def test_vulkan_worker_without_a_vulkan_device_refuses_to_start(vulkan_bin: Path, synth_model: Path) -> None:
+    # without GGML_VK_VISIBLE_DEVICES ggml-vulkan skips CPU drivers (llvmpipe): no device, and the
+    # worker would compute on the CPU under a vulkan recipe
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "GGML_VK_VISIBLE_DEVICES"}
+    env = {k: v for k, v in env.items() if k not in ("VK_ADD_DRIVER_FILES", "VK_ADD_ICD_FILENAMES")}
+    env["VK_ICD_FILENAMES"] = env["VK_DRIVER_FILES"] = "/nonexistent-icd.json"   # no Vulkan driver, GPU or not
+    r = subprocess.run([str(vulkan_bin / "dgr-worker"), "serve", "--model", str(synth_model), "--listen",
+                        "127.0.0.1:0"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.stderr[-2000:]
+    err = [line for line in r.stderr.splitlines() if line.startswith("dgr-worker: error:")]
+    assert len(err) == 1 and "built for backend vulkan but sees no vulkan device" in err[0]
+    assert "GGML_VK_VISIBLE_DEVICES=0" in err[0]

@@ -12,6 +12,7 @@
 #include "worker/service.h"
 #include "worker/serve_options.h"
 
+#include "ggml-backend.h"
 #include "llama.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -35,6 +36,29 @@
 #include <thread>
 
 namespace dgr::worker {
+
+namespace {
+
+// A GPU-class build that finds no device of its kind would still run: llama.cpp falls back to
+// the CPU, while the worker's recipe (and every route's admission) names the built backend. It
+// refuses instead. Returns the reason, empty when a device is present (or on a CPU build).
+std::string missing_device(const char * backend) {
+    if (std::strcmp(backend, "cpu") == 0) return {};
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        const auto t = ggml_backend_dev_type(ggml_backend_dev_get(i));
+        if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) return {};
+    }
+    std::string why = std::string("this dgr-worker is built for backend ") + backend + " but sees no " + backend +
+                      " device, and would compute on the CPU under a " + backend + " recipe";
+    if (std::strcmp(backend, "vulkan") == 0) {
+        why += "; a CPU Vulkan driver (Mesa llvmpipe) is used only when named: GGML_VK_VISIBLE_DEVICES=0";
+    } else if (std::strcmp(backend, "cuda") == 0) {
+        why += "; it needs an NVIDIA GPU and driver (nvidia-smi)";
+    }
+    return why + " (`dgr doctor --backend " + backend + "`; the CPU build: build/cpu/bin/dgr-worker)";
+}
+
+}  // namespace
 
 
 int serve_main(int argc, char ** argv) {
@@ -98,6 +122,10 @@ int serve_main(int argc, char ** argv) {
             o.recipe_json = proven.recipe_json;
         }
         llama_backend_init();
+        if (const std::string why = missing_device(build_info().backend); !why.empty()) {
+            std::fprintf(stderr, "dgr-worker: error: %s\n", why.c_str());
+            return 1;
+        }
         if (o.kv_budget_mb > 0 && !o.kv_cells) {
             const uint64_t per_cell = llama_kv_bytes_per_cell(o.model, o.has_layers ? o.layer_start : 0,
                                                               o.has_layers ? o.layer_end : 0, &err);
