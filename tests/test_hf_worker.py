@@ -93,6 +93,16 @@ def test_protocol_faults_answer_documented_reasons(hf_route):
 
     from dgr.shard.v1 import shard_runtime_pb2 as pb
 
+    def opening_header(cap, sid: str, rid: str) -> pb.FrameHeader:
+        """The header of a one-token PREFILL that opens session `sid` (epoch 1) on this shard."""
+        r = cap.identity.range
+        return pb.FrameHeader(schema_version=pb.SCHEMA_VERSION_V1, request_id=rid, session_id=sid, route_epoch=1,
+                              compatibility_fingerprint=cap.identity.compatibility_fingerprint,
+                              shard_range=pb.ShardRange(start=r.start, end=r.end), effective_start=r.start,
+                              phase=pb.PHASE_PREFILL, positions=pb.PositionRange(start=0, end=1), step=0,
+                              cache_expectation=pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_EMPTY),
+                              compression=pb.COMPRESSION_NONE)
+
     async def main():
         d = await RouteDriver(hf_route.endpoints).connect()
         try:
@@ -103,21 +113,18 @@ def test_protocol_faults_answer_documented_reasons(hf_route):
                 session_id="nope", route_epoch=1, step=0, position=3, token_id=5)))
             miss = await call.read()
             # a frame for another fingerprint
-            h = d._header(head, "s1", 1, 0, pb.PHASE_PREFILL, 0, 1,
-                          pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_EMPTY), "r1")
+            h = opening_header(head.capability, "s1", "r1")
             h.compatibility_fingerprint = "0" * 64
             await call.write(pb.SessionRequest(step=pb.StepFrame(header=h, tokens=pb.TokenSpan(token_ids=[1]))))
             fp = await call.read()
             # a token outside the vocabulary
-            h2 = d._header(head, "s2", 1, 0, pb.PHASE_PREFILL, 0, 1,
-                           pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_EMPTY), "r2")
+            h2 = opening_header(head.capability, "s2", "r2")
             await call.write(pb.SessionRequest(step=pb.StepFrame(header=h2, tokens=pb.TokenSpan(token_ids=[VOCAB]))))
             vocab = await call.read()
             # over the session budget (2): two open sessions hold it, a third is refused
             opened = []
             for sid in ("a", "b", "c"):
-                h3 = d._header(head, sid, 1, 0, pb.PHASE_PREFILL, 0, 1,
-                               pb.CacheExpectation(kind=pb.CACHE_EXPECTATION_KIND_EMPTY), f"r-{sid}")
+                h3 = opening_header(head.capability, sid, f"r-{sid}")
                 await call.write(pb.SessionRequest(step=pb.StepFrame(header=h3, tokens=pb.TokenSpan(token_ids=[1]))))
                 opened.append(await call.read())
             call.cancel()
