@@ -18,6 +18,7 @@ target (>= 0.9x llama-batched-bench) is judged on server generation (``target_mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
 import time
@@ -93,6 +94,8 @@ async def _worker_level_async(target: str, b: int, cfg: WorkerBenchConfig, mode:
     finally:
         for s in streams:
             await s.close()
+        with contextlib.suppress(Exception):   # a failure here must not hide the level's own
+            await _sessions_ended(client)
         await client.close()
     if sum(counts) != b * cfg.gen_tokens:
         raise DgrError(f"worker bench ({mode}) at {b} sessions: {sum(counts)} tokens, expected {b * cfg.gen_tokens}")
@@ -105,6 +108,17 @@ async def _worker_level_async(target: str, b: int, cfg: WorkerBenchConfig, mode:
         # share of the decode phase spent inside llama_decode (the rest: client, gRPC, gathering)
         "decode_busy_fraction": (m1[2] - m0[2]) / wall,
     }
+
+
+async def _sessions_ended(client, timeout_s: float = 10.0) -> None:
+    """Waits (bounded) until the worker holds no session: it ends a closed stream's session on
+    its own thread, and the next level opens as many sessions as the worker allows
+    (max_sessions is the largest level), so one still ending would be refused OVER_BUDGET."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if (await client.metrics()).load.active_sessions == 0:
+            return
+        await asyncio.sleep(0.005)
 
 
 def _occupancy(metrics) -> tuple[float, float, float]:
