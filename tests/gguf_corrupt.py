@@ -5,6 +5,8 @@ and lists every structural field with its offset and width; `corpus(data, seed, 
 `Corruption`s built from those fields: truncations, bit flips, huge counts, zero and
 overflowing dimensions, bad dimension counts, bad ggml and value types, bad string lengths,
 invalid UTF-8, misaligned or far tensor offsets, bad versions, and stacks of several.
+`flip_tensor_byte(path, name)` alters one byte of a tensor's data in place (a tampered file whose
+header still reads: identity and slice verification must catch it).
 `must_refuse` marks the corruptions that no reader may accept (the file is not a valid GGUF
 whatever the rest of it holds); the others (a flipped bit may land in tensor data) may open.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 U64_EDGES = (0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1)
@@ -211,3 +214,15 @@ def corpus(data: bytes, seed: int, n: int) -> Iterator[Corruption]:
     rng = random.Random(seed)
     for _ in range(n):
         yield corrupt_once(data, lay, rng)
+
+
+def flip_tensor_byte(path: Path, name: str) -> None:
+    """Alters one byte in the middle of tensor ``name``'s data, in place."""
+    from dgr.gguf.inspect import open_gguf
+
+    with open_gguf(path) as gf:
+        t = next(t for t in gf.tensors if t.name == name)
+        at = t.offset + t.n_bytes // 2
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))

@@ -20,7 +20,7 @@ import pytest
 from dgr.errors import DgrError
 from dgr.lab.drill import DrillConfig, compare, run_drill
 from dgr.route.failover import Candidate, FailoverRouter, NoRouteError, PoolRouteFinder, classify
-from dgr.route.driver import RouteDriver, RouteSessionError, ShardHandle
+from dgr.route.driver import RouteSessionError, ShardHandle
 from fakeroute import start_fake
 
 FP, ART = "f" * 64, "a" * 64
@@ -68,6 +68,16 @@ def test_drill_fault_kinds_recover_without_lost_or_duplicated_tokens(native_bin,
 
 # ---- failover without a standby, bounded restarts ------------------------------------------------
 
+async def _kill_after_first_token(fr: FailoverRouter, worker):
+    """A long generation over `fr`; `worker` is killed once the first token arrived (bounded waits)."""
+    got = asyncio.Event()
+    t = asyncio.create_task(fr.generate([256, 1, 2], max_tokens=2000, stop_on_eog=False,
+                                        on_token=lambda _t: got.set()))
+    await asyncio.wait_for(got.wait(), 10)
+    worker.proc.kill()
+    return await asyncio.wait_for(t, 30)
+
+
 @pytest.mark.native
 def test_no_standby_fails_with_the_reason_and_bounded_restarts(native_bin):
     ws = [start_fake(native_bin, "--layers", r, "--fake-delay-ms", "3") for r in ("0:4", "4:8")]
@@ -75,12 +85,7 @@ def test_no_standby_fails_with_the_reason_and_bounded_restarts(native_bin):
         async def main():
             fr = await FailoverRouter([w.target for w in ws], max_restarts=2).connect()
             try:
-                got = asyncio.Event()
-                t = asyncio.create_task(fr.generate([256, 1, 2], max_tokens=2000, stop_on_eog=False,
-                                                    on_token=lambda _t: got.set()))
-                await asyncio.wait_for(got.wait(), 10)
-                ws[1].proc.kill()
-                return await asyncio.wait_for(t, 30)
+                return await _kill_after_first_token(fr, ws[1])
             finally:
                 await fr.close()
         r = asyncio.run(main())
@@ -102,12 +107,7 @@ def test_restarts_are_bounded(native_bin):
             fr = await FailoverRouter([w.target for w in ws[:2]], max_restarts=0).connect()
             fr.finder.endpoints.append(ws[2].target)
             try:
-                got = asyncio.Event()
-                t = asyncio.create_task(fr.generate([256, 1, 2], max_tokens=2000, stop_on_eog=False,
-                                                    on_token=lambda _t: got.set()))
-                await asyncio.wait_for(got.wait(), 10)
-                ws[1].proc.kill()
-                return await asyncio.wait_for(t, 30), fr.routes
+                return await _kill_after_first_token(fr, ws[1]), fr.routes
             finally:
                 await fr.close()
         r, routes = asyncio.run(main())

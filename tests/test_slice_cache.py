@@ -7,20 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dgr.gguf.inspect import open_gguf
 from dgr.gguf.identity import identify
 from dgr.gguf.slice import LayerRange, slice_gguf, verify_slice
 from dgr.gguf.synth import SynthSpec, synthesize
 from dgr.route.local import cached_slice
-
-
-def _flip(path: Path, name: str) -> None:
-    with open_gguf(path) as gf:
-        t = next(t for t in gf.tensors if t.name == name)
-        at = t.offset + t.n_bytes // 2
-    data = bytearray(path.read_bytes())
-    data[at] ^= 0x01
-    path.write_bytes(bytes(data))
+from gguf_corrupt import flip_tensor_byte
 
 
 def test_cached_slice_is_verified_before_reuse(tmp_path: Path) -> None:
@@ -38,7 +29,7 @@ def test_cached_slice_is_verified_before_reuse(tmp_path: Path) -> None:
     cached_slice(src, LayerRange(1, 3), path, aid, log=logs.append)   # a good cached slice is reused
     assert logs == [] and path.read_bytes() == fresh
 
-    _flip(path, "blk.1.attn_q.weight")                                  # one altered tensor byte
+    flip_tensor_byte(path, "blk.1.attn_q.weight")                                  # one altered tensor byte
     logs.clear()
     cached_slice(src, LayerRange(1, 3), path, aid, log=logs.append)
     assert any("refused" in line and "blk.1.attn_q.weight" in line for line in logs), logs

@@ -21,6 +21,7 @@ from dgr.gguf.slice import LayerRange, slice_gguf
 from dgr.gguf.synth import SynthSpec, synthesize
 from dgr.gguf.recipe import recipe_for
 from dgr.route.supervisor import WorkerProcess
+from gguf_corrupt import flip_tensor_byte
 
 pytestmark = pytest.mark.native
 
@@ -118,23 +119,11 @@ def test_identity_flags_that_name_the_file_are_served(native_bin: Path, tmp_path
     _refused(native_bin, m, "--fingerprint", mixed.fingerprint())
 
 
-def _flip_tensor_byte(path: Path, name: str) -> None:
-    """Alter one byte in the middle of tensor ``name``'s data."""
-    from dgr.gguf.inspect import open_gguf
-
-    with open_gguf(path) as gf:
-        t = next(t for t in gf.tensors if t.name == name)
-        at = t.offset + t.n_bytes // 2
-    data = bytearray(path.read_bytes())
-    data[at] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
 def test_slice_with_one_altered_tensor_byte_is_refused(native_bin: Path, tmp_path: Path) -> None:
     src = synthesize(SynthSpec(n_layer=4, dtype="q8_0", seed=7), tmp_path / "src.gguf")
     sl = tmp_path / "slice.gguf"
     slice_gguf(src, LayerRange(1, 3), sl, progress=False)
-    _flip_tensor_byte(sl, "blk.2.ffn_down.weight")
+    flip_tensor_byte(sl, "blk.2.ffn_down.weight")
     err = _refused(native_bin, sl, "--layers", "1:3")
     assert "tensor blk.2.ffn_down.weight" in err and "the manifest says" in err, err
     # a changed metadata pair is refused too (the tokenizer is part of the identity)
