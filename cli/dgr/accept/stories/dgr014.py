@@ -40,6 +40,7 @@ def run(ctx: StoryContext) -> None:
     from ...bench import gate, gate_judge
     from ...bench.contract import load_contract
 
+    load_at_start = os.getloadavg()[0]   # what else ran on the host: stated, not assumed
     repo = paths.repo_root()
     contract_path = repo / gate_judge.CONTRACT
     contract = load_contract(contract_path)
@@ -154,7 +155,8 @@ def run(ctx: StoryContext) -> None:
                        + ("every threshold met" if not failed else
                           "missed " + "; ".join(f"{v['id']} ({v['detail']})" for v in failed))
                        + f"; stop condition: {j['stop_condition']['detail']}.")
-    ctx.limitation(f"One host ({os.cpu_count()} CPUs, shared with other engineers' builds): every shard of every "
+    ctx.limitation(f"One host ({os.cpu_count()} CPUs; 1-minute load average {load_at_start:.2f} when the gate "
+                   "started): every shard of every "
                    "route runs here over loopback, not on separate machines; absolute tok/s are noisy, the ratios were "
                    "measured side by side in one run (routes interleaved per concurrency), one repeat each.")
     ctx.limitation("The safetensors route is driven stepwise (its workers neither forward along the chain nor "
