@@ -202,6 +202,35 @@ def test_curl_streams_server_sent_events(gw):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def _route_ms(resp) -> float:
+    st = resp.headers["server-timing"]
+    name, dur, desc = st.split(";")
+    assert name == "route" and desc.startswith("desc=")
+    return float(dur.removeprefix("dur="))
+
+
+def test_server_timing_reports_the_routes_share_of_the_first_token(gw):
+    """Streaming and not, the answer says how long the route took to its first token; what a
+    client saw beyond that is HTTP's share (what `dgr bench serve` reports as overhead)."""
+    c = _client(gw)
+    msgs = [{"role": "user", "content": "hi"}]
+    t = time.perf_counter()
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
+                                                      stream=True)
+    first = None
+    for ch in raw.parse():
+        if first is None and ch.choices and ch.choices[0].delta.content:
+            first = time.perf_counter() - t
+    route_ms = _route_ms(raw)
+    assert first is not None and 0 < route_ms <= first * 1e3
+    plain = c.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+    assert _route_ms(plain) > 0 and plain.parse().usage.completion_tokens >= 1
+    # a refused request never reached the route: no route timing on it
+    bad = httpx.post(gw.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": MODEL, "prompt": "x", "max_tokens": 0})
+    assert bad.status_code == 400 and "server-timing" not in bad.headers
+
+
 def test_openai_shaped_errors(gw):
     c = _client(gw)
     with pytest.raises(openai.NotFoundError) as e:

@@ -34,6 +34,7 @@ class RequestResult:
     last_s: float                  # last content, since the level started
     text: str = ""
     error: str | None = None
+    route_ttft_s: float | None = None   # dgr serve: its Server-Timing "route" (handling start -> first token)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class LevelResult:
         return {"lane": self.lane, "concurrency": self.concurrency, "ok": self.ok, "wall_s": self.wall_s,
                 "aggregate_decode_tok_s": self.aggregate_decode_tok_s, "ttft_p50_s": self.ttft_p50_s,
                 "ttft_s": [r.ttft_s for r in self.requests],
+                "route_ttft_s": [r.route_ttft_s for r in self.requests],
                 "prompt_tokens": [r.prompt_tokens for r in self.requests],
                 "completion_tokens": [r.completion_tokens for r in self.requests],
                 "errors": [r.error for r in self.requests if r.error], "cpu_s": self.cpu_s,
@@ -98,11 +100,12 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
         usage = None
         parts: list[str] = []
         try:
-            stream = await client.chat.completions.create(
+            raw = await client.chat.completions.with_raw_response.create(
                 model=model, messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0,
                 stream=True, stream_options={"include_usage": True},
                 extra_body={"ignore_eos": not stop_at_eos, "cache_prompt": False})
-            async for ch in stream:
+            route_ttft = server_timing_s(raw.headers.get("server-timing"), "route")
+            async for ch in raw.parse():
                 if ch.usage is not None:
                     usage = ch.usage
                 if ch.choices and ch.choices[0].delta.content:
@@ -116,13 +119,28 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
             return RequestResult(0, 0, 0.0, 0.0, 0.0, error="no content streamed")
         return RequestResult(usage.prompt_tokens if usage else 0,
                              usage.completion_tokens if usage else max_tokens,
-                             first - sent, first - t0, last - t0, "".join(parts))
+                             first - sent, first - t0, last - t0, "".join(parts), route_ttft_s=route_ttft)
 
     try:
         res = await asyncio.gather(*(one(p) for p in prompts))
     finally:
         await client.close()
     return LevelResult(lane, len(prompts), list(res), time.perf_counter() - t0)
+
+
+def server_timing_s(header: str | None, name: str) -> float | None:
+    """Seconds of metric ``name`` in a ``Server-Timing`` header (``name;dur=<ms>;…``), or None."""
+    for metric in (header or "").split(","):
+        parts = [x.strip() for x in metric.split(";")]
+        if parts[0] != name:
+            continue
+        for x in parts[1:]:
+            if x.startswith("dur="):
+                try:
+                    return float(x[4:]) / 1e3
+                except ValueError:
+                    return None
+    return None
 
 
 def proc_cpu_s(pid: int) -> float:

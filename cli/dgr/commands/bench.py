@@ -187,9 +187,11 @@ def serve(
     split: Optional[str] = typer.Option(None, "--split", help="The 2-shard route (default: the model's layers halved)."),
     levels: str = typer.Option("1,4,8", "--levels", help="Concurrent streaming requests per level."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads for every worker and llama-server "
-                                          "(default: CPU count)."),
+                                          "(default: CPU count - 1, at least 1: the load generator and the "
+                                          "gateway need a core)."),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Tokens per answer (generated through EOS)."),
-    repeats: int = typer.Option(2, "--repeats", min=1, help="Rotations of all lanes per level (median reported)."),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="Requests per lane and level, as a multiple of the "
+                                "top level (rotations: repeats x top / level; medians reported)."),
     llama_server: bool = typer.Option(True, "--llama-server/--no-llama-server",
                                       help="Run the llama-server lane (built on first use)."),
     out: Path = typer.Option(Path("serve-bench.json"), "--out", help="Where to write the results JSON."),

@@ -106,6 +106,15 @@ def _error(exc: GatewayError) -> JSONResponse:
                         status_code=exc.status, headers=headers)
 
 
+def _server_timing(gen: Generation) -> dict[str, str]:
+    """``Server-Timing: route;dur=<ms>``: from the start of the request's handling (before its
+    prompt is formatted) to the route's first token. A client's time to first token minus this
+    is what HTTP, the gateway's framework and the client itself added (``dgr bench serve``)."""
+    if gen.ttft_s is None:
+        return {}
+    return {"Server-Timing": f'route;dur={gen.ttft_s * 1e3:.3f};desc="request handled to first token"'}
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -184,15 +193,17 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
+        t0 = time.perf_counter()
         check_model(req.model)
         params = req.params()
         ids = await engine.chat_prompt([(m.role if m.role != "developer" else "system", m.text())
                                         for m in req.messages])
-        gen = engine.generation(ids, params)
+        gen = engine.generation(ids, params, t0)
         return await _respond(request, gen, req, chat=True)
 
     @app.post("/v1/completions")
     async def complete(req: CompletionRequest, request: Request) -> Any:
+        t0 = time.perf_counter()
         check_model(req.model)
         params = req.params()
         p = req.prompt
@@ -207,7 +218,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             ids = await engine.tokenize(p)
         if not ids:
             raise GatewayError(400, "the prompt is empty", param="prompt")
-        gen = engine.generation(ids, params)
+        gen = engine.generation(ids, params, t0)
         return await _respond(request, gen, req, chat=False, echo=p if req.echo and isinstance(p, str) else "")
 
     async def _respond(request: Request, gen: Generation, req: _Req, *, chat: bool, echo: str = "") -> Any:
@@ -227,7 +238,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             return _EventStream(_stream(it, first, gen, rid, created, obj + ".chunk" if chat else obj, chat,
                                              req.include_usage, echo),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              **_server_timing(gen)})
         collect = asyncio.ensure_future(gen.collect())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -253,8 +265,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = echo + text
-        return {"id": rid, "object": obj, "created": created, "model": engine.model_id,
-                "choices": [choice], "usage": gen.usage.to_json()}
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": engine.model_id,
+                             "choices": [choice], "usage": gen.usage.to_json()}, headers=_server_timing(gen))
 
     async def _stream(it: AsyncIterator[Any], first: Any, gen: Generation, rid: str, created: int, obj: str,
                       chat: bool, include_usage: bool, echo: str) -> AsyncIterator[bytes]:
@@ -272,18 +284,20 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
                     out["usage"] = None
                 return out
 
-            if chat:
-                yield _sse(chunk("", None, role=True))
-            elif echo:
-                yield _sse(chunk(echo, None))
+            # the opening event (the role, or the echoed prompt) goes out in one write with the
+            # first text: one send and one client wake-up fewer before the first token
+            head = _sse(chunk("", None, role=True)) if chat else (_sse(chunk(echo, None)) if echo else b"")
             d = first
             while d is not None:
-                if d.text or d.finish_reason:
-                    yield _sse(chunk(d.text, d.finish_reason))
+                if d.text or d.finish_reason or head:
+                    yield head + (_sse(chunk(d.text, d.finish_reason)) if d.text or d.finish_reason else b"")
+                    head = b""
                 try:
                     d = await it.__anext__()
                 except StopAsyncIteration:
                     d = None
+            if head:
+                yield head
             if include_usage:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": engine.model_id, "choices": [],
                             "usage": gen.usage.to_json()})

@@ -163,18 +163,23 @@ class Usage:
 
 
 class Generation:
-    """One request's route session; iterate :meth:`deltas`, then read ``usage``/``ttft_s``."""
+    """One request's route session; iterate :meth:`deltas`, then read ``usage``/``ttft_s``.
+
+    ``t0`` (``time.perf_counter()``): when the request's handling began, before its prompt was
+    formatted and tokenized (default: now). ``ttft_s`` runs from there to the moment the route
+    delivered the first token: the route's share of the time to first token, which the gateway
+    reports (``Server-Timing``, ``/metrics``) so that what HTTP adds can be told apart from it."""
 
     _DONE = object()
 
-    def __init__(self, engine: "Engine", prompt_ids: list[int], params: Params) -> None:
+    def __init__(self, engine: "Engine", prompt_ids: list[int], params: Params, t0: float | None = None) -> None:
         self.engine = engine
         self.prompt_ids = prompt_ids
         self.params = params
         self.session_id = f"gw-{uuid.uuid4().hex[:16]}"
         self.usage = Usage(prompt_tokens=len(prompt_ids))
         self.ttft_s: float | None = None
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if t0 is None else t0
         self.finish_reason: str | None = None
 
     async def deltas(self) -> AsyncIterator[Delta]:
@@ -191,11 +196,17 @@ class Generation:
                                param="max_tokens")
         q: asyncio.Queue[Any] = asyncio.Queue()
         text = _TextStream(self.params.stop)
+
+        def on_token(tok: int) -> None:
+            if self.ttft_s is None:     # stamped on arrival, not when this request's task next runs
+                self.ttft_s = time.perf_counter() - self.t0
+            q.put_nowait(tok)
+
         await eng.admission.acquire()
         try:
             task = asyncio.create_task(eng.driver.generate(
                 self.prompt_ids, max_tokens=max_tokens, sampling=self.params.sampling(),
-                session_id=self.session_id, on_token=q.put_nowait))
+                session_id=self.session_id, on_token=on_token))
         except BaseException:
             eng.admission.release()
             raise
@@ -211,8 +222,6 @@ class Generation:
                     toks.pop()
                     done = True
                 if toks:
-                    if self.ttft_s is None:
-                        self.ttft_s = time.perf_counter() - self.t0
                     self.usage.completion_tokens += len(toks)
                     out = text.push(b"".join(await eng.pieces(toks)))
                     if text.stopped:
@@ -301,8 +310,8 @@ class Engine:
         except grpc.aio.AioRpcError as exc:
             raise GatewayError(400, f"cannot tokenize the prompt: {exc.details()}", param="prompt") from None
 
-    def generation(self, prompt_ids: list[int], params: Params) -> Generation:
-        return Generation(self, prompt_ids, params)
+    def generation(self, prompt_ids: list[int], params: Params, t0: float | None = None) -> Generation:
+        return Generation(self, prompt_ids, params, t0)
 
     async def finish(self, session_id: str, task: "asyncio.Task[Any]") -> None:
         """Ends a request's session: cancels it on every shard when still running (bounded

@@ -21,7 +21,7 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("dgr_gateway_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter("dgr_gateway_completion_tokens", "Tokens generated for finished requests",
                                          registry=r)
-        self.ttft = Histogram("dgr_gateway_time_to_first_token_seconds", "Request arrival to its first token",
+        self.ttft = Histogram("dgr_gateway_time_to_first_token_seconds", "Request handling start (before prompt formatting) to the route's first token",
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
         running = Gauge("dgr_gateway_running_requests", "Requests holding a route session", registry=r)
         running.set_function(lambda: engine.admission.running)
