@@ -176,6 +176,31 @@ def test_client_disconnect_cancels_the_session_on_every_shard(gw, shards):
     assert after[0] > before[0], "the head never saw a cancel: the session ran to its end instead"
 
 
+def test_a_started_generation_that_is_never_read_still_ends_and_frees_its_slot(shards):
+    """A stream's session starts before its answer does (the client may leave before reading a
+    byte): closing the generation cancels the session on every shard and frees the slot."""
+    from dgr.serve.engine import Engine, Params
+
+    async def main():
+        eng = await Engine.connect([w.target for w in shards], model_id=MODEL)
+        try:
+            gen = eng.generation([256, *b"never read"], Params(max_tokens=1500, temperature=0))
+            await gen.start()
+            await gen.start()                        # once only
+            assert eng.admission.running == 1 and gen.session_id in eng.active
+            await asyncio.sleep(0.05)                # the route is generating for nobody
+            await gen.close()
+            await gen.close()                        # idempotent
+            assert eng.admission.running == 0 and not eng.active
+        finally:
+            await eng.close()
+
+    before = _counter(shards[0].target, "dgr_sessions_cancelled_total")
+    asyncio.run(main())
+    _wait_idle(shards)
+    assert _counter(shards[0].target, "dgr_sessions_cancelled_total") > before
+
+
 def test_non_streaming_disconnect_cancels_too(gw, shards):
     before = _counter(shards[0].target, "dgr_sessions_cancelled_total")
     c = _client(gw, timeout=0.5)
@@ -209,26 +234,47 @@ def _route_ms(resp) -> float:
     return float(dur.removeprefix("dur="))
 
 
-def test_server_timing_reports_the_routes_share_of_the_first_token(gw):
-    """Streaming and not, the answer says how long the route took to its first token; what a
-    client saw beyond that is HTTP's share (what `dgr bench serve` reports as overhead)."""
+def test_the_route_share_of_the_first_token_is_reported(gw):
+    """A non-streamed answer says in ``Server-Timing`` how long the route took to its first token
+    (from the start of the request's handling); a stream says it in its last choice event, since
+    its headers leave before the first token. What a client saw beyond that is HTTP's share (what
+    `dgr bench serve` reports as overhead)."""
     c = _client(gw)
     msgs = [{"role": "user", "content": "hi"}]
     t = time.perf_counter()
-    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
-                                                      stream=True)
-    first = None
-    for ch in raw.parse():
+    chunks, first = [], None
+    for ch in c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, stream=True):
+        chunks.append(ch)
         if first is None and ch.choices and ch.choices[0].delta.content:
             first = time.perf_counter() - t
-    route_ms = _route_ms(raw)
+    last = chunks[-1]
+    assert last.choices[0].finish_reason is not None
+    route_ms = last.model_extra["server_timing"]["route_ms"]
     assert first is not None and 0 < route_ms <= first * 1e3
+    assert all("server_timing" not in (ch.model_extra or {}) for ch in chunks[:-1])
     plain = c.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
     assert _route_ms(plain) > 0 and plain.parse().usage.completion_tokens >= 1
     # a refused request never reached the route: no route timing on it
     bad = httpx.post(gw.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                      json={"model": MODEL, "prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and "server-timing" not in bad.headers
+
+
+def test_stream_headers_leave_before_the_first_token_and_refusals_stay_http_errors(gw):
+    """The 200 and the opening event come while the route prefills; a prompt the gateway can
+    refuse (token ids outside the vocabulary, too long) is still an HTTP 400 when streamed."""
+    hdr = {"Authorization": f"Bearer {KEY}"}
+    for body in ({"prompt": [256, 10**6]}, {"prompt": "x", "max_tokens": 10**6}):
+        r = httpx.post(gw.url + "/v1/completions", headers=hdr,
+                       json={"model": MODEL, "stream": True, "max_tokens": 4, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("prompt", "max_tokens"), r.text
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", headers=hdr, timeout=30,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                            "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        opening = json.loads(next(ln for ln in lines if ln.startswith("data: "))[len("data: "):])
+        assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
 def test_openai_shaped_errors(gw):

@@ -34,7 +34,7 @@ class RequestResult:
     last_s: float                  # last content, since the level started
     text: str = ""
     error: str | None = None
-    route_ttft_s: float | None = None   # dgr serve: its Server-Timing "route" (handling start -> first token)
+    route_ttft_s: float | None = None   # dgr serve: the route's share of the TTFT (its stream's "server_timing")
 
 
 @dataclass
@@ -98,16 +98,19 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
         sent = time.perf_counter()
         first = last = None
         usage = None
+        route_ttft: float | None = None
         parts: list[str] = []
         try:
-            raw = await client.chat.completions.with_raw_response.create(
+            stream = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0,
                 stream=True, stream_options={"include_usage": True},
                 extra_body={"ignore_eos": not stop_at_eos, "cache_prompt": False})
-            route_ttft = server_timing_s(raw.headers.get("server-timing"), "route")
-            async for ch in raw.parse():
+            async for ch in stream:
                 if ch.usage is not None:
                     usage = ch.usage
+                if route_ttft is None and isinstance((ch.model_extra or {}).get("server_timing"), dict):
+                    ms = ch.model_extra["server_timing"].get("route_ms")   # dgr serve's stream
+                    route_ttft = ms / 1e3 if isinstance(ms, (int, float)) else None
                 if ch.choices and ch.choices[0].delta.content:
                     now = time.perf_counter()
                     first = first or now
@@ -126,21 +129,6 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
     finally:
         await client.close()
     return LevelResult(lane, len(prompts), list(res), time.perf_counter() - t0)
-
-
-def server_timing_s(header: str | None, name: str) -> float | None:
-    """Seconds of metric ``name`` in a ``Server-Timing`` header (``name;dur=<ms>;…``), or None."""
-    for metric in (header or "").split(","):
-        parts = [x.strip() for x in metric.split(";")]
-        if parts[0] != name:
-            continue
-        for x in parts[1:]:
-            if x.startswith("dur="):
-                try:
-                    return float(x[4:]) / 1e3
-                except ValueError:
-                    return None
-    return None
 
 
 def proc_cpu_s(pid: int) -> float:

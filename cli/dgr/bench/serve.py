@@ -20,9 +20,10 @@ Threads: every worker and llama-server get the same count, by default one fewer 
 (at least 1). The load generator and the gateway are processes of their own and need a core;
 compute threads on every core would measure their contention with them, not the servers.
 
-TTFT overhead is measured per request: the client's time to first token minus the gateway's
-``Server-Timing: route`` (from the start of the request's handling, before the prompt is
-formatted, to the route's first token: what the driver lane times). The rest is what HTTP, the
+TTFT overhead is measured per request: the client's time to first token minus the route's share
+that the gateway reports on the answer (``server_timing.route_ms`` in a stream's last choice
+event, ``Server-Timing: route`` on a plain answer): from the start of the request's handling,
+before the prompt is formatted, to the route's first token, which is what the driver lane times. The rest is what HTTP, the
 framework, the event stream and the client added to that request. The difference of the two
 lanes' p50 is reported too (``gateway_vs_driver_ttft_p50_diff_s``); it carries both lanes'
 compute noise. Targets (ratios of medians, measured side by side):
@@ -291,7 +292,7 @@ def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], 
                 continue
             if k == "gateway_ttft_overhead_s" and not overhead:
                 checks.append({"concurrency": level, "check": k, "value": None, "met": False,
-                               "note": "no gateway answer carried Server-Timing"})
+                               "note": "no gateway answer reported its route timing (server_timing)"})
                 continue
             checks.append({"concurrency": level, "check": k, "value": cmp_[k], "met": ok})
         cpu = {ln: _median_cpu(runs.get((ln, level), [])) for ln in dec}

@@ -181,8 +181,17 @@ class Generation:
         self.ttft_s: float | None = None
         self.t0 = time.perf_counter() if t0 is None else t0
         self.finish_reason: str | None = None
+        self._q: asyncio.Queue[Any] = asyncio.Queue()
+        self._task: asyncio.Task[Any] | None = None
+        self._closed = False
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def start(self) -> None:
+        """Checks the request against the route's positions, takes an admission slot (429 when
+        over capacity) and starts the route session. Raises :class:`GatewayError` before
+        anything runs; once it returns, :meth:`deltas` or :meth:`close` must follow (both end the
+        session and free the slot). Called by :meth:`deltas` when not yet called."""
+        if self._task is not None:
+            return
         eng = self.engine
         left = eng.max_positions - len(self.prompt_ids)
         if left < 1:
@@ -194,8 +203,7 @@ class Generation:
             raise GatewayError(400, f"max_tokens {max_tokens} + {len(self.prompt_ids)} prompt tokens exceed the "
                                f"{eng.max_positions} positions a session may hold", code="context_length_exceeded",
                                param="max_tokens")
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        text = _TextStream(self.params.stop)
+        q = self._q
 
         def on_token(tok: int) -> None:
             if self.ttft_s is None:     # stamped on arrival, not when this request's task next runs
@@ -211,7 +219,27 @@ class Generation:
             eng.admission.release()
             raise
         task.add_done_callback(lambda _t: q.put_nowait(self._DONE))
+        self._task = task
         eng.active[self.session_id] = self
+
+    async def close(self) -> None:
+        """Ends the session on every shard (when still running) and frees its slot; once, and
+        also when the request is being cancelled (the cleanup runs in its own task)."""
+        if self._task is None or self._closed:
+            return
+        self._closed = True
+        self.engine.active.pop(self.session_id, None)
+        cleanup = asyncio.ensure_future(self.engine.finish(self.session_id, self._task))
+        try:
+            await asyncio.shield(cleanup)
+        except asyncio.CancelledError:
+            pass
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        await self.start()
+        task, q, eng = self._task, self._q, self.engine
+        assert task is not None
+        text = _TextStream(self.params.stop)
         try:
             done = False
             while not done:
@@ -237,14 +265,7 @@ class Generation:
             self.finish_reason = "length" if res.finish_reason == "length" and not text.stopped else "stop"
             yield Delta(out, self.finish_reason)
         finally:
-            eng.active.pop(self.session_id, None)
-            # ends the session on every shard (when still running) and then frees the slot; in
-            # its own task, so that it completes even when this request is being cancelled
-            cleanup = asyncio.ensure_future(eng.finish(self.session_id, task))
-            try:
-                await asyncio.shield(cleanup)
-            except asyncio.CancelledError:
-                pass
+            await self.close()
 
     async def collect(self) -> str:
         parts = [d.text async for d in self.deltas()]
@@ -272,6 +293,7 @@ class Engine:
         caps = [s.capability.capacity for s in driver.shards]
         self.max_positions = min(c.max_session_positions or 2048 for c in caps)
         self.worker_slots = min(c.max_sessions or 1 for c in caps)
+        self.n_vocab = driver.shards[0].capability.identity.n_vocab
         self.admission = Admission(slots or self.worker_slots, queue)
         self.created = int(time.time())
         self.active: dict[str, Generation] = {}
