@@ -207,9 +207,9 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig) -> dict[str, Any]:
             if llama is not None:
                 lanes["llama_server"] = lambda ps: run_level(llama.url + "/v1", model_id, ps,
                                                              max_tokens=cfg.max_tokens, lane="llama_server")
-            say("warm-up: one request per lane")
+            say(f"warm-up: {top} concurrent requests per lane")
             for fn in lanes.values():
-                asyncio.run(fn(base[:1]))
+                asyncio.run(fn([base[i % len(base)] for i in range(top)]))
             for level in cfg.levels:
                 prompts = [base[i % len(base)] for i in range(level)]
                 for rep in range(rotations(level, top, cfg.repeats)):
