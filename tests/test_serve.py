@@ -363,3 +363,22 @@ def test_cli_refuses_bad_options_in_one_line(args, message):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1
     assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_the_bench_load_generator_against_the_gateway(gw):
+    """`dgr bench serve`'s OpenAI-API load generator (httpx): concurrent streams, the token
+    counts the server reports, the route's share of each TTFT, and refusals recorded per request."""
+    from dgr.bench.loadgen import run_level
+
+    lv = asyncio.run(run_level(gw.url + "/v1", MODEL, ["hi", "what is a shard?", "yo"], max_tokens=6, api_key=KEY,
+                               lane="gw"))
+    assert lv.ok and lv.concurrency == 3, [r.error for r in lv.requests]
+    for r in lv.requests:
+        assert r.completion_tokens == 6 and r.prompt_tokens > 1 and r.text    # ignore_eos: every answer full
+        assert r.route_ttft_s is not None and 0 < r.route_ttft_s <= r.ttft_s
+        assert 0 <= r.first_s <= r.last_s
+    assert lv.aggregate_decode_tok_s > 0
+    bad = asyncio.run(run_level(gw.url + "/v1", MODEL, ["hi"], max_tokens=4, api_key="wrong"))
+    assert not bad.ok and bad.requests[0].error.startswith("HTTP 401")
+    gone = asyncio.run(run_level(gw.url + "/v1", "no-such-model", ["hi"], max_tokens=4, api_key=KEY))
+    assert "model_not_found" in gone.requests[0].error

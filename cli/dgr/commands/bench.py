@@ -197,7 +197,7 @@ def serve(
     out: Path = typer.Option(Path("serve-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """dgr serve vs the route driver called directly and vs llama-server (-np = top level), one run:
-    1/4/8 concurrent streaming chat requests from the openai async client; JSON with every number."""
+    1/4/8 concurrent streaming chat requests (an OpenAI-API load generator on httpx); JSON with every number."""
     from ..errors import DgrError
     from ..bench import serve as sb
     from ..gguf.models import resolve_model
