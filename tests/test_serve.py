@@ -174,6 +174,12 @@ def test_client_disconnect_cancels_the_session_on_every_shard(gw, shards):
     _wait_idle(shards)
     after = [_counter(w.target, "dgr_sessions_cancelled_total") for w in shards]
     assert after[0] > before[0], "the head never saw a cancel: the session ran to its end instead"
+    # the gateway counted the abandoned stream as finished (499), not as still in flight
+    end = time.monotonic() + 10
+    while "dgr_gateway_in_flight_requests 0.0" not in (m := httpx.get(gw.url + "/metrics").text):
+        assert time.monotonic() < end, m
+        time.sleep(0.02)
+    assert 'dgr_gateway_requests_total{status="499"}' in m
 
 
 def test_a_started_generation_that_is_never_read_still_ends_and_frees_its_slot(shards):

@@ -92,9 +92,9 @@ class _EventStream(StreamingResponse):
     the client disconnected, and whose generation is always closed too (that cancels its route
     session and frees its slot, also when the generator never started)."""
 
-    def __init__(self, content: Any, gen: Generation, **kw: Any) -> None:
+    def __init__(self, content: Any, gen: Generation, on_end: Any, **kw: Any) -> None:
         super().__init__(content, **kw)
-        self.gen = gen
+        self.gen, self.on_end = gen, on_end
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -106,6 +106,7 @@ class _EventStream(StreamingResponse):
                 await self.body_iterator.aclose()   # type: ignore[attr-defined]
             finally:
                 await self.gen.close()
+                self.on_end()
 
 
 def _error(exc: GatewayError) -> JSONResponse:
@@ -217,7 +218,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
         p = req.prompt
         if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
             ids = [int(x) for x in p]
-            bad = next((x for x in ids if not 0 <= x < engine.n_vocab), None)
+            bad = next((x for x in ids if x < 0 or 0 < engine.n_vocab <= x), None)   # n_vocab 0: not known
             if bad is not None:   # refused here, before any answer starts (streamed or not)
                 raise GatewayError(400, f"token id {bad} is outside the model's vocabulary (0..{engine.n_vocab - 1})",
                                    param="prompt", code="invalid_value")
@@ -249,8 +250,9 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             except GatewayError as exc:
                 metrics.finished(gen, exc.status)
                 raise
-            return _EventStream(_stream(gen, rid, created, obj + ".chunk" if chat else obj, chat,
-                                        req.include_usage, echo), gen,
+            status = [499]   # the stream's final status (499 unless it completes); counted once it ends
+            return _EventStream(_stream(gen, status, rid, created, obj + ".chunk" if chat else obj, chat,
+                                        req.include_usage, echo), gen, lambda: metrics.finished(gen, status[0]),
                                 media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         collect = asyncio.ensure_future(gen.collect())
@@ -281,9 +283,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": engine.model_id,
                              "choices": [choice], "usage": gen.usage.to_json()}, headers=_server_timing(gen))
 
-    async def _stream(gen: Generation, rid: str, created: int, obj: str, chat: bool, include_usage: bool,
-                      echo: str) -> AsyncIterator[bytes]:
-        status = 499   # unless it completes
+    async def _stream(gen: Generation, status: list[int], rid: str, created: int, obj: str, chat: bool,
+                      include_usage: bool, echo: str) -> AsyncIterator[bytes]:
         it = gen.deltas()
         try:
             def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
@@ -313,13 +314,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
                 yield _sse({"id": rid, "object": obj, "created": created, "model": engine.model_id, "choices": [],
                             "usage": gen.usage.to_json()})
             yield b"data: [DONE]\n\n"
-            status = 200
+            status[0] = 200
         except GatewayError as exc:   # after the 200: the error travels as an event
-            status = exc.status
+            status[0] = exc.status
             yield _sse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}})
         finally:
             await it.aclose()
-            metrics.finished(gen, status)
 
     return app
 
