@@ -101,13 +101,13 @@ def shared_cpus(n_shards: int, threads: int | None, fake: bool = False) -> list[
     """The CPUs every Shard of a co-located route runs on, or [] (no pinning).
 
     The Shards of a route on one host take turns: one batch travels the route, and the
-    scheduler keeps two groups from computing on shared cores at once (docs/worker.md). When
+    scheduler keeps two groups from computing on shared cores at once (docs/routes.md). When
     each Shard has fewer threads than this process may use, all of them run on the same first
     ``threads`` CPUs: the hand-off from one Shard to the next then lands on a core that is awake
     and has the caches warm, and the other CPUs stay free for the driver or the gateway.
-    Measured, SmolLM2 0:15|15:30, 1 thread per Shard, 2 cores, one session: 15.0 ms per token
-    with each Shard free to run anywhere, 13.6-14.0 with both on one core (the whole model on one
-    worker: 12.7). A single Shard, or threads covering every CPU, is left alone."""
+    Measured, SmolLM2 0:15|15:30, 1 thread per Shard, 2 cores, one session: 15.0-16.0 ms per
+    token with each Shard free to run anywhere, 13.6-14.4 with both on one core (the whole model
+    on one worker: 12.7). A single Shard, or threads covering every CPU, is left alone."""
     if fake or n_shards < 2 or not threads:
         return []
     try:
