@@ -93,4 +93,3 @@ def test_every_lane_serves_the_same_requests_at_every_level():
     assert [sb.rotations(level, 8, 2) for level in (1, 4, 8)] == [16, 4, 2]
     assert sb.rotations(3, 8, 1) == 3          # ceil(8 / 3): never fewer requests than the top level
     assert sb.default_threads() >= 1
-
