@@ -93,3 +93,22 @@ def test_every_lane_serves_the_same_requests_at_every_level():
     assert [sb.rotations(level, 8, 2) for level in (1, 4, 8)] == [16, 4, 2]
     assert sb.rotations(3, 8, 1) == 3          # ceil(8 / 3): never fewer requests than the top level
     assert sb.default_threads() >= 1
+
+
+def test_every_bench_json_records_the_tree_it_ran_from(tmp_path):
+    import subprocess
+
+    from dgr import paths
+    from dgr.commands import bench as cmd
+
+    cmd._started_at.clear()
+    cmd._tree_state()                     # what `dgr bench …` runs before any benchmark
+    out = tmp_path / "r.json"
+    cmd._write(out, {"bench": "x"}, "summary")
+    git = json.loads(out.read_text())["git"]
+    head = subprocess.run(["git", "-C", str(paths.repo_root()), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    if not head:
+        pytest.skip("not a git checkout")
+    assert git["git_commit"] == head and isinstance(git["git_dirty"], bool)
+    assert json.loads(out.read_text())["bench"] == "x"

@@ -10,9 +10,28 @@ import typer
 
 app = typer.Typer(no_args_is_help=True)
 
+_started_at: dict = {}   # the dgr tree's git state when this benchmark started (see _tree_state)
+
+
+@app.callback()
+def _tree_state() -> None:
+    """Records the commit the dgr tree is at when a benchmark starts, and whether it has
+    changes: every results JSON carries it (``git``), so that a figure can be traced to the
+    code that produced it and a run from a dirty tree is visible as one."""
+    from ..accept.evidence import git_state
+    from ..errors import DgrError
+
+    try:
+        _started_at.update(git_state(ignore=()))
+    except DgrError:   # not run from a clone: nothing to record
+        _started_at.update(git_commit=None, git_dirty=None, git_dirty_paths=[])
+
 
 def _write(out: Path, doc: dict, summary: str) -> None:
-    """Writes a benchmark's results JSON to ``out`` and prints its summary and where it went."""
+    """Writes a benchmark's results JSON to ``out`` (with the tree's git state at the start)
+    and prints its summary and where it went."""
+    if _started_at and isinstance(doc, dict):
+        doc = {**doc, "git": dict(_started_at)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     typer.echo(summary)
