@@ -382,7 +382,7 @@ def test_the_bench_load_generator_against_the_gateway(gw):
     for r in lv.requests:
         assert r.completion_tokens == 6 and r.prompt_tokens > 1 and r.text    # ignore_eos: every answer full
         assert r.route_ttft_s is not None and 0 < r.route_ttft_s <= r.ttft_s
-        assert 0 < r.send_s < 5            # the clock starts once the request's last byte is written
+        assert 0 < r.send_s < 5            # the clock starts when the request's body is about to be written
         assert 0 <= r.first_s <= r.last_s
     assert lv.aggregate_decode_tok_s > 0
     bad = asyncio.run(run_level(gw.url + "/v1", MODEL, ["hi"], max_tokens=4, api_key="wrong"))

@@ -30,13 +30,13 @@ START_TIMEOUT_S = 120.0
 class RequestResult:
     prompt_tokens: int
     completion_tokens: int
-    ttft_s: float                  # request sent (its last byte written) -> first content
+    ttft_s: float                  # request sent (its body about to be written) -> first content
     first_s: float                 # first content, since the level started
     last_s: float                  # last content, since the level started
     text: str = ""
     error: str | None = None
     route_ttft_s: float | None = None   # dgr serve: the route's share of the TTFT (its stream's "server_timing")
-    send_s: float = 0.0                 # from this request's turn in the client to its last byte written
+    send_s: float = 0.0                 # from this request's turn in the client to its body's write
 
 
 @dataclass
@@ -94,11 +94,14 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
     server 9-13 ms after its headers, while the loop built the other seven, and that time was
     counted into every server's time to first token.
 
-    A request's time to first token runs from the moment its last byte was written (httpcore's
-    ``trace`` event ``http11.send_request_body.complete``), not from its coroutine's turn: one
-    event loop playing N users writes their requests one after another, and at 8 concurrent the
-    last byte left 0.5-11 ms (median 3.2) after the request's coroutine began. That turn-taking is
-    the load generator's, not the server's; it is kept per request as ``send_s``."""
+    A request's time to first token runs from the moment its body is about to be written
+    (httpcore's ``trace`` event ``http11.send_request_body.started``; its headers are already
+    out), not from its coroutine's turn: one event loop playing N users writes their requests
+    one after another, and at 8 concurrent the body left 0.5-11 ms (median 3.2) after the
+    request's coroutine began. That turn-taking is the load generator's, not the server's; it is
+    kept per request as ``send_s``. The stamp is taken before the body's write, never after:
+    ``...body.complete`` fires only once this loop resumes the request, which can be after the
+    server has already started on it (seen: a route share longer than the client's TTFT)."""
     import httpx
 
     url = base_url.rstrip("/") + "/chat/completions"
@@ -122,7 +125,7 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
             written: list[float] = []
 
             async def trace(name: str, _info: Any) -> None:
-                if name == "http11.send_request_body.complete":
+                if name == "http11.send_request_body.started":
                     written.append(time.perf_counter())
 
             first = last = None
