@@ -46,7 +46,12 @@ class LevelResult:
     requests: list[RequestResult]
     wall_s: float
     cpu_s: dict[str, float] = field(default_factory=dict)   # process name -> CPU seconds in this level
-    gateway_ttft_mean_s: float | None = None   # dgr serve lanes: TTFT as the gateway measured it
+
+    @property
+    def gateway_ttft_mean_s(self) -> float | None:
+        """dgr serve lanes: the mean route share of the TTFT the gateway reported, else None."""
+        inner = [r.route_ttft_s for r in self.requests if r.error is None and r.route_ttft_s is not None]
+        return statistics.mean(inner) if inner else None
 
     @property
     def ok(self) -> bool:

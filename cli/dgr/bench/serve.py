@@ -132,22 +132,6 @@ async def _driver_level(endpoints: Sequence[str], prompts: Sequence[str], max_to
         await d.close()
 
 
-def _gateway_ttft(url: str) -> tuple[float, float]:
-    """(sum, count) of the gateway's own TTFT histogram (request arrival -> first token)."""
-    import httpx
-
-    s = c = 0.0
-    try:
-        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-            if line.startswith("dgr_gateway_time_to_first_token_seconds_sum"):
-                s = float(line.split()[-1])
-            elif line.startswith("dgr_gateway_time_to_first_token_seconds_count"):
-                c = float(line.split()[-1])
-    except Exception:  # noqa: BLE001 - a diagnostic only
-        pass
-    return s, c
-
-
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
@@ -216,8 +200,6 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig) -> dict[str, Any]:
                 for rep in range(rotations(level, top, cfg.repeats)):
                     order = list(lanes) if rep % 2 == 0 else list(reversed(lanes))
                     for lane in order:
-                        gw_url = {"gateway_split": gsplit.url, "gateway_whole": gwhole.url}.get(lane)
-                        t0 = _gateway_ttft(gw_url) if gw_url else (0.0, 0.0)
                         c0 = {k: proc_cpu_s(p) for k, p in procs.items()}
                         c0["bench_client"] = time.process_time()
                         res = asyncio.run(lanes[lane](prompts))
@@ -225,10 +207,6 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig) -> dict[str, Any]:
                         c1["bench_client"] = time.process_time()
                         res.lane = lane
                         res.cpu_s = {k: round(c1[k] - c0[k], 3) for k in procs if c1[k] - c0[k] > 0.005}
-                        if gw_url:
-                            t1 = _gateway_ttft(gw_url)
-                            if t1[1] > t0[1]:
-                                res.gateway_ttft_mean_s = (t1[0] - t0[0]) / (t1[1] - t0[1])
                         runs.setdefault((lane, level), []).append(res)
                         say(f"  {level:>2} concurrent, {lane:<14} repeat {rep + 1}: "
                             f"{res.aggregate_decode_tok_s:7.1f} tok/s aggregate decode, "
@@ -244,15 +222,14 @@ def run_serve_bench(model: Path, cfg: ServeBenchConfig) -> dict[str, Any]:
 def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], threads: int,
               runs: dict[tuple[str, int], list[LevelResult]], load0: tuple[float, ...], load1: tuple[float, ...],
               wall: float, llama: LlamaServer | None, llama_rss: int) -> dict[str, Any]:
-    def med(lane: str, level: int, attr: str) -> float:
-        vals = [getattr(r, attr) for r in runs.get((lane, level), []) if r.ok]
+    def p50(vals: list[float]) -> float:
         return statistics.median(vals) if vals else 0.0
+
+    def med(lane: str, level: int, attr: str) -> float:
+        return p50([getattr(r, attr) for r in runs.get((lane, level), []) if r.ok])
 
     def reqs(lane: str, level: int) -> list[RequestResult]:
         return [q for r in runs.get((lane, level), []) if r.ok for q in r.requests]
-
-    def p50(vals: list[float]) -> float:
-        return statistics.median(vals) if vals else 0.0
 
     levels_doc = []
     checks = []
@@ -335,8 +312,8 @@ def _where(cpu: dict[str, dict[str, float]], runs_by_lane: dict[str, list[LevelR
         client = [statistics.mean(x.ttft_s for x in r.requests if x.error is None)
                   for r in runs_by_lane.get(lane, []) if r.ok]
         if inner and client:
-            # TTFT inside the gateway (request arrival -> first token) vs what the client saw: the
-            # difference is HTTP, the event stream and the client's own scheduling
+            # the route's share of the TTFT (the gateway's own report) vs what the client saw: the
+            # difference is HTTP, the framework, the event stream and the client
             out[lane]["ttft_mean_inside_gateway_s"] = statistics.median(inner)
             out[lane]["ttft_mean_at_client_s"] = statistics.median(client)
     d = cpu.get("driver_split", {})
