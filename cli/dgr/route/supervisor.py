@@ -26,6 +26,7 @@ import grpc
 
 from ..procfs import status_bytes
 from ..protocol.client import WorkerClient
+from ..protocol.errors import WorkerUnavailable
 
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 _METRICS = re.compile(r"metrics on (\S+):(\d+)/metrics")
@@ -170,8 +171,20 @@ class WorkerProcess:
                                        + " | ".join(w.stderr_lines[-10:]))
         client = w.client()
         try:
-            while client.health() != "SERVING":
+            while True:
+                try:
+                    if client.health() == "SERVING":
+                        break
+                except WorkerUnavailable:
+                    # seen once in CI: the port refused the first health check right after the
+                    # worker announced it; a worker still running gets asked again, a dead one
+                    # is reported with its own last words
+                    if proc.poll() is not None:
+                        w.kill()
+                        raise WorkerStartError(f"worker exited (exit {proc.poll()}) after announcing its port: "
+                                               + " | ".join(w.stderr_lines[-10:])) from None
                 if time.monotonic() > end:
+                    w.kill()
                     raise WorkerStartError("worker never reported SERVING")
                 time.sleep(0.05)
         finally:
