@@ -65,6 +65,26 @@ def test_a_target_without_its_lane_is_not_judged():
     assert one["met"] is None and "not measured" in one["note"]
 
 
+def test_a_run_with_only_some_session_counts():
+    # --sessions 4,8: the seam is judged at 4 sessions; --sessions 1: no llama-batched-bench, and
+    # the multi-session targets are not judged
+    doc = _doc()
+    for res in doc["by_rtt"].values():
+        res["route"].pop("1")
+    seam = next(x for x in targets(doc) if x["target"].startswith("seam bytes"))
+    assert seam["met"] and seam["note"] == "4 session(s)" and seam["per_repeat"] == [4800.0, 4800.0]
+    doc = _doc()
+    doc["one_host"]["batched_bench"] = []
+    for res in doc["by_rtt"].values():
+        res["route"] = {"1": res["route"]["1"]}
+        res["rpc"] = [{"llama_bench": {"tg_tok_s": 85.0}, "batched_bench": {"by_batch": {}}}]
+    doc["targets"] = targets(doc)
+    t = {x["target"].split(":")[0]: x for x in doc["targets"]}
+    assert t["8 sessions, no added latency"]["met"] is None and t["1 session, no added latency"]["met"] is not None
+    text = summary(doc)
+    assert "N/A  8 sessions" in text and "llama-batched-bench" in text
+
+
 def test_even_split():
     assert even_split(30, 2) == [(0, 15), (15, 30)]
     assert even_split(30, 3) == [(0, 10), (10, 20), (20, 30)]

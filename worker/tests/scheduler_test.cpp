@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -392,6 +393,61 @@ void test_boundary_fragments_assemble_into_the_tail() {
     CHECK(reason_of(ts->answer(3)) == "ERROR_REASON_BAD_BUNDLE", "corrupt bundle");
 }
 
+// A pipelining Shard forwards the rows of one batch one per session stream, marked with the
+// batch and its row count (StepFrame.batch). The next Shard waits for all of them (within its
+// gather deadline) and computes them as one batch, even when it predicts no row soon: here
+// every session's rows came far apart before, and the three rows of the hinted batch come 1 ms
+// apart. Without the mark the first row is computed alone (checked: 2 decode calls).
+void test_rows_of_an_upstream_batch_are_computed_together() {
+    FakeModelOptions m = model(4, 8);
+    m.decode_delay_ms = 40;  // gather deadline: min(5 ms, a quarter of a decode call)
+    Worker tail(m);
+    const uint32_t E = tail.backend.info().n_embd;
+    const std::vector<float> rows(2 * E, 0.25f);
+    const std::vector<std::string> ids = {"a", "b", "c"};
+    std::vector<Frames> fs;
+    std::vector<std::shared_ptr<Sink>> sinks;
+    for (const std::string & id : ids) {
+        fs.push_back(tail.frames(id));
+        sinks.push_back(std::make_shared<Sink>());
+        pb::SessionRequest open = fs.back().step_frame(pb::PHASE_PREFILL, 0, 2);
+        *open.mutable_step()->mutable_bundle() = dgr::bundle::boundary_bundle(rows.data(), 2, E, 1 << 20);
+        open.mutable_step()->set_pipelined(true);
+        tail.post(sinks.back(), open);
+        CHECK(!sinks.back()->answer(1).has_error(), "opening %s", id.c_str());
+        fs.back().pos = 2;
+    }
+    auto decode = [&](size_t k, bool hinted) {
+        Frames & f = fs[k];
+        f.step++;
+        pb::SessionRequest fr = f.step_frame(pb::PHASE_DECODE, f.pos, f.pos + 1);
+        *fr.mutable_step()->mutable_bundle() = dgr::bundle::boundary_bundle(rows.data(), 1, E, 1 << 20);
+        if (hinted) {
+            fr.mutable_step()->mutable_batch()->set_id(7);
+            fr.mutable_step()->mutable_batch()->set_rows(3);
+        }
+        f.pos++;
+        tail.post(sinks[k], fr);
+    };
+    // two rows each, far apart: each session's next row is predicted a long way off (the gap
+    // is learnt from decode to decode)
+    for (size_t round = 0; round < 2; ++round) {
+        for (size_t k = 0; k < ids.size(); ++k) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(60));
+            decode(k, false);
+            CHECK(!sinks[k]->answer(2 + round).has_error(), "decode %s", ids[k].c_str());
+        }
+    }
+    const uint64_t batches0 = tail.metrics.batches.load();
+    for (size_t k = 0; k < ids.size(); ++k) {
+        if (k > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        decode(k, true);
+    }
+    for (size_t k = 0; k < ids.size(); ++k) CHECK(!sinks[k]->answer(4).has_error(), "hinted decode %s", ids[k].c_str());
+    CHECK(tail.metrics.batches.load() - batches0 == 1, "the 3 rows of one upstream batch took %llu decode calls",
+          (unsigned long long) (tail.metrics.batches.load() - batches0));
+}
+
 void test_admission_over_budget() {
     SchedulerOptions o = options();
     o.max_sessions = 1;
@@ -487,6 +543,7 @@ int main() {
     test_release_frees_kv_cells();
     test_state_errors_name_the_reason();
     test_boundary_fragments_assemble_into_the_tail();
+    test_rows_of_an_upstream_batch_are_computed_together();
     test_admission_over_budget();
     test_sessions_are_owned_by_their_stream();
     if (g_failures) {

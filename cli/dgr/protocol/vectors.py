@@ -289,6 +289,13 @@ def _open_pipelined_bundle() -> Message:
         bundle=bundle, sample=True, pipelined=True))
 
 
+def _fast_bundle_batch_hint() -> Message:
+    # a DECODE row a pipelining Shard forwards: one of 4 rows of its batch 12 (UpstreamBatch)
+    msg = _fast_bundle()
+    msg.fast_decode.batch.CopyFrom(pb.UpstreamBatch(id=12, rows=4))
+    return msg
+
+
 def _newer_fields() -> Message:
     cls = newer_schema()
     bundle = cls("TensorBundle")()
@@ -333,6 +340,7 @@ CASES: tuple[Case, ...] = (
     Case("session_open_pipelined_bundle", "SessionRequest", "current", _open_pipelined_bundle, "accept"),
     Case("session_fast_decode_token", "SessionRequest", "current", _fast_token, "accept"),
     Case("session_fast_decode_bundle", "SessionRequest", "current", _fast_bundle, "accept"),
+    Case("session_fast_decode_batch_hint", "SessionRequest", "current", _fast_bundle_batch_hint, "accept"),
     Case("session_truncate", "SessionRequest", "current", _truncate, "accept"),
     Case("session_release", "SessionRequest", "current", _release, "accept"),
     Case("response_boundary", "SessionResponse", "current", _response_boundary),

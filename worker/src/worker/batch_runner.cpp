@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 
 namespace dgr::worker {
 
@@ -131,6 +132,16 @@ void Scheduler::run_batch() {
     metrics_.batch_occupancy.observe((double) items.size());
     metrics_.prefill_tokens += n_prefill;
     metrics_.decode_tokens += n_decode;
+    // pipelined route: the chained DECODE rows of this batch go down one per session stream; each
+    // says how many went to the same next Shard (StepFrame.batch), so that Shard can compute them
+    // as one batch too instead of starting on the first to arrive
+    std::map<std::string, uint32_t> fwd_rows;
+    for (size_t k = 0; k < items.size(); ++k) {
+        if (sess[k]->chain.down && items[k]->decode && paced_by_pipeline(*sess[k])) {
+            fwd_rows[sess[k]->chain.hop.endpoint()]++;
+        }
+    }
+    if (!fwd_rows.empty()) fwd_batch_seq_++;
     for (size_t k = 0; k < items.size(); ++k) {
         Work & w = *items[k];
         Session & s = *sess[k];
@@ -157,7 +168,8 @@ void Scheduler::run_batch() {
         bool finished = false;
         pb::SessionResponse r = answer_of(w, s, first_row[k], last_row[k], &sampled, &finished);
         if (s.chain.down) {  // chained route: the answer comes from downstream
-            forward(s, w, r);
+            const auto it = w.decode && paced_by_pipeline(s) ? fwd_rows.find(s.chain.hop.endpoint()) : fwd_rows.end();
+            forward(s, w, r, it == fwd_rows.end() ? 0 : it->second);
             continue;
         }
         s.stored = r;

@@ -129,7 +129,7 @@ void Scheduler::absorb_pieces(Work & w) {
     w.piece_more = false;
 }
 
-void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r) {
+void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r, uint32_t hint_rows) {
     ChainState & c = s.chain;
     s.busy = true;
     if (w.piece_more) {
@@ -185,6 +185,10 @@ void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r) {
             for (const auto & hop : c.rest) *f->add_downstream() = hop;
             f->set_pipelined(paced_by_pipeline(s));
         }
+        if (hint_rows > 1) {
+            f->mutable_batch()->set_id(fwd_batch_seq_);
+            f->mutable_batch()->set_rows(hint_rows);
+        }
     } else {
         auto * f = fr.mutable_fast_decode();
         f->set_session_id(s.id);
@@ -193,6 +197,10 @@ void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r) {
         f->set_position(w.pos0);
         *f->mutable_bundle() = std::move(*r.mutable_boundary());
         f->set_request_id(w.header.request_id());
+        if (hint_rows > 1) {
+            f->mutable_batch()->set_id(fwd_batch_seq_);
+            f->mutable_batch()->set_rows(hint_rows);
+        }
     }
     c.step++;
     c.opened = true;

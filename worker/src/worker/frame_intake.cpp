@@ -185,6 +185,13 @@ void Scheduler::on(FrameEvent & ev) {
     w->n = n;
     w->sample = in.fast ? true : sf->sample();
     w->t0 = ev.t0;
+    if (w->decode) {
+        const pb::UpstreamBatch & ub = in.fast ? in.req.fast_decode().batch() : sf->batch();
+        if (ub.rows() > 1) {
+            w->up_batch = ub.id();
+            w->up_rows = ub.rows();
+        }
+    }
     if (!take_input(ev, in, s, opening, *w)) return;
 
     // ---- chained route and server-side generation ----

@@ -411,7 +411,9 @@ void Scheduler::loop() {
                     }
                 }
                 const Expected e = expected_decoders(short_deadline);
-                if (e.plain == 0 && e.colocated_chain == 0) break;
+                // rows forwarded together by a pipelining Shard (StepFrame.batch) are waited for
+                // until all are here, within the same short deadline
+                if (e.plain == 0 && e.colocated_chain == 0 && !upstream_batch_incomplete()) break;
                 const auto deadline = e.colocated_chain > 0 ? long_deadline : short_deadline;
                 if (Clock::now() >= deadline) break;
                 std::deque<Event> more;
@@ -467,6 +469,21 @@ uint32_t Scheduler::block_due_by(int64_t block, uint32_t group, Clock::time_poin
         }
     });
     return n;
+}
+
+bool Scheduler::upstream_batch_incomplete() const {
+    // (id, rows hinted, rows queued); a handful of batches at most
+    std::vector<std::pair<uint64_t, std::pair<uint32_t, uint32_t>>> seen;
+    for (const auto & w : decode_q_) {
+        if (w->up_rows <= 1) continue;
+        auto it = std::find_if(seen.begin(), seen.end(), [&](const auto & x) { return x.first == w->up_batch; });
+        if (it == seen.end()) {
+            seen.push_back({w->up_batch, {w->up_rows, 1}});
+        } else {
+            it->second.second++;
+        }
+    }
+    return std::any_of(seen.begin(), seen.end(), [](const auto & x) { return x.second.second < x.second.first; });
 }
 
 uint32_t Scheduler::chain_group_rows() const {

@@ -106,6 +106,10 @@ private:
         // unless it is the last (which carries the client's frame: internal == false)
         bool piece = false;
         bool piece_more = false;
+        // StepFrame.batch of a forwarded DECODE row: the upstream batch it was computed in and how
+        // many rows that batch forwarded here (0: no hint)
+        uint64_t up_batch = 0;
+        uint32_t up_rows = 0;
     };
     struct Intake;  // frame_intake.cpp: one frame's fields and response header
 
@@ -128,6 +132,8 @@ private:
     bool paced_by_pipeline(const Session & s) const;
     // ---- pipelined routes (pipeline.h): the cap on chained DECODE rows per batch (0: none)
     uint32_t chain_group_rows() const;
+    // a queued DECODE row's upstream batch (StepFrame.batch) has rows still on their way here
+    bool upstream_batch_incomplete() const;
     // generating chained sessions of `block` downstream now, next row predicted by `deadline`
     uint32_t block_due_by(int64_t block, uint32_t group, Clock::time_point deadline) const;
     // a DECODE row of `s` is queued: learn its answer-to-next-row gap
@@ -172,7 +178,9 @@ private:
     bundle::Result check_hops(const pb::StepFrame & sf) const;
     void open_chain(Session & s, const pb::StepFrame & sf);
     // sends a completed step's boundary rows to the session's downstream Shard
-    void forward(Session & s, const Work & w, pb::SessionResponse & r);
+    // hint_rows > 1: a pipelined DECODE row, one of hint_rows forwarded to the same next Shard
+    // from this batch (StepFrame.batch, id fwd_batch_seq_)
+    void forward(Session & s, const Work & w, pb::SessionResponse & r, uint32_t hint_rows = 0);
     void on(DownReplyEvent & ev);
     void on(DownEndEvent & ev);
     // "downstream HOST:PORT [A, B)": how errors of a chained session name the next Shard
@@ -204,6 +212,7 @@ private:
     std::deque<std::unique_ptr<Work>> decode_q_;
     std::deque<std::unique_ptr<Work>> prefill_q_;
     double last_decode_s_ = 0.0;  // EWMA of decode-only batch calls
+    uint64_t fwd_batch_seq_ = 0;  // id of the last batch whose rows were forwarded (StepFrame.batch)
     Clock::time_point last_sweep_;
 
     std::atomic<uint32_t> active_{0};

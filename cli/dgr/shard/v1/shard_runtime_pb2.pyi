@@ -366,7 +366,7 @@ class SamplingParams(_message.Message):
     def __init__(self, mode: _Optional[_Union[SamplingMode, str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., ignore_eog: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepFrame(_message.Message):
-    __slots__ = ("header", "tokens", "bundle", "sampling", "sample", "downstream", "generate", "pipelined")
+    __slots__ = ("header", "tokens", "bundle", "sampling", "sample", "downstream", "generate", "pipelined", "batch")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
@@ -375,6 +375,7 @@ class StepFrame(_message.Message):
     DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     header: FrameHeader
     tokens: TokenSpan
     bundle: TensorBundle
@@ -383,7 +384,16 @@ class StepFrame(_message.Message):
     downstream: _containers.RepeatedCompositeFieldContainer[ChainHop]
     generate: GenerateParams
     pipelined: bool
-    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., tokens: _Optional[_Union[TokenSpan, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., downstream: _Optional[_Iterable[_Union[ChainHop, _Mapping]]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., pipelined: _Optional[bool] = ...) -> None: ...
+    batch: UpstreamBatch
+    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., tokens: _Optional[_Union[TokenSpan, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., downstream: _Optional[_Iterable[_Union[ChainHop, _Mapping]]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., pipelined: _Optional[bool] = ..., batch: _Optional[_Union[UpstreamBatch, _Mapping]] = ...) -> None: ...
+
+class UpstreamBatch(_message.Message):
+    __slots__ = ("id", "rows")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    rows: int
+    def __init__(self, id: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class ChainHop(_message.Message):
     __slots__ = ("endpoint", "range", "compatibility_fingerprint")
@@ -406,7 +416,7 @@ class GenerateParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., continue_after_finish: _Optional[bool] = ..., tokens_per_answer: _Optional[int] = ...) -> None: ...
 
 class FastDecodeFrame(_message.Message):
-    __slots__ = ("session_id", "route_epoch", "step", "position", "token_id", "bundle", "request_id")
+    __slots__ = ("session_id", "route_epoch", "step", "position", "token_id", "bundle", "request_id", "batch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -414,6 +424,7 @@ class FastDecodeFrame(_message.Message):
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     route_epoch: int
     step: int
@@ -421,7 +432,8 @@ class FastDecodeFrame(_message.Message):
     token_id: int
     bundle: TensorBundle
     request_id: str
-    def __init__(self, session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    batch: UpstreamBatch
+    def __init__(self, session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., request_id: _Optional[str] = ..., batch: _Optional[_Union[UpstreamBatch, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("step", "fast_decode")
