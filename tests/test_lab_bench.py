@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgr.errors import DgrError
-from dgr.lab.bench import balanced_split, even_split, summary, targets
+from dgr.lab.bench import COUNTERS, _where, balanced_split, even_split, summary, targets
 from dgr.main import app
 
 
@@ -83,6 +83,31 @@ def test_a_run_with_only_some_session_counts():
     assert t["8 sessions, no added latency"]["met"] is None and t["1 session, no added latency"]["met"] is not None
     text = summary(doc)
     assert "N/A  8 sessions" in text and "llama-batched-bench" in text
+
+
+def _stage(busy: float, batches: float, rows: float) -> dict:
+    d = dict.fromkeys(COUNTERS, 0.0)
+    d.update({"dgr_decode_busy_seconds_total": busy, "dgr_decode_only_busy_seconds_total": busy,
+              "dgr_decode_only_batches_total": batches, "dgr_decode_only_rows_total": rows})
+    return d
+
+
+def test_where_time_goes_when_stages_take_turns_and_when_they_overlap():
+    zero = [dict.fromkeys(COUNTERS, 0.0)] * 2
+    # 1 session, 100 tokens at 70 tok/s: 6 + 7 ms of compute per token, the rest is hand-off
+    w = _where(zero, [_stage(0.6, 100, 100), _stage(0.7, 100, 100)], 2.0, 70.0)
+    assert [s["decode_busy_share"] for s in w["stages"]] == pytest.approx([0.42, 0.49])
+    assert not w["stages_overlap"]
+    assert w["handoff_ms_per_step"] == pytest.approx(1e3 / 70 - 13.0)
+    # 8 sessions in 2 groups of 4 at 170 tok/s: 5.25 and 5 ms per token, both stages busy most
+    # of the time at once; step minus compute would be negative, so no hand-off is given
+    w = _where(zero, [_stage(4.2, 200, 800), _stage(4.0, 200, 800)], 5.0, 170.0)
+    assert [s["decode_busy_share"] for s in w["stages"]] == pytest.approx([0.8925, 0.85])
+    assert w["stages_overlap"] and w["handoff_ms_per_step"] is None
+    doc = _doc()
+    doc["by_rtt"]["0"]["route"]["8"] = [{**_run(170.0, c=8), "where": w}] * 2
+    doc["targets"] = targets(doc)
+    assert "decode busy share 0.89/0.85" in summary(doc) and "stages overlap" in summary(doc)
 
 
 def test_even_split():

@@ -131,13 +131,22 @@ def _counters(targets: list[str], tls: Any) -> list[dict[str, float]]:
 
 def _where(before: list[dict[str, float]], after: list[dict[str, float]], wall: float,
            decode_tok_s: float) -> dict[str, Any]:
-    """Per stage: busy share, decode compute per batch, rows per batch, queue wait; per step:
-    the stages' compute and the hand-offs (step time minus compute)."""
+    """Per stage: busy share, decode compute per batch and per token, the stage's decode busy share
+    at the measured rate, rows per batch, queue wait; per step: the stages' compute and the
+    hand-offs (step time minus compute). The hand-offs are defined only while the stages take
+    turns (their decode busy shares sum to at most 1); on a pipelined run they overlap, the
+    subtraction means nothing and ``handoff_ms_per_step`` is None: there each stage's decode busy
+    share says how far it is from being busy all the time."""
     stages = []
     for b, a in zip(before, after):
         d = {k: a[k] - b[k] for k in COUNTERS}
         n = d["dgr_decode_only_batches_total"]
+        per_tok = 1e3 * d["dgr_decode_only_busy_seconds_total"] / d["dgr_decode_only_rows_total"] \
+            if d["dgr_decode_only_rows_total"] else 0.0
         stages.append({"busy_share": d["dgr_decode_busy_seconds_total"] / wall if wall > 0 else 0.0,
+                       "decode_compute_ms_per_token": per_tok,
+                       # the share of the time this stage computes decode rows at the measured rate
+                       "decode_busy_share": per_tok * decode_tok_s / 1e3,
                        "decode_compute_ms_per_batch": 1e3 * d["dgr_decode_only_busy_seconds_total"] / n if n else 0.0,
                        "rows_per_batch": d["dgr_decode_only_rows_total"] / n if n else 0.0,
                        "mean_queue_wait_ms": 1e3 * d["dgr_queue_wait_seconds_sum"] / d["dgr_queue_wait_seconds_count"]
@@ -149,8 +158,9 @@ def _where(before: list[dict[str, float]], after: list[dict[str, float]], wall: 
     rows = stages[0]["rows_per_batch"] if stages else 0.0
     step_ms = 1e3 * rows / decode_tok_s if decode_tok_s > 0 and rows else 0.0
     compute = sum(s["decode_compute_ms_per_batch"] for s in stages)
-    return {"stages": stages, "step_ms": step_ms, "compute_ms_per_step": compute,
-            "handoff_ms_per_step": step_ms - compute if step_ms else 0.0}
+    overlap = sum(s["decode_busy_share"] for s in stages) > 1.0
+    return {"stages": stages, "step_ms": step_ms, "compute_ms_per_step": compute, "stages_overlap": overlap,
+            "handoff_ms_per_step": None if overlap else (step_ms - compute if step_ms else 0.0)}
 
 
 def measure(endpoints: list[str], direct: list[str], tls: Any, *, n_prompt: int, n_gen: int, sessions: int,
@@ -447,12 +457,20 @@ def summary(doc: dict[str, Any]) -> str:
             if not ws or not ws[0]["stages"]:
                 continue
             n = len(ws[0]["stages"])
+            handoffs = [w["handoff_ms_per_step"] for w in ws if w.get("handoff_ms_per_step") is not None]
+            shares = "/".join(f"{_med([w['stages'][i].get('decode_busy_share', 0.0) for w in ws]):.2f}"
+                              for i in range(n))
             lines.append(f"  route {c} session(s): busy share " + "/".join(
                 f"{_med([w['stages'][i]['busy_share'] for w in ws]):.2f}" for i in range(n))
-                + f", step {_med([w['step_ms'] for w in ws]):.2f} ms = compute "
+                + f", decode busy share {shares}, step {_med([w['step_ms'] for w in ws]):.2f} ms, compute "
                 + " + ".join(f"{_med([w['stages'][i]['decode_compute_ms_per_batch'] for w in ws]):.2f}" for i in range(n))
-                + f" + hand-offs {_med([w['handoff_ms_per_step'] for w in ws]):.2f} ms, queue "
-                + "/".join(f"{_med([w['stages'][i]['mean_queue_wait_ms'] for w in ws]):.2f}" for i in range(n)) + " ms")
+                + " ms per batch"
+                + (f" + hand-offs {_med(handoffs):.2f} ms" if len(handoffs) == len(ws)
+                   else " (stages overlap: no hand-off time)")
+                + ", rows per batch " + "/".join(
+                    f"{_med([w['stages'][i]['rows_per_batch'] for w in ws]):.2f}" for i in range(n))
+                + ", queue " + "/".join(f"{_med([w['stages'][i]['mean_queue_wait_ms'] for w in ws]):.2f}"
+                                        for i in range(n)) + " ms")
         lines.append(f"  {doc['long_prompt']}-token prefill tok/s: route "
                      f"{_med([r['prefill_tok_s'] for r in res['route_long_prefill']]):.1f}, whole worker "
                      f"{_med([r['prefill_tok_s'] for r in res['whole_long_prefill']]):.1f}")
