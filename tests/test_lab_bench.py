@@ -110,6 +110,29 @@ def test_where_time_goes_when_stages_take_turns_and_when_they_overlap():
     assert "decode busy share 0.89/0.85" in summary(doc) and "stages overlap" in summary(doc)
 
 
+def test_the_one_host_yardstick_is_the_mean_of_the_hosts():
+    # h2 is slower than h1 (on a VM each host is a vCPU): targets are judged against the mean of
+    # both per repeat, and the ratios against h1 alone are kept
+    doc = _doc()
+    doc["other_hosts"] = {"h2": {
+        "llama_bench": [{"pp_tok_s": 600.0, "pp_long_tok_s": 500.0, "tg_tok_s": 84.0}] * 2,
+        "batched_bench": [{"by_batch": {"4": {"tg_tok_s": 100.0}, "8": {"tg_tok_s": 115.0}}}] * 2}}
+    t = {x["target"].split(":")[0]: x for x in targets(doc)}
+    one = t["1 session, no added latency"]
+    assert one["per_repeat"] == [88 / 88, 90 / 88] and one["met"]
+    assert one["per_repeat_vs_h1"] == [88 / 92, 90 / 92]
+    assert t["8 sessions, no added latency"]["per_repeat"] == [120 / 120, 120 / 120]
+    prefill = next(v for k, v in t.items() if k.startswith("prefill"))
+    assert prefill["per_repeat"] == [600 / 550, 600 / 550]
+    doc["targets"] = targets(doc)
+    text = summary(doc)
+    assert "one host (h2): llama-bench" in text and "yardstick of the targets: mean of h1, h2" in text
+    # a host measured fewer times than h1 (an interrupted run): h1 alone, said so
+    doc["other_hosts"]["h2"]["llama_bench"] = doc["other_hosts"]["h2"]["llama_bench"][:1]
+    assert "per_repeat_vs_h1" not in targets(doc)[0]
+    assert "yardstick of the targets: h1 " in summary(doc)
+
+
 def test_even_split():
     assert even_split(30, 2) == [(0, 15), (15, 30)]
     assert even_split(30, 3) == [(0, 10), (10, 20), (20, 30)]

@@ -306,6 +306,10 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
         "sessions": list(cfg.sessions), "repeats": cfg.repeats, "rtts_ms": list(cfg.rtts_ms),
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
         "seam_bytes_limit": 2 * n_embd * 4 + 256, "by_rtt": {}, "one_host": {"llama_bench": [], "batched_bench": []},
+        # the same one-host measurements on every other host: the hosts of a lab need not be equally
+        # fast (on a VM each is a vCPU), and the route runs on all of them; targets are judged
+        # against the mean of the hosts per repeat (baseline_hosts), h1 alone is kept as well
+        "other_hosts": {f"h{i}": {"llama_bench": [], "batched_bench": []} for i in range(2, cfg.hosts + 1)},
         "rpc_skipped": rpc_reason,
     }
     for rtt in cfg.rtts_ms:
@@ -342,6 +346,15 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
                                 doc["one_host"]["batched_bench"].append(batched_bench(
                                     lab, "h1", bb_exe, model, threads=1, n_prompt=cfg.n_prompt, n_gen=cfg.n_gen,
                                     npl=multi))
+                            for h, runs in doc["other_hosts"].items():
+                                say(f"[rtt {key} ms] repeat {rep + 1}/{cfg.repeats}: the same on {h}")
+                                runs["llama_bench"].append(llama_bench(
+                                    lab, h, lb_exe, model, threads=1, n_prompt=cfg.n_prompt,
+                                    long_prompt=cfg.long_prompt, n_gen=cfg.n_gen))
+                                if multi:
+                                    runs["batched_bench"].append(batched_bench(
+                                        lab, h, bb_exe, model, threads=1, n_prompt=cfg.n_prompt, n_gen=cfg.n_gen,
+                                        npl=multi))
                         for c in cfg.sessions:
                             say(f"[rtt {key} ms] repeat {rep + 1}/{cfg.repeats}: {c} session(s): route, whole worker")
                             res["route"][str(c)].append(measure(route.endpoints, rd, tls, n_prompt=cfg.n_prompt,
@@ -370,6 +383,7 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
                 res["proxies"] = lab.proxy_stats()
         doc["by_rtt"][key] = res
     doc["machine"]["load_avg_end"] = os.getloadavg()
+    doc["baseline_hosts"] = baseline(doc)[2]
     doc["targets"] = targets(doc)
     return doc
 
@@ -380,11 +394,47 @@ def _pair(a: list[float], b: list[float]) -> list[float]:
     return [x / y for x, y in zip(a, b) if y]
 
 
+def _host_mean(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per repeat, the mean over the hosts of each one-host figure (llama-bench: pp_tok_s,
+    pp_long_tok_s, tg_tok_s; llama-batched-bench: by_batch[B].tg_tok_s)."""
+    out: list[dict[str, Any]] = []
+    for reps in zip(*runs):
+        if "by_batch" in reps[0]:
+            out.append({"by_batch": {b: {"tg_tok_s": statistics.fmean(r["by_batch"][b]["tg_tok_s"] for r in reps)}
+                                     for b in reps[0]["by_batch"] if all(b in r["by_batch"] for r in reps)}})
+        else:
+            out.append({k: statistics.fmean(r[k] for r in reps) if all(r.get(k) for r in reps) else None
+                        for k in ("pp_tok_s", "pp_long_tok_s", "tg_tok_s")})
+    return out
+
+
+def baseline(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """The one-host yardstick per repeat (llama-bench, llama-batched-bench) and what it is: the
+    mean over the lab's hosts when they were all measured, else h1's."""
+    lb, bb = doc["one_host"]["llama_bench"], doc["one_host"]["batched_bench"]
+    others = doc.get("other_hosts") or {}
+    if not others or any(len(r["llama_bench"]) != len(lb) for r in others.values()):
+        return lb, bb, "h1"
+    names = ["h1", *others]
+    lb = _host_mean([lb, *[r["llama_bench"] for r in others.values()]])
+    if bb and all(len(r["batched_bench"]) == len(bb) for r in others.values()):
+        bb = _host_mean([bb, *[r["batched_bench"] for r in others.values()]])
+    return lb, bb, "mean of " + ", ".join(names)
+
+
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target: the ratio per repeat (paired in time), its median, the least passing value,
-    met or missed."""
+    met or missed. One host is the mean of the lab's hosts per repeat (``baseline``); each
+    target against h1 alone is kept in ``per_repeat_vs_h1``."""
+    out = _targets(doc, *baseline(doc)[:2])
+    if baseline(doc)[2] != "h1":
+        for t, h1 in zip(out, _targets(doc, doc["one_host"]["llama_bench"], doc["one_host"]["batched_bench"])):
+            t["per_repeat_vs_h1"] = h1["per_repeat"]
+    return out
+
+
+def _targets(doc: dict[str, Any], lb: list[dict[str, Any]], bb: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    lb, bb = doc["one_host"]["llama_bench"], doc["one_host"]["batched_bench"]
     r0 = doc["by_rtt"].get("0")
     r10 = doc["by_rtt"].get("10")
 
@@ -438,13 +488,16 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
 def summary(doc: dict[str, Any]) -> str:
     lines = [f"model {Path(doc['model']).name}, {doc['hosts']} hosts x 1 core/1 thread, split {','.join(doc['split'])}, "
              f"pp{doc['n_prompt']} tg{doc['n_gen']}, {doc['repeats']} repeats (medians; every repeat in the JSON)"]
-    lb, bb = doc["one_host"]["llama_bench"], doc["one_host"]["batched_bench"]
-    if lb:
-        lines.append(f"one host: llama-bench pp{doc['n_prompt']} {_med([x['pp_tok_s'] for x in lb]):.1f}, "
-                     f"pp{doc['long_prompt']} {_med([x['pp_long_tok_s'] for x in lb]):.1f}, "
-                     f"tg{doc['n_gen']} {_med([x['tg_tok_s'] for x in lb]):.1f} tok/s; llama-batched-bench "
-                     + ", ".join(f"B={k} {_med([b['by_batch'][k]['tg_tok_s'] for b in bb]):.1f}"
-                                 for k in (bb[0]["by_batch"] if bb else ())))
+    hosts = {"h1": doc["one_host"], **(doc.get("other_hosts") or {})}
+    for h, runs in hosts.items():
+        lb, bb = runs["llama_bench"], runs["batched_bench"]
+        if lb:
+            lines.append(f"one host ({h}): llama-bench pp{doc['n_prompt']} {_med([x['pp_tok_s'] for x in lb]):.1f}, "
+                         f"pp{doc['long_prompt']} {_med([x['pp_long_tok_s'] for x in lb]):.1f}, "
+                         f"tg{doc['n_gen']} {_med([x['tg_tok_s'] for x in lb]):.1f} tok/s; llama-batched-bench "
+                         + ", ".join(f"B={k} {_med([b['by_batch'][k]['tg_tok_s'] for b in bb]):.1f}"
+                                     for k in (bb[0]["by_batch"] if bb else ())))
+    lines.append(f"one-host yardstick of the targets: {baseline(doc)[2]} (per repeat)")
     for key, res in doc["by_rtt"].items():
         lines.append(f"added RTT {key} ms ({res['lab']['shaping']['delay_mechanism']}):")
         for kind in ("route", "whole_worker"):
