@@ -30,6 +30,7 @@ CASES = {
     "max_batch_tokens": (512, ["--max-batch-tokens", "512"]),
     "max_prefill_chunk": (5, ["--max-prefill-chunk", "5"]),
     "pipeline_groups": (2, ["--pipeline-groups", "2"]),
+    "keep_warm_ms": (50, ["--keep-warm-ms", "50"]),
     "metrics_listen": ("127.0.0.1:9100", ["--metrics-listen", "127.0.0.1:9100"]),
     "drain_timeout_s": (2.0, ["--drain-timeout-s", "2.0"]),
     "session_ttl_s": (600.0, ["--session-ttl-s", "600.0"]),

@@ -116,6 +116,10 @@ def route(
     pipeline_groups: Optional[int] = typer.Option(
         None, "--pipeline-groups", min=0, max=16,
         help="With --hosts: the route workers' --pipeline-groups (default: theirs, auto = one per host)."),
+    keep_warm_ms: int = typer.Option(
+        50, "--keep-warm-ms", min=0, max=10000,
+        help="With --hosts: the route workers' --keep-warm-ms (keep each host's core awake between "
+             "batches; 0: off)."),
 ) -> None:
     """Route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads; --hosts N: across
     simulated hosts."""
@@ -137,7 +141,8 @@ def route(
         split_given = split != "0:15,15:30"
         hcfg = hb.HostsBenchConfig(hosts=hosts, split=tuple(parse_split(split)) if split_given else None,
                                    n_prompt=n_prompt, n_gen=n_gen, long_prompt=long_prompt, sessions=levels,
-                                   rtts_ms=rtts, repeats=repeats, rpc=rpc, pipeline_groups=pipeline_groups)
+                                   rtts_ms=rtts, repeats=repeats, rpc=rpc, pipeline_groups=pipeline_groups,
+                                   keep_warm_ms=keep_warm_ms)
         doc = hb.run_hosts_bench(resolve_model(model), hcfg)
         _write(out, doc, hb.summary(doc))
         return

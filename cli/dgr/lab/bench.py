@@ -56,6 +56,9 @@ class HostsBenchConfig:
     backend: str = "cpu"
     lab_name: str = "bench"
     pipeline_groups: int | None = None  # the route workers' --pipeline-groups (None: their default)
+    # the route workers' --keep-warm-ms: each host's core is the route's alone, and a stage idles
+    # while the others compute (docs/worker.md, "Keeping the cores awake"); 0: off
+    keep_warm_ms: int = 50
 
 
 def even_split(n_layer: int, hosts: int) -> list[tuple[int, int]]:
@@ -300,6 +303,7 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
         "schema": SCHEMA, "model": str(model), "model_bytes": model.stat().st_size, "n_layer": n_layer,
         "n_embd": n_embd, "hosts": cfg.hosts, "split": [f"{a}:{b}" for a, b in split],
         "pipeline_groups": "auto" if cfg.pipeline_groups is None else cfg.pipeline_groups,
+        "route_keep_warm_ms": cfg.keep_warm_ms,
         "split_policy": "given (--split)" if cfg.split else
         "balanced by weights per decode step (the tail holds the output matrix)", "threads_per_host": 1,
         "cores_per_host": 1, "n_prompt": cfg.n_prompt, "n_gen": cfg.n_gen, "long_prompt": cfg.long_prompt,
@@ -322,8 +326,9 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
             res["lab"] = {k: lab.state[k] for k in ("subnet", "gateway", "shaping", "cgroup_mode", "hosts")}
             route = LabRoute(lab, model, split, slices=True, memory_budget=False, max_sessions=max_s,
                              ctx_per_session=ctx, backend=cfg.backend,
-                             extra_args=() if cfg.pipeline_groups is None else
-                             ("--pipeline-groups", str(cfg.pipeline_groups)))
+                             extra_args=(() if cfg.pipeline_groups is None else
+                                         ("--pipeline-groups", str(cfg.pipeline_groups)))
+                             + (("--keep-warm-ms", str(cfg.keep_warm_ms)) if cfg.keep_warm_ms else ()))
             whole = LabRoute(lab, model, [(0, n_layer)], placement=["h1"], slices=False, memory_budget=False,
                              max_sessions=max_s, ctx_per_session=ctx, backend=cfg.backend)
             with route, whole:

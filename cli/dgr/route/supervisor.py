@@ -86,6 +86,7 @@ class WorkerArgs:
     max_batch_tokens: int | None = None
     max_prefill_chunk: int | None = None
     pipeline_groups: int | None = None
+    keep_warm_ms: int | None = None
     metrics_listen: str | None = None
     drain_timeout_s: float | None = None
     session_ttl_s: float | None = None

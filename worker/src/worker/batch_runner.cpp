@@ -116,6 +116,7 @@ void Scheduler::run_batch() {
     const auto t_dec = Clock::now();
     const BackendStatus st = backend_.decode(batch, &err);
     const double took = seconds_since(t_dec);
+    if (warm_) warm_->touch();  // the core stays awake for the next row (keep_warm.h)
     metrics_.busy_seconds = metrics_.busy_seconds.load() + took;
     if (n_prefill == 0) last_decode_s_ = last_decode_s_ > 0.0 ? 0.8 * last_decode_s_ + 0.2 * took : took;
     if (st != BackendStatus::ok) {

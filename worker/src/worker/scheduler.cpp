@@ -88,6 +88,7 @@ Scheduler::~Scheduler() {
 
 void Scheduler::start() {
     started_ = true;
+    if (opts_.keep_warm_s > 0.0) warm_ = std::make_unique<KeepWarm>(std::max(1u, opts_.keep_warm_threads), opts_.keep_warm_s);
     thread_ = std::thread([this] { loop(); });
 }
 
@@ -98,6 +99,7 @@ void Scheduler::stop(grpc::Status status) {
     }
     cv_.notify_one();
     if (thread_.joinable()) thread_.join();
+    warm_.reset();
 }
 
 bool Scheduler::post(Event ev) {

@@ -20,6 +20,7 @@
 #include "worker/backend.h"
 #include "worker/downstream.h"
 #include "worker/events.h"
+#include "worker/keep_warm.h"
 #include "worker/metrics.h"
 #include "worker/sampling.h"
 #include "worker/session_table.h"
@@ -53,6 +54,8 @@ struct SchedulerOptions {
     ChainOptions chain;             // chained routes: allowed peers, TLS towards them
     uint32_t pipeline_groups = 0;   // --pipeline-groups: 0 auto (one per stage off-host), 1 off (pipeline.h)
     uint64_t memory_budget_bytes = 0;  // --memory-budget-mb (0: none); weights + scratch + KV fit in it
+    double keep_warm_s = 0.0;       // --keep-warm-ms: keep the cores awake this long after a batch (keep_warm.h)
+    uint32_t keep_warm_threads = 1; // one spinner per compute thread
 };
 
 // What a worker serves (GetCapability): identity from the backend, limits from the scheduler's
@@ -218,6 +221,7 @@ private:
     std::atomic<uint32_t> active_{0};
     std::atomic<uint64_t> kv_used_pub_{0};
     std::thread thread_;
+    std::unique_ptr<KeepWarm> warm_;  // --keep-warm-ms (null: off)
     bool started_ = false;
 };
 

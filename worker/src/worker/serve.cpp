@@ -207,6 +207,8 @@ int serve_main(int argc, char ** argv) {
     so.max_batch_tokens = o.max_batch_tokens;
     so.max_prefill_chunk_tokens = o.max_prefill_chunk;
     so.pipeline_groups = o.pipeline_groups;
+    so.keep_warm_s = o.keep_warm_ms / 1000.0;
+    so.keep_warm_threads = o.threads > 0 ? (uint32_t) o.threads : 1;
     so.max_message_bytes = o.max_message_bytes;
     so.session_ttl_s = o.session_ttl_s;
     so.evict_idle_s = o.evict_idle_s;

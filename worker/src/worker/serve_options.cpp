@@ -45,6 +45,11 @@ void usage() {
         "                            so that each Shard of the route computes one group while the next\n"
         "                            Shard computes another (0: auto = one group per Shard when the route\n"
         "                            leaves this host, off when every hop is local; 1: off; at most 16)\n"
+        "  --keep-warm-ms N          after each batch keep the worker's cores awake for N ms with\n"
+        "                            lowest-priority (SCHED_IDLE) busy loops, one per compute thread,\n"
+        "                            so that the next row does not wait for an idle core to wake (a\n"
+        "                            route's Shard idles while the others compute); costs power;\n"
+        "                            0: off (default), at most 10000\n"
         "  --max-message-bytes N     gRPC message limit, default 64 MiB\n"
         "  --session-ttl-s S         evict sessions idle this long, default 600\n"
         "  --evict-idle-s S          under pressure, LRU sessions idle this long may be evicted, default 30\n"
@@ -170,6 +175,13 @@ int parse_serve_options(int argc, char ** argv, ServeOptions * o) {
             ok = num32(&o->pipeline_groups);
             if (ok && o->pipeline_groups > 16) {
                 std::fprintf(stderr, "dgr-worker: error: --pipeline-groups wants 0 (auto) .. 16\n");
+                return 2;
+            }
+        }
+        else if (a == "--keep-warm-ms") {
+            ok = num32(&o->keep_warm_ms);
+            if (ok && o->keep_warm_ms > 10000) {
+                std::fprintf(stderr, "dgr-worker: error: --keep-warm-ms wants 0 (off) .. 10000\n");
                 return 2;
             }
         }

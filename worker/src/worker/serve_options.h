@@ -30,6 +30,7 @@ struct ServeOptions {
     uint32_t max_batch_tokens = 512;
     uint32_t max_prefill_chunk = 256;
     uint32_t pipeline_groups = 0;  // 0: auto (worker/pipeline.h)
+    uint32_t keep_warm_ms = 0;     // 0: off (worker/keep_warm.h)
     uint64_t max_message_bytes = 64ull << 20;
     double session_ttl_s = 600, evict_idle_s = 30, drain_timeout_s = 10;
     std::string metrics_listen;

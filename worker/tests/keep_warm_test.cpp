@@ -1,0 +1,80 @@
+// --keep-warm-ms (worker/keep_warm.h): the spinners run at SCHED_IDLE, spin only after a touch
+// and for no longer than the linger, and stop promptly.
+#include "worker/keep_warm.h"
+
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include <pthread.h>
+#include <sched.h>
+#include <sys/resource.h>
+
+#include "check.h"
+
+using dgr::worker::KeepWarm;
+
+namespace {
+
+// CPU time of this process (all threads), seconds
+double cpu_s() {
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    return (double) ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 + (double) ru.ru_stime.tv_sec +
+           ru.ru_stime.tv_usec * 1e-6;
+}
+
+void sleep_ms(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }
+
+void test_off_does_nothing() {
+    KeepWarm off(0, 0.05), no_linger(2, 0.0);
+    off.touch();
+    no_linger.touch();
+    sleep_ms(20);
+    CHECK(off.spinners() == 0 && no_linger.spinners() == 0, "threads started while off");
+}
+
+void test_spins_after_a_touch_and_sleeps_after_the_linger() {
+    const auto t_start = std::chrono::steady_clock::now();
+    {
+        KeepWarm warm(1, 0.03);
+        sleep_ms(50);
+        // SCHED_IDLE needs no privilege; a host that refuses it gets no spinning at all
+        if (warm.spinners() == 0) {
+            std::printf("keep_warm_test: SCHED_IDLE refused here; spinning not checked\n");
+            return;
+        }
+        double c0 = cpu_s();
+        sleep_ms(150);
+        const double idle = cpu_s() - c0;
+        CHECK(idle < 0.03, "%.3f s of CPU in 150 ms without a touch", idle);
+        c0 = cpu_s();
+        for (int i = 0; i < 20; ++i) {  // busy for 200 ms
+            warm.touch();
+            sleep_ms(10);
+        }
+        const double busy = cpu_s() - c0;
+        CHECK(busy > 0.02, "only %.3f s of CPU in 200 ms of touches: not spinning", busy);
+        sleep_ms(80);  // past the linger
+        c0 = cpu_s();
+        sleep_ms(150);
+        const double after = cpu_s() - c0;
+        CHECK(after < 0.03, "%.3f s of CPU in 150 ms after the linger: still spinning", after);
+        warm.touch();  // spinning when destroyed: the destructor stops it
+    }
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    CHECK(took < 5.0, "took %.1f s", took);
+}
+
+}  // namespace
+
+int main() {
+    test_off_does_nothing();
+    test_spins_after_a_touch_and_sleeps_after_the_linger();
+    if (g_failures) {
+        std::fprintf(stderr, "keep_warm_test: %d failure(s)\n", g_failures);
+        return 1;
+    }
+    std::printf("keep_warm_test: ok\n");
+    return 0;
+}
