@@ -6,6 +6,8 @@
 // on one host never pays: measured on a 2-vCPU VM, SmolLM2 0:19|19:30, one session, each worker
 // pinned to its own core: 62.2 tok/s median of 6, against 69.5 with a lowest-priority busy loop
 // on each core in between (6 of 6 pairs faster; the whole model on one core: 75.4 and 75.1).
+// This option in the workers instead: 55.7 -> 59.5 there (4 of 6 pairs), 55.3 -> 56.5 across
+// two lab hosts (6 of 8 pairs); docs/worker.md.
 //
 // How: `threads` threads at SCHED_IDLE spin for `linger` after each touch() (the scheduler
 // touches after every batch), then sleep until the next touch. A SCHED_IDLE thread runs only
