@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dgr.errors import DgrError
-from dgr.lab.bench import COUNTERS, _where, balanced_split, even_split, summary, targets
+from dgr.lab.bench import COUNTERS, _where, balanced_split, even_split
+from dgr.lab.bench_report import summary, targets
 from dgr.main import app
 
 

@@ -130,6 +130,7 @@ def route(
 
     if hosts:
         from ..lab import bench as hb
+        from ..lab.bench_report import summary as hosts_summary
 
         try:
             rtts = tuple(float(x) for x in rtt_ms.split(",") if x.strip())
@@ -144,7 +145,7 @@ def route(
                                    rtts_ms=rtts, repeats=repeats, rpc=rpc, pipeline_groups=pipeline_groups,
                                    keep_warm_ms=keep_warm_ms)
         doc = hb.run_hosts_bench(resolve_model(model), hcfg)
-        _write(out, doc, hb.summary(doc))
+        _write(out, doc, hosts_summary(doc))
         return
 
     cfg = rb.RouteBenchConfig(split=tuple(parse_split(split)), threads=threads or 0, n_prompt=n_prompt,
