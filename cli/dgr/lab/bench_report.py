@@ -52,8 +52,9 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target: the ratio per repeat (paired in time), its median, the least passing value,
     met or missed. One host is the mean of the lab's hosts per repeat (``baseline``); each
     target against h1 alone is kept in ``per_repeat_vs_h1``."""
-    out = _targets(doc, *baseline(doc)[:2])
-    if baseline(doc)[2] != "h1":
+    lb, bb, name = baseline(doc)
+    out = _targets(doc, lb, bb)
+    if name != "h1":
         for t, h1 in zip(out, _targets(doc, doc["one_host"]["llama_bench"], doc["one_host"]["batched_bench"])):
             t["per_repeat_vs_h1"] = h1["per_repeat"]
     return out
