@@ -51,9 +51,34 @@ def leftovers(name: str) -> list[str]:
 # ---- no privileges needed ---------------------------------------------------------------------
 
 def test_config_validation():
+    nan, inf = float("nan"), float("inf")
     for bad in (LabConfig(name="Bad!"), LabConfig(hosts=0), LabConfig(loss=1.0), LabConfig(rtt_ms=-1),
-                LabConfig(hosts=2, cpus=["0"]), LabConfig(shaper="tc")):
+                LabConfig(hosts=2, cpus=["0"]), LabConfig(shaper="tc"),
+                # out of range or not a number: refused before anything is created
+                LabConfig(rtt_ms=nan), LabConfig(rtt_ms=1e9), LabConfig(jitter_ms=inf), LabConfig(loss=nan),
+                LabConfig(rate_mbit=inf), LabConfig(rate_mbit=nan), LabConfig(rate_mbit=1e9),
+                LabConfig(threads=100_000), LabConfig(memory_mb=1 << 40),
+                LabConfig(hosts=2, cpus=["0", "x"]), LabConfig(hosts=2, cpus=["0", ""]),
+                LabConfig(hosts=2, cpus=["0", "3-1"]), LabConfig(hosts=1, cpus=["0;1"])):
         with pytest.raises(DgrError):
+            bad.validate()
+    LabConfig(hosts=2, cpus=["0,2-3", "1"], rtt_ms=60_000, rate_mbit=100_000, threads=256).validate()
+
+
+def test_cpus_checked_before_anything_exists():
+    from dgr.lab.hosts import _check_cpus
+
+    with pytest.raises(DgrError, match="only 2 CPU"):
+        _check_cpus(LabConfig(hosts=3, cores_per_host=5), [0, 1])
+    with pytest.raises(DgrError, match=r"h2: CPU\(s\) \[9\]"):
+        _check_cpus(LabConfig(hosts=2, cpus=["0", "9"]), [0, 1])
+    _check_cpus(LabConfig(hosts=3, cores_per_host=2), [0, 1])     # hosts may share the CPUs
+
+
+def test_link_spec_refuses_what_timers_cannot_take():
+    for bad in (LinkSpec(delay_ms=float("nan")), LinkSpec(jitter_ms=float("inf")), LinkSpec(rto_ms=-1),
+                LinkSpec(delay_ms=1e12), LinkSpec(loss=float("nan"))):
+        with pytest.raises(ValueError):
             bad.validate()
 
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgr.errors import DgrError
-from dgr.lab.bench import COUNTERS, _where, balanced_split, even_split
+from dgr.lab.bench import COUNTERS, HostsBenchConfig, _where, balanced_split, even_split
 from dgr.lab.bench_report import summary, targets
 from dgr.main import app
 
@@ -164,3 +164,35 @@ def test_bench_hosts_bad_input_is_one_line():
     assert r.exit_code != 0 and "comma-separated" in str(r.exception)
     r = CliRunner().invoke(app, ["route", "generate", "--shard", "127.0.0.1:1", "--prompt", "p", "--tls-cert", "c.pem"])
     assert r.exit_code != 0 and "--tls-ca" in str(r.exception)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--rtt-ms", "nan"], "--rtt-ms needs"), (["--rtt-ms", "1e9"], "--rtt-ms needs"), (["--rtt-ms", "-5"], "--rtt-ms needs"),
+    (["--sessions", "0"], "--sessions needs"), (["--sessions", "100000"], "--sessions needs"),
+    (["--repeats", "100000"], "--repeats"), (["--long-prompt", "999999999"], "--long-prompt"),
+    (["--hosts", "1"], "--hosts must be 2..16"), (["--hosts", "17"], "--hosts must be 2..16"),
+])
+def test_bench_hosts_refuses_before_a_lab_comes_up(args, says, tmp_path):
+    """Checked before any lab, build or model: these return at once, without namespaces."""
+    r = CliRunner().invoke(app, ["bench", "route", "--hosts", "2", "--no-rpc", "--out", str(tmp_path / "r.json"), *args])
+    assert r.exit_code != 0
+    assert says in (str(r.exception) + r.output)
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_bench_out_checked_first(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "route", "--hosts", "2", "--no-rpc", "--out", str(tmp_path)])
+    assert r.exit_code != 0 and "is a directory" in str(r.exception)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = CliRunner().invoke(app, ["bench", "route", "--hosts", "2", "--no-rpc", "--out", str(blocker / "r.json")])
+    assert r.exit_code != 0 and "cannot write there" in str(r.exception)
+    assert not list(tmp_path.glob(".dgr-out-check-*"))
+
+
+def test_hosts_bench_config_bounds():
+    HostsBenchConfig(sessions=(1, 256), rtts_ms=(0.0, 60_000.0), repeats=50).validate()
+    for bad in (HostsBenchConfig(sessions=()), HostsBenchConfig(rtts_ms=(float("inf"),)), HostsBenchConfig(repeats=0),
+                HostsBenchConfig(n_prompt=30_000, n_gen=5_000), HostsBenchConfig(hosts=1)):
+        with pytest.raises(DgrError):
+            bad.validate()

@@ -27,6 +27,24 @@ def _tree_state() -> None:
         _started_at.update(git_commit=None, git_dirty=None, git_dirty_paths=[])
 
 
+def _check_out(out: Path) -> None:
+    """Refuses, before a benchmark runs for minutes, an --out it could not write at the end: a
+    directory, or a place where no file can be created (tried with a temporary file there)."""
+    import tempfile
+
+    from ..errors import DgrError
+
+    if out.is_dir():
+        raise DgrError(f"--out {out} is a directory", hint="give a file name, e.g. results.json")
+    parent = out.parent if str(out.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".dgr-out-check-"):
+            pass
+    except OSError as exc:
+        raise DgrError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+
+
 def _write(out: Path, doc: dict, summary: str) -> None:
     """Writes a benchmark's results JSON to ``out`` (with the tree's git state at the start)
     and prints its summary and where it went."""
@@ -47,6 +65,7 @@ def baseline(
     quick: bool = typer.Option(False, "--quick", help="Short prompts and outputs: a smoke run of a few minutes."),
 ) -> None:
     """Transformers/safetensors (fp32, bf16) vs whole-model llama.cpp (F32, Q8_0, Q4_1), side by side."""
+    _check_out(out)
     from ..bench import baseline as bl
     from ..gguf.models import resolve_model
 
@@ -64,6 +83,7 @@ def contract(
     out: Path = typer.Option(Path("performance-contract.json"), "--out", help="Where to write the contract."),
 ) -> None:
     """Write a performance contract from baseline results (`dgr accept DGR-001` does this)."""
+    _check_out(out)
     from ..bench import contract as bc
 
     doc = json.loads(results.read_text())
@@ -102,9 +122,9 @@ def route(
     split: str = typer.Option("0:15,15:30", "--split",
                               help="Shard ranges of the route (with --hosts, unless given: balanced by weights per stage)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads for every side (default: CPU count)."),
-    n_prompt: int = typer.Option(128, "--n-prompt", min=1),
-    n_gen: int = typer.Option(64, "--n-gen", min=1),
-    repeats: int = typer.Option(3, "--repeats", min=1),
+    n_prompt: int = typer.Option(128, "--n-prompt", min=1, max=32768),
+    n_gen: int = typer.Option(64, "--n-gen", min=1, max=32768),
+    repeats: int = typer.Option(3, "--repeats", min=1, max=50),
     rpc: bool = typer.Option(True, "--rpc/--no-rpc",
                              help="Also measure llama.cpp's RPC split (two local rpc-servers; builds them once)."),
     out: Path = typer.Option(Path("route-bench.json"), "--out", help="Where to write the results JSON."),
@@ -112,7 +132,7 @@ def route(
                               "each, mTLS) against one such host; 0: the local route on this machine's cores."),
     rtt_ms: str = typer.Option("0,10", "--rtt-ms", help="With --hosts: added round trips to measure, ms (comma-separated)."),
     sessions: str = typer.Option("1,4,8", "--sessions", help="With --hosts: concurrent session counts."),
-    long_prompt: int = typer.Option(512, "--long-prompt", min=1, help="With --hosts: the prompt of the prefill comparison."),
+    long_prompt: int = typer.Option(512, "--long-prompt", min=1, max=32768, help="With --hosts: the prompt of the prefill comparison."),
     pipeline_groups: Optional[int] = typer.Option(
         None, "--pipeline-groups", min=0, max=16,
         help="With --hosts: the route workers' --pipeline-groups (default: theirs, auto = one per host)."),
@@ -123,6 +143,7 @@ def route(
 ) -> None:
     """Route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads; --hosts N: across
     simulated hosts."""
+    _check_out(out)
     from ..bench import route as rb
     from ..errors import DgrError
     from ..gguf.models import resolve_model
@@ -137,13 +158,12 @@ def route(
             levels = tuple(int(x) for x in sessions.split(",") if x.strip())
         except ValueError:
             raise DgrError("--rtt-ms and --sessions take comma-separated numbers") from None
-        if not levels or min(levels) < 1 or not rtts or min(rtts) < 0 or repeats < 1:
-            raise DgrError("--sessions needs counts >= 1, --rtt-ms values >= 0, --repeats >= 1")
         split_given = split != "0:15,15:30"
         hcfg = hb.HostsBenchConfig(hosts=hosts, split=tuple(parse_split(split)) if split_given else None,
                                    n_prompt=n_prompt, n_gen=n_gen, long_prompt=long_prompt, sessions=levels,
                                    rtts_ms=rtts, repeats=repeats, rpc=rpc, pipeline_groups=pipeline_groups,
                                    keep_warm_ms=keep_warm_ms)
+        hcfg.validate()
         doc = hb.run_hosts_bench(resolve_model(model), hcfg)
         _write(out, doc, hosts_summary(doc))
         return
@@ -164,6 +184,7 @@ def gate(
     out: Path = typer.Option(Path("gate.json"), "--out", help="Where to write the measurements JSON."),
 ) -> None:
     """The release gate without evidence: safetensors route vs GGUF F32/Q8_0/Q4_1 routes (needs the baseline extra)."""
+    _check_out(out)
     from ..bench import contract as bc
     from ..bench import gate as g
     from ..bench import gate_judge as gj
@@ -187,12 +208,13 @@ def worker(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
     sessions: str = typer.Option("1,2,4,8", "--sessions", help="Concurrent session counts."),
     threads: int = typer.Option(2, "--threads", min=1),
-    n_prompt: int = typer.Option(32, "--n-prompt", min=1),
-    n_gen: int = typer.Option(64, "--n-gen", min=1),
-    repeats: int = typer.Option(3, "--repeats", min=1),
+    n_prompt: int = typer.Option(32, "--n-prompt", min=1, max=32768),
+    n_gen: int = typer.Option(64, "--n-gen", min=1, max=32768),
+    repeats: int = typer.Option(3, "--repeats", min=1, max=50),
     out: Path = typer.Option(Path("worker-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """One dgr-worker (whole model): aggregate decode tok/s per session count next to llama-batched-bench."""
+    _check_out(out)
     from .. import paths
     from ..bench import worker as wb
     from ..gguf.models import resolve_model
@@ -215,7 +237,7 @@ def serve(
                                           "(default: CPU count - 1, at least 1: the load generator and the "
                                           "gateway need a core)."),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Tokens per answer (generated through EOS)."),
-    repeats: int = typer.Option(2, "--repeats", min=1, help="Requests per lane and level, as a multiple of the "
+    repeats: int = typer.Option(2, "--repeats", min=1, max=50, help="Requests per lane and level, as a multiple of the "
                                 "top level (rotations: repeats x top / level; medians reported)."),
     llama_server: bool = typer.Option(True, "--llama-server/--no-llama-server",
                                       help="Run the llama-server lane (built on first use)."),
@@ -223,6 +245,7 @@ def serve(
 ) -> None:
     """dgr serve vs the route driver called directly and vs llama-server (-np = top level), one run:
     1/4/8 concurrent streaming chat requests (an OpenAI-API load generator on httpx); JSON with every number."""
+    _check_out(out)
     from ..errors import DgrError
     from ..bench import serve as sb
     from ..gguf.models import resolve_model

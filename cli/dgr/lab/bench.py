@@ -63,6 +63,28 @@ class HostsBenchConfig:
     # while the others compute (docs/worker.md, "Keeping the cores awake"); 0: off
     keep_warm_ms: int = 50
 
+    def validate(self) -> None:
+        """Every knob within what a run can do, refused before a lab comes up (DgrError)."""
+        import math
+
+        from .config import MAX_DELAY_MS
+
+        if not 2 <= self.hosts <= 16:
+            raise DgrError(f"--hosts must be 2..16 for a route across hosts, got {self.hosts}")
+        if not self.sessions or len(self.sessions) > 16 or not all(1 <= c <= 256 for c in self.sessions):
+            raise DgrError(f"--sessions needs 1 to 16 counts, each 1..256 (a worker's most sessions), got "
+                           f"{','.join(map(str, self.sessions)) or 'none'}")
+        if not self.rtts_ms or len(self.rtts_ms) > 8 or \
+                not all(math.isfinite(r) and 0 <= r <= MAX_DELAY_MS for r in self.rtts_ms):
+            raise DgrError(f"--rtt-ms needs 1 to 8 values, each 0..{MAX_DELAY_MS:g} ms, got "
+                           f"{','.join(f'{r:g}' for r in self.rtts_ms) or 'none'}")
+        if not 1 <= self.repeats <= 50:
+            raise DgrError(f"--repeats must be 1..50, got {self.repeats}")
+        if self.n_prompt < 1 or self.n_gen < 1 or self.long_prompt < 1 or \
+                self.n_prompt + self.n_gen > 32768 or self.long_prompt > 32768:
+            raise DgrError("--n-prompt, --n-gen and --long-prompt must be >= 1, with n-prompt + n-gen and "
+                           "long-prompt at most 32768 tokens")
+
 
 def even_split(n_layer: int, hosts: int) -> list[tuple[int, int]]:
     cuts = [round(i * n_layer / hosts) for i in range(hosts + 1)]

@@ -6,6 +6,7 @@ shaping; validated), :class:`Host` (one simulated host as created), where labs k
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,12 @@ from ..errors import DgrError
 LAB_NET = ipaddress.ip_network("198.18.0.0/15")
 NAME_RE = re.compile(r"^[a-z0-9]{1,6}$")
 STATE_SCHEMA = "dgr.lab.state/1"
+# upper bounds of the knobs: far above any real use, low enough that tc, cgroups and the proxy's
+# timers take them as they are (no overflow, no link that never delivers)
+MAX_THREADS = 256
+MAX_MEMORY_MB = 16 << 20          # 16 TiB
+MAX_RATE_MBIT = 100_000.0         # 100 Gbit/s
+MAX_DELAY_MS = 60_000.0           # a minute of round trip or jitter
 
 
 def lab_dir() -> Path:
@@ -47,14 +54,17 @@ class LabConfig:
             raise DgrError("--cores-per-host must be >= 1")
         if self.cpus is not None and len(self.cpus) != self.hosts:
             raise DgrError(f"--cpus names {len(self.cpus)} CPU sets for {self.hosts} hosts (separate hosts with ';')")
-        if self.threads is not None and self.threads < 1:
-            raise DgrError("--threads must be >= 1")
-        if self.memory_mb is not None and self.memory_mb < 16:
-            raise DgrError("--memory-mb must be >= 16")
-        if self.rate_mbit is not None and self.rate_mbit <= 0:
-            raise DgrError("--rate-mbit must be > 0")
-        if self.rtt_ms < 0 or self.jitter_ms < 0:
-            raise DgrError("--rtt-ms and --jitter-ms must be >= 0")
+        for c in self.cpus or []:
+            parse_cpus(c)
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise DgrError(f"--threads must be 1..{MAX_THREADS}, got {self.threads}")
+        if self.memory_mb is not None and not 16 <= self.memory_mb <= MAX_MEMORY_MB:
+            raise DgrError(f"--memory-mb must be 16..{MAX_MEMORY_MB}, got {self.memory_mb}")
+        if self.rate_mbit is not None and not (math.isfinite(self.rate_mbit) and 0 < self.rate_mbit <= MAX_RATE_MBIT):
+            raise DgrError(f"--rate-mbit must be > 0 and at most {MAX_RATE_MBIT:g}, got {self.rate_mbit}")
+        for flag, v in (("--rtt-ms", self.rtt_ms), ("--jitter-ms", self.jitter_ms)):
+            if not (math.isfinite(v) and 0 <= v <= MAX_DELAY_MS):
+                raise DgrError(f"{flag} must be 0..{MAX_DELAY_MS:g}, got {v}")
         if not 0 <= self.loss < 1:
             raise DgrError("--loss must be a probability in [0, 1)")
         if self.shaper not in ("auto", "netem", "proxy"):
@@ -80,9 +90,22 @@ class Host:
         return None if self.memory_mb is None else max(8, self.memory_mb - 48)
 
 
-def _parse_cpus(text: str) -> list[int]:
+CPU_LIST_RE = re.compile(r"^\d{1,4}(-\d{1,4})?(,\d{1,4}(-\d{1,4})?)*$")
+
+
+def parse_cpus(text: str) -> list[int]:
+    """A CPU list as cpusets write it ("0", "0-3", "0,2-3") -> its CPUs; DgrError when malformed,
+    empty or a range runs backwards."""
+    if not CPU_LIST_RE.match(text):
+        raise DgrError(f"CPU set {text!r} must be a list like 0 or 0-3 or 0,2-3")
     out: list[int] = []
     for part in text.split(","):
         a, _, b = part.partition("-")
-        out.extend(range(int(a), int(b or a) + 1))
+        lo, hi = int(a), int(b or a)
+        if hi < lo:
+            raise DgrError(f"CPU set {text!r}: the range {part} runs backwards")
+        out.extend(range(lo, hi + 1))
     return out
+
+
+_parse_cpus = parse_cpus

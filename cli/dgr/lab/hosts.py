@@ -43,6 +43,18 @@ from .config import LAB_NET, NAME_RE, STATE_SCHEMA, Host, LabConfig, _parse_cpus
 
 _log = logging.getLogger(__name__)
 
+def _check_cpus(cfg: LabConfig, allowed: list[int]) -> None:
+    """Refuses, before anything is created, CPUs this process may not use and more CPUs per host
+    than there are (round robin would repeat CPUs within one host's set)."""
+    for i, c in enumerate(cfg.cpus or [], 1):
+        bad = [x for x in _parse_cpus(c) if x not in allowed]
+        if bad:
+            raise DgrError(f"host h{i}: CPU(s) {bad} are not available here (allowed {allowed})")
+    if not cfg.cpus and cfg.cores_per_host > len(allowed):
+        raise DgrError(f"--cores-per-host {cfg.cores_per_host}: only {len(allowed)} CPU(s) are available here "
+                       f"({allowed})", hint="hosts may share CPUs: give each its set with --cpus")
+
+
 class Lab:
     """A set of simulated hosts (see the module doc). Load one that is up with :meth:`load`."""
 
@@ -107,6 +119,7 @@ class Lab:
         reason = sx.preflight()
         if reason:
             raise sx.LabRefused(f"cannot create simulated hosts: {reason}")
+        _check_cpus(cfg, sorted(os.sched_getaffinity(0)))
         path = lab_dir() / f"{cfg.name}.json"
         if path.exists():
             raise DgrError(f"lab {cfg.name!r} is already up ({path})", hint=f"dgr lab down --name {cfg.name}")

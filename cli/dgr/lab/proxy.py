@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 DEFAULT_RTO_MS = 200.0
+MAX_DELAY_MS = 60_000.0     # one way; a minute is far above any link worth simulating
 MAX_BUFFER = 64 << 20
 MAX_CONNS = 256
 
@@ -44,8 +45,9 @@ class LinkSpec:
     rto_ms: float = DEFAULT_RTO_MS
 
     def validate(self) -> None:
-        if self.delay_ms < 0 or self.jitter_ms < 0 or self.rto_ms < 0:
-            raise ValueError("delay, jitter and rto must be >= 0")
+        # NaN fails every comparison: checked as "not within" so it is refused too
+        if not all(0.0 <= v <= MAX_DELAY_MS for v in (self.delay_ms, self.jitter_ms, self.rto_ms)):
+            raise ValueError(f"delay, jitter and rto must be 0..{MAX_DELAY_MS:g} ms")
         if not 0.0 <= self.loss < 1.0:
             raise ValueError("loss must be a probability in [0, 1)")
 
