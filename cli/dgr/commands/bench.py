@@ -36,10 +36,9 @@ def _check_out(out: Path) -> None:
 
     if out.is_dir():
         raise DgrError(f"--out {out} is a directory", hint="give a file name, e.g. results.json")
-    parent = out.parent if str(out.parent) else Path(".")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".dgr-out-check-"):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".dgr-out-check-"):
             pass
     except OSError as exc:
         raise DgrError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None

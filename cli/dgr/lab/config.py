@@ -106,6 +106,3 @@ def parse_cpus(text: str) -> list[int]:
             raise DgrError(f"CPU set {text!r}: the range {part} runs backwards")
         out.extend(range(lo, hi + 1))
     return out
-
-
-_parse_cpus = parse_cpus

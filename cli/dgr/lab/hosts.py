@@ -39,15 +39,16 @@ from typing import Any, Sequence
 
 from ..errors import DgrError
 from . import system as sx
-from .config import LAB_NET, NAME_RE, STATE_SCHEMA, Host, LabConfig, _parse_cpus, lab_dir  # noqa: F401
+from .config import LAB_NET, NAME_RE, STATE_SCHEMA, Host, LabConfig, lab_dir, parse_cpus  # noqa: F401
 
 _log = logging.getLogger(__name__)
+
 
 def _check_cpus(cfg: LabConfig, allowed: list[int]) -> None:
     """Refuses, before anything is created, CPUs this process may not use and more CPUs per host
     than there are (round robin would repeat CPUs within one host's set)."""
     for i, c in enumerate(cfg.cpus or [], 1):
-        bad = [x for x in _parse_cpus(c) if x not in allowed]
+        bad = [x for x in parse_cpus(c) if x not in allowed]
         if bad:
             raise DgrError(f"host h{i}: CPU(s) {bad} are not available here (allowed {allowed})")
     if not cfg.cpus and cfg.cores_per_host > len(allowed):
@@ -179,14 +180,11 @@ class Lab:
             veth = f"{sx.LINK_PREFIX}{cfg.name}{name}"
             ip = str(hosts_ip[i])
             if cfg.cpus:
-                cpus = cfg.cpus[i - 1]
-                bad = [c for c in _parse_cpus(cpus) if c not in allowed]
-                if bad:
-                    raise DgrError(f"host {name}: CPU(s) {bad} are not available here (allowed {allowed})")
+                cpus = cfg.cpus[i - 1]   # checked against `allowed` in up() (_check_cpus)
             else:
                 k = cfg.cores_per_host
                 cpus = ",".join(str(allowed[((i - 1) * k + j) % len(allowed)]) for j in range(k))
-            threads = cfg.threads or len(_parse_cpus(cpus))
+            threads = cfg.threads or len(parse_cpus(cpus))
             sx.run(["ip", "netns", "add", ns])
             self._created("netns", ns)
             sx.run(["ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p"])
@@ -203,7 +201,7 @@ class Lab:
             cgs = sx.make_cgroups(cg_name, cpus, cfg.memory_mb, mode)
             for cg in cgs:
                 self._created("cgroup", cg)
-            shares = [other for other, c in used.items() if set(_parse_cpus(c)) & set(_parse_cpus(cpus))]
+            shares = [other for other, c in used.items() if set(parse_cpus(c)) & set(parse_cpus(cpus))]
             used[name] = cpus
             h = Host(name, ns, veth, ip, cpus, threads, cfg.memory_mb, cgs, shares)
             st["hosts"].append(asdict(h))
