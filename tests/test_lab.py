@@ -59,10 +59,13 @@ def test_config_validation():
                 LabConfig(rate_mbit=inf), LabConfig(rate_mbit=nan), LabConfig(rate_mbit=1e9),
                 LabConfig(threads=100_000), LabConfig(memory_mb=1 << 40),
                 LabConfig(hosts=2, cpus=["0", "x"]), LabConfig(hosts=2, cpus=["0", ""]),
-                LabConfig(hosts=2, cpus=["0", "3-1"]), LabConfig(hosts=1, cpus=["0;1"])):
+                LabConfig(hosts=2, cpus=["0", "3-1"]), LabConfig(hosts=1, cpus=["0;1"]),
+                LabConfig(subnet="abc"), LabConfig(subnet="::/24"), LabConfig(subnet="198.18.7.0/25"),
+                LabConfig(subnet="10.0.0.0/24"), LabConfig(subnet="198.18.300.0/24")):
         with pytest.raises(DgrError):
             bad.validate()
-    LabConfig(hosts=2, cpus=["0,2-3", "1"], rtt_ms=60_000, rate_mbit=100_000, threads=256).validate()
+    LabConfig(hosts=2, cpus=["0,2-3", "1"], rtt_ms=60_000, rate_mbit=100_000, threads=256,
+              subnet="198.19.7.0/24").validate()
 
 
 def test_cpus_checked_before_anything_exists():
@@ -92,6 +95,17 @@ def test_pki_host_and_client_certs(tmp_path):
     assert oct(pki.hosts["h1"].key.stat().st_mode & 0o777) == "0o600"
     with pytest.raises(DgrError):
         make_pki(tmp_path / "x", {"h1": ["not-an-ip"]})
+    # a host name names files: nothing may land outside the directory
+    for bad in ("../evil", "a/b", ".hidden", "", "x" * 64):
+        with pytest.raises(DgrError, match="host name"):
+            make_pki(tmp_path / "y", {bad: ["198.18.3.2"]})
+    assert not (tmp_path / "evil.pem").exists()
+    with pytest.raises(DgrError, match="1..3650 days"):
+        make_pki(tmp_path / "z", {"h1": ["198.18.3.2"]}, days=10 ** 9)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(DgrError, match="cannot write the certificates"):
+        make_pki(blocker / "pki", {"h1": ["198.18.3.2"]})
 
 
 async def _echo_server() -> tuple[asyncio.AbstractServer, int]:

@@ -67,6 +67,13 @@ class LabConfig:
                 raise DgrError(f"{flag} must be 0..{MAX_DELAY_MS:g}, got {v}")
         if not 0 <= self.loss < 1:
             raise DgrError("--loss must be a probability in [0, 1)")
+        if self.subnet is not None:
+            try:
+                net = ipaddress.ip_network(self.subnet)
+            except ValueError as exc:
+                raise DgrError(f"--subnet: {exc}") from None
+            if net.version != 4 or not net.subnet_of(LAB_NET) or net.prefixlen != 24:
+                raise DgrError(f"--subnet {self.subnet} must be a /24 inside {LAB_NET} (set aside for benchmarking)")
         if self.shaper not in ("auto", "netem", "proxy"):
             raise DgrError(f"--shaper must be auto, netem or proxy, got {self.shaper!r}")
 

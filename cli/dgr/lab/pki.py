@@ -14,13 +14,18 @@ Files written to ``out_dir``::
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from ..errors import DgrError
+
+HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+MAX_DAYS = 3650
 
 
 @dataclass(frozen=True)
@@ -66,17 +71,15 @@ def _pem(cert) -> bytes:
 def make_pki(out_dir: Path, hosts: dict[str, Sequence[str]], *, days: int = 7,
              common_name: str = "dgr throwaway CA") -> Pki:
     """Creates the CA and the certificates; ``hosts`` maps a host name to its IP addresses."""
-    try:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-    except ImportError:  # pragma: no cover - a declared dependency
+    if importlib.util.find_spec("cryptography") is None:  # pragma: no cover - a declared dependency
         raise DgrError("the `cryptography` package is missing", hint="pip install -e . (it is a dgr dependency)") from None
-    if days < 1:
-        raise DgrError(f"certificate lifetime must be >= 1 day, got {days}")
+    if not 1 <= days <= MAX_DAYS:
+        raise DgrError(f"certificate lifetime must be 1..{MAX_DAYS} days, got {days}")
     ips: dict[str, list] = {}
     for name, addrs in hosts.items():
+        if not HOST_NAME_RE.match(name):   # it names files in out_dir: no separators, no dot-dot
+            raise DgrError(f"host name {name!r} must be 1-63 letters, digits, '-', '_' or '.', starting with a "
+                           "letter or digit")
         if not addrs:
             raise DgrError(f"host {name!r} has no IP address for its certificate")
         try:
@@ -85,6 +88,18 @@ def make_pki(out_dir: Path, hosts: dict[str, Sequence[str]], *, days: int = 7,
             raise DgrError(f"host {name!r}: {exc}") from None
         if name in ("ca", "client"):
             raise DgrError(f"host name {name!r} is reserved (ca, client)")
+    try:
+        return _make(out_dir, ips, days, common_name)
+    except OSError as exc:
+        raise DgrError(f"cannot write the certificates to {out_dir}: {exc.strerror or exc}") from None
+
+
+def _make(out_dir: Path, ips: dict[str, list], days: int, common_name: str) -> Pki:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
     out_dir.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
     until = now + dt.timedelta(days=days)
