@@ -72,7 +72,7 @@ def make_pki(out_dir: Path, hosts: dict[str, Sequence[str]], *, days: int = 7,
              common_name: str = "dgr throwaway CA") -> Pki:
     """Creates the CA and the certificates; ``hosts`` maps a host name to its IP addresses."""
     if importlib.util.find_spec("cryptography") is None:  # pragma: no cover - a declared dependency
-        raise DgrError("the `cryptography` package is missing", hint="pip install -e . (it is a dgr dependency)") from None
+        raise DgrError("the `cryptography` package is missing", hint="pip install -e . (it is a dgr dependency)")
     if not 1 <= days <= MAX_DAYS:
         raise DgrError(f"certificate lifetime must be 1..{MAX_DAYS} days, got {days}")
     ips: dict[str, list] = {}
