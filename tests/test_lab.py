@@ -254,6 +254,28 @@ def test_down_after_the_owner_was_killed(lab_build, tmp_path):
 
 
 @pytest.mark.lab
+def test_down_stops_a_recorded_process_not_yet_inside_its_host(lab_build):
+    """A process spawn() started that has not joined its host's namespace and cgroups yet (a
+    signal right after the start: seen once in CI, a `sleep` left in the cgroup) is stopped by
+    its recorded pid and start time; a recorded pid that another process now holds is left alone."""
+    lab = Lab.up(LabConfig(hosts=1, name="pt6"))
+    outside = subprocess.Popen(["sleep", "600"])   # stands for a child before it joined the host
+    other = subprocess.Popen(["sleep", "600"])     # stands for a reused pid: another start time
+    try:
+        lab.record(lab.hosts[0], outside.pid, ["sleep", "600"])
+        lab.state["processes"].append({"host": "h1", "pid": other.pid, "argv": ["sleep", "600"],
+                                       "start": (sx.start_ticks(other.pid) or 0) - 1})
+        lab.down()
+        assert outside.wait(10) == -signal.SIGTERM
+        assert other.poll() is None
+    finally:
+        for p in (outside, other):
+            p.kill()
+            p.wait(10)
+    assert leftovers("pt6") == []
+
+
+@pytest.mark.lab
 def test_context_manager_tears_down_on_sigterm(lab_build):
     env = {**os.environ, "DGR_BUILD_DIR": str(lab_build.parent)}
     code = ("from dgr.lab.hosts import Lab, LabConfig;import time\n"

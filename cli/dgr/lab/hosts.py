@@ -288,9 +288,15 @@ class Lab:
         finally:
             if stdout is None:
                 out.close()     # the child holds its own copy
-        self.state["processes"].append({"host": h.name, "pid": p.pid, "argv": list(argv)})
-        self._save()
+        self.record(h, p.pid, argv)
         return p
+
+    def record(self, host: Host, pid: int, argv: Sequence[str]) -> None:
+        """Notes a process started for `host` (with its start time, so that `down` stops it even
+        before it has joined the host's namespace and cgroups, and never stops a reused pid)."""
+        self.state["processes"].append({"host": host.name, "pid": pid, "start": sx.start_ticks(pid),
+                                        "argv": list(argv)})
+        self._save()
 
     def exec(self, host: str, argv: Sequence[str], *, timeout: float | None = None) -> int:
         """Runs ``argv`` inside the host in the foreground; returns its exit code."""
@@ -386,6 +392,9 @@ class Lab:
         for pr in self.state.get("proxies", []):
             if sx.alive(pr["pid"]) and "dgr.lab.proxy" in sx.cmdline(pr["pid"]):
                 pids.add(pr["pid"])
+        # started by spawn() but maybe not yet in the host's namespace or cgroups (a signal right
+        # after the start): found by their recorded pid and start time
+        pids |= {pid for pr in self.state.get("processes", []) if (pid := sx.recorded(pr)) is not None}
         for kind, val in self.state.get("created", []):
             if kind == "netns" and val in sx.netns_list():
                 pids |= set(sx.netns_pids(val))

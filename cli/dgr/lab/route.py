@@ -149,7 +149,7 @@ class LabRoute:
                 "--listen", f"{h.ip}:0", "--ca", str(t.ca), "--cert", str(t.cert), "--key", str(t.key)]
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self._relays.append(p)
-        self.lab.state["processes"].append({"host": h.name, "pid": p.pid, "argv": argv[5:]})
+        self.lab.record(h, p.pid, argv[5:])
         line = sx.readline(p, 30.0) or ""
         m = re.search(r"ready (\S+):(\d+)", line)
         if not m:

@@ -183,6 +183,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+def start_ticks(pid: int) -> int | None:
+    """When the process started (clock ticks since boot, /proc/PID/stat field 22); None when it
+    is gone. A recorded pid is the same process only while this matches (pids are reused)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def recorded(pr: dict) -> int | None:
+    """The pid of a process a lab recorded ({"pid", "start"}) if it is still that process."""
+    pid, start = pr.get("pid"), pr.get("start")
+    if not isinstance(pid, int) or start is None or not alive(pid):
+        return None
+    return pid if start_ticks(pid) == start else None
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
