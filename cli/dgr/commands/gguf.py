@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..gguf import inspect as gguf_inspect, slice as gguf_slice, synth as gguf_synth, identity
+from ..gguf import inspect as gguf_inspect, presets as gguf_presets, slice as gguf_slice, synth as gguf_synth, identity
 from ..gguf.models import resolve_model
 
 app = typer.Typer(no_args_is_help=True)
@@ -114,25 +114,43 @@ def verify_slice_cmd(
 @app.command("synth")
 def synth_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="Output GGUF."),
-    arch: str = typer.Option("llama", "--arch", help=f"One of: {', '.join(gguf_synth.ARCHS)}."),
-    layers: int = typer.Option(4, "--layers", min=1, help="Number of layers."),
+    preset: Optional[str] = typer.Option(
+        None, "--preset", help="Realistic shapes of a model family (random weights, labelled synthetic): "
+        f"{', '.join(gguf_presets.PRESETS)}. --layers overrides its depth; --dtype is f16, q8_0 or q4_k_m "
+        "(default q4_k_m)."),
+    arch: str = typer.Option("llama", "--arch", help=f"One of: {', '.join(gguf_synth.ARCHS)} (tiny models)."),
+    layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Number of layers (tiny default: 4)."),
     tied: bool = typer.Option(False, "--tied", help="Tie the output to the token embedding (no output.weight)."),
-    dtype: str = typer.Option("f32", "--dtype", help="Weight type of the matrices: f32, f16 or q8_0."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Weight type of the matrices: f32, f16, q8_0 or "
+                                        "q4_k_m (default: f32; q4_k_m with --preset)."),
     seed: int = typer.Option(0, "--seed", min=0, help="Random seed (same seed, same bytes)."),
     n_embd: int = typer.Option(64, "--n-embd", min=1, help="Embedding width."),
     experts: int = typer.Option(8, "--experts", min=1, help="qwen3moe: experts per layer."),
     experts_used: int = typer.Option(2, "--experts-used", min=1, help="qwen3moe: experts each token is routed to (top-k)."),
 ) -> None:
-    """Write a tiny random-weight model with a small real tokenizer (llama.cpp loads and runs it).
+    """Write a random-weight model with a small real tokenizer (llama.cpp loads and runs it).
 
-    qwen3 adds per-head Q/K norms; qwen3moe adds a router (ffn_gate_inp) and stacked expert
-    tensors (ffn_{gate,up,down}_exps) in every layer (the variant has no shared experts)."""
-    spec = gguf_synth.SynthSpec(arch=arch, n_layer=layers, tied=tied, dtype=dtype, seed=seed,
-                                n_embd=n_embd, n_ff=3 * n_embd, n_expert=experts, n_expert_used=experts_used)
-    path = gguf_synth.synthesize(spec, out)
-    moe = f", {experts} experts (top-{experts_used})" if arch == "qwen3moe" else ""
-    typer.echo(f"wrote {path} ({_mib(path.stat().st_size)}): {arch}, {layers} layers, n_embd {n_embd}, "
-               f"{dtype}{', tied' if tied else ''}{moe}, seed {seed}")
+    Without --preset: a tiny model for tests. With --preset: the exact shapes of a published
+    family (heads, KV heads, head size, FFN, vocabulary, RoPE, context), written tensor by tensor
+    (memory: about one tensor). qwen3 adds per-head Q/K norms; qwen3moe adds a router
+    (ffn_gate_inp) and stacked expert tensors (ffn_{gate,up,down}_exps) in every layer (the
+    variant has no shared experts)."""
+    if preset is not None:
+        spec = gguf_synth.spec_from_preset(preset, dtype=dtype or "q4_k_m", n_layer=layers, seed=seed)
+        p = gguf_presets.preset(preset)
+        if p.note and layers is None:
+            typer.echo(f"note: {p.note}", err=True)
+    else:
+        spec = gguf_synth.SynthSpec(arch=arch, n_layer=layers or 4, tied=tied, dtype=dtype or "f32", seed=seed,
+                                    n_embd=n_embd, n_ff=3 * n_embd, n_expert=experts, n_expert_used=experts_used)
+    path = gguf_synth.synthesize(spec, out, progress=True)
+    moe = f", {spec.n_expert} experts (top-{spec.n_expert_used})" if spec.arch == "qwen3moe" else ""
+    shape = (f"{spec.preset} shapes: {spec.n_head} heads x {spec.head_dim}, {spec.n_head_kv} KV heads, "
+             f"FFN {spec.n_ff}, vocabulary {len(gguf_synth.padded_vocab(spec.n_vocab).tokens)}, "
+             f"context {spec.n_ctx}, " if spec.preset else "")
+    typer.echo(f"wrote {path} ({_mib(path.stat().st_size)}): SYNTHETIC weights, {shape}{spec.arch}, "
+               f"{spec.n_layer} layers, n_embd {spec.n_embd}, {spec.dtype}{', tied' if spec.tied else ''}{moe}, "
+               f"seed {seed}")
 
 
 @app.command("recipe")

@@ -112,11 +112,47 @@ MODEL_NAMES: dict[str, Callable[[], Path]] = {
 }
 
 
+SYNTHETIC_PREFIX = "synthetic:"
+
+
+def synthetic_model_path(arg: str) -> Path:
+    """``synthetic:PRESET[:DTYPE]`` (e.g. ``synthetic:llama-3.1-8b``, ``synthetic:llama-3.2-1b:q8_0``):
+    the random-weight model of a realistic preset (cli/dgr/gguf/presets.py), seed 0, written into
+    DGR_MODEL_DIR/synthetic/ on first use and reused while its spec is unchanged."""
+    import json
+
+    from .synth import spec_from_preset, synthesize
+
+    parts = arg[len(SYNTHETIC_PREFIX):].split(":")
+    if len(parts) > 2 or not parts[0]:
+        raise DgrError(f"bad synthetic model {arg!r}", hint="synthetic:PRESET or synthetic:PRESET:DTYPE")
+    spec = spec_from_preset(parts[0], dtype=parts[1] if len(parts) == 2 else "q4_k_m")
+    d = model_dir() / "synthetic"
+    d.mkdir(parents=True, exist_ok=True)
+    target = d / f"{spec.preset}-{spec.dtype}-seed{spec.seed}.gguf"
+    marker = target.with_suffix(".spec.json")
+    want = json.dumps({"spec": repr(spec), "format": 1}, sort_keys=True)
+    if target.is_file() and marker.is_file():
+        st = target.stat()
+        try:
+            if json.loads(marker.read_text()) == {"want": want, "size": st.st_size, "mtime_ns": st.st_mtime_ns}:
+                return refuse_home(target)
+        except ValueError:
+            pass
+    synthesize(spec, target, progress=True)
+    st = target.stat()
+    marker.write_text(json.dumps({"want": want, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    return refuse_home(target)
+
+
 def resolve_model(arg: str | Path | None) -> Path:
     """A model argument: None -> the embedded default; a name in MODEL_NAMES -> that packaged
-    model; a path (absolute or relative to DGR_MODEL_DIR) -> that file, refused under /home."""
+    model; ``synthetic:PRESET[:DTYPE]`` -> a realistic random-weight model (made on first use);
+    a path (absolute or relative to DGR_MODEL_DIR) -> that file, refused under /home."""
     if arg is None:
         return default_model_path()
+    if str(arg).startswith(SYNTHETIC_PREFIX) and not Path(arg).exists():
+        return synthetic_model_path(str(arg))
     if str(arg) in MODEL_NAMES and not Path(arg).exists():
         return MODEL_NAMES[str(arg)]()
     p = Path(arg).expanduser()
@@ -124,5 +160,6 @@ def resolve_model(arg: str | Path | None) -> Path:
         p = model_dir() / p
     p = refuse_home(p)
     if not p.is_file():
-        raise DgrError(f"model file not found: {p}", hint=f"or a packaged model: {', '.join(MODEL_NAMES)}")
+        raise DgrError(f"model file not found: {p}", hint=f"or a packaged model: {', '.join(MODEL_NAMES)}, "
+                                                         "or synthetic:PRESET (dgr gguf synth --help)")
     return p

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import DgrError
 
-DTYPES = ("f32", "f16", "q8_0")
+DTYPES = ("f32", "f16", "q8_0", "q4_k_m")
 
 # Word pieces after the byte tokens (SentencePiece marks a leading space with U+2581).
 _SP = "\u2581"
@@ -81,10 +81,20 @@ class SynthSpec:
     n_expert: int = 8          # qwen3moe only: experts per layer
     n_expert_used: int = 2     # qwen3moe only: top-k
     n_ff_exp: int = 64         # qwen3moe only: hidden size of one expert
+    key_length: int = 0        # head size when it is not n_embd / n_head (0: n_embd / n_head)
+    n_vocab: int = 0           # pad the vocabulary with filler pieces to this size (0: dgr's small one)
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    rope_scaling: tuple[float, float, float, int] | None = None   # Llama 3 RoPE frequency factors
+    preset: str = ""           # the realistic shape this spec copies (dgr gguf synth --preset)
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.key_length or self.n_embd // self.n_head
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
 
 
 # A tensor plan: (name, numpy shape (rows, cols) = GGUF (ne1, ne0), kind) where kind picks the
@@ -98,13 +108,13 @@ def _llama_plan(s: SynthSpec, with_bias: bool = False) -> Plan:
     for i in range(s.n_layer):
         b = f"blk.{i}"
         plan += [(f"{b}.attn_norm.weight", (s.n_embd,), "norm"),
-                 (f"{b}.attn_q.weight", (s.n_embd, s.n_embd), "in"),
+                 (f"{b}.attn_q.weight", (s.q_dim, s.n_embd), "in"),
                  (f"{b}.attn_k.weight", (kv, s.n_embd), "in"),
                  (f"{b}.attn_v.weight", (kv, s.n_embd), "in")]
         if with_bias:
-            plan += [(f"{b}.attn_q.bias", (s.n_embd,), "bias"), (f"{b}.attn_k.bias", (kv,), "bias"),
+            plan += [(f"{b}.attn_q.bias", (s.q_dim,), "bias"), (f"{b}.attn_k.bias", (kv,), "bias"),
                      (f"{b}.attn_v.bias", (kv,), "bias")]
-        plan += [(f"{b}.attn_output.weight", (s.n_embd, s.n_embd), "out"),
+        plan += [(f"{b}.attn_output.weight", (s.n_embd, s.q_dim), "out"),
                  (f"{b}.ffn_norm.weight", (s.n_embd,), "norm"),
                  (f"{b}.ffn_gate.weight", (s.n_ff, s.n_embd), "in"),
                  (f"{b}.ffn_up.weight", (s.n_ff, s.n_embd), "in"),
@@ -118,12 +128,12 @@ def _gemma3_plan(s: SynthSpec) -> Plan:
     for i in range(s.n_layer):
         b = f"blk.{i}"
         plan += [(f"{b}.attn_norm.weight", (s.n_embd,), "norm"),
-                 (f"{b}.attn_q.weight", (s.n_embd, s.n_embd), "in"),
+                 (f"{b}.attn_q.weight", (s.q_dim, s.n_embd), "in"),
                  (f"{b}.attn_k.weight", (kv, s.n_embd), "in"),
                  (f"{b}.attn_v.weight", (kv, s.n_embd), "in"),
                  (f"{b}.attn_q_norm.weight", (s.head_dim,), "norm"),
                  (f"{b}.attn_k_norm.weight", (s.head_dim,), "norm"),
-                 (f"{b}.attn_output.weight", (s.n_embd, s.n_embd), "out"),
+                 (f"{b}.attn_output.weight", (s.n_embd, s.q_dim), "out"),
                  (f"{b}.post_attention_norm.weight", (s.n_embd,), "norm"),
                  (f"{b}.ffn_norm.weight", (s.n_embd,), "norm"),
                  (f"{b}.ffn_gate.weight", (s.n_ff, s.n_embd), "in"),
@@ -136,12 +146,12 @@ def _gemma3_plan(s: SynthSpec) -> Plan:
 def _qwen3_attn(b: str, s: SynthSpec) -> Plan:
     kv = s.n_head_kv * s.head_dim
     return [(f"{b}.attn_norm.weight", (s.n_embd,), "norm"),
-            (f"{b}.attn_q.weight", (s.n_embd, s.n_embd), "in"),
+            (f"{b}.attn_q.weight", (s.q_dim, s.n_embd), "in"),
             (f"{b}.attn_k.weight", (kv, s.n_embd), "in"),
             (f"{b}.attn_v.weight", (kv, s.n_embd), "in"),
             (f"{b}.attn_q_norm.weight", (s.head_dim,), "norm"),
             (f"{b}.attn_k_norm.weight", (s.head_dim,), "norm"),
-            (f"{b}.attn_output.weight", (s.n_embd, s.n_embd), "out"),
+            (f"{b}.attn_output.weight", (s.n_embd, s.q_dim), "out"),
             (f"{b}.ffn_norm.weight", (s.n_embd,), "norm")]
 
 
@@ -177,8 +187,8 @@ def _common_hparams(s: SynthSpec) -> dict[str, tuple[str, object]]:
         "feed_forward_length": ("u32", s.n_ff),
         "attention.head_count": ("u32", s.n_head),
         "attention.head_count_kv": ("u32", s.n_head_kv),
-        "attention.layer_norm_rms_epsilon": ("f32", 1e-5),
-        "rope.freq_base": ("f32", 10000.0),
+        "attention.layer_norm_rms_epsilon": ("f32", s.rms_eps),
+        "rope.freq_base": ("f32", s.rope_theta),
     }
 
 
@@ -234,39 +244,157 @@ def _check(spec: SynthSpec) -> None:
         raise DgrError(f"synth: unknown dtype {spec.dtype!r}", hint=f"one of {', '.join(DTYPES)}")
     if spec.n_layer < 1 or spec.n_layer > 256:
         raise DgrError(f"synth: --layers must be 1..256, got {spec.n_layer}")
-    if spec.n_embd % spec.n_head or spec.n_head % spec.n_head_kv:
+    if spec.key_length == 0 and spec.n_embd % spec.n_head or spec.n_head % spec.n_head_kv:
         raise DgrError("synth: n_embd must divide by n_head and n_head by n_head_kv")
-    if spec.dtype == "q8_0" and (spec.n_embd % 32 or spec.n_ff % 32 or (spec.n_head_kv * spec.head_dim) % 32
-                                 or (spec.arch == "qwen3moe" and spec.n_ff_exp % 32)):
+    widths = [spec.n_embd, spec.n_ff, spec.n_head_kv * spec.head_dim, spec.q_dim]
+    if spec.arch == "qwen3moe":
+        widths.append(spec.n_ff_exp)
+    if spec.dtype == "q8_0" and any(w % 32 for w in widths):
         raise DgrError("synth: q8_0 needs n_embd, n_ff (n_ff_exp) and the KV width to be multiples of 32")
+    if spec.dtype == "q4_k_m" and any(w % 256 for w in widths):
+        raise DgrError("synth: q4_k_m needs every matrix row (n_embd, n_ff, n_ff_exp, the Q and KV widths) "
+                       "to be a multiple of 256", hint="use a --preset, or --dtype q8_0")
     if spec.arch == "qwen3moe" and not (1 <= spec.n_expert_used <= spec.n_expert <= 256):
         raise DgrError("synth: qwen3moe needs 1 <= experts used <= experts <= 256")
     if not spec.tied and not ARCHS[spec.arch].supports_untied:
         raise DgrError(f"synth: {spec.arch} models always tie the output embedding", hint="pass --tied")
+    if spec.n_vocab and spec.n_vocab < len(spm_vocab().tokens):
+        raise DgrError(f"synth: a vocabulary needs at least {len(spm_vocab().tokens)} tokens")
 
 
-def synthesize(spec: SynthSpec, out: str | Path) -> Path:
-    """Write the synthetic model to ``out`` (atomically) and return its path."""
+def padded_vocab(n_vocab: int) -> Vocab:
+    """dgr's small vocabulary, padded with unique filler pieces ("▁t<id>") to ``n_vocab`` tokens."""
+    v = spm_vocab()
+    if n_vocab <= len(v.tokens):
+        return v
+    extra = range(len(v.tokens), n_vocab)
+    return Vocab(v.tokens + tuple(f"{_SP}t{i}" for i in extra), v.scores + tuple(-1000.0 - i for i in extra),
+                 v.types + (1,) * len(extra), v.bos, v.eos, v.unk)
+
+
+def spec_from_preset(name: str, *, dtype: str = "q4_k_m", n_layer: int | None = None, seed: int = 0) -> SynthSpec:
+    """The SynthSpec of a realistic preset (cli/dgr/gguf/presets.py); ``n_layer`` overrides the depth."""
+    from .presets import PRESET_DTYPES, preset
+
+    p = preset(name)
+    if dtype not in PRESET_DTYPES:
+        raise DgrError(f"synth: a preset is written in {', '.join(PRESET_DTYPES)}, not {dtype!r}")
+    layers = p.n_layer if n_layer is None else n_layer
+    return SynthSpec(arch=p.arch, n_layer=layers, n_embd=p.n_embd, n_head=p.n_head, n_head_kv=p.n_head_kv,
+                     n_ff=p.n_ff, n_ctx=p.n_ctx, tied=p.tied, dtype=dtype, seed=seed,
+                     name=f"dgr-synth-{p.name}-{layers}L-{dtype} (synthetic)",
+                     n_expert=p.n_expert or 8, n_expert_used=p.n_expert_used or 2, n_ff_exp=p.n_ff_exp or 64,
+                     key_length=p.head_dim if p.head_dim != p.n_embd // p.n_head else 0,
+                     n_vocab=p.n_vocab, rope_theta=p.rope_theta, rms_eps=p.rms_eps,
+                     rope_scaling=p.rope_scaling, preset=p.name)
+
+
+def tensor_plan(spec: SynthSpec) -> Plan:
+    """Every tensor of the model in file order: (name, numpy shape, initialisation kind)."""
+    n_vocab = len(padded_vocab(spec.n_vocab).tokens)
+    plan: Plan = [("token_embd.weight", (n_vocab, spec.n_embd), "embd")]
+    if spec.rope_scaling is not None:
+        plan.append(("rope_freqs.weight", (spec.head_dim // 2,), "rope_freqs"))
+    plan += ARCHS[spec.arch].blocks(spec)
+    plan.append(("output_norm.weight", (spec.n_embd,), "norm"))
+    if not spec.tied:
+        plan.append(("output.weight", (n_vocab, spec.n_embd), "embd"))
+    return plan
+
+
+def _ggml_type(spec: SynthSpec, name: str, shape: tuple[int, ...], kind: str) -> str:
+    """The ggml type of one tensor: matrices (and stacked experts) take the model dtype, the
+    router stays F32 as in real conversions, vectors (norms, biases, RoPE factors) are F32."""
+    if len(shape) < 2 or kind == "router":
+        return "F32"
+    if spec.dtype == "q4_k_m":
+        from .presets import q4_k_m_type
+
+        return q4_k_m_type(name, spec.n_layer, spec.tied)
+    return spec.dtype.upper()
+
+
+def _std(spec: SynthSpec, shape: tuple[int, ...], kind: str) -> float:
+    # Logits ~ N(0, 2) from a separate output matrix. A tied embedding is kept small so the
+    # layers, not the input token's own row, steer the final state (else greedy repeats it).
+    embd_gain = 0.25 if spec.tied else 2.0
+    residual_scale = 1.0 / math.sqrt(2.0 * spec.n_layer)
+    return {"embd": embd_gain, "in": 1.0, "out": residual_scale}[kind] / math.sqrt(shape[-1])
+
+
+def _tensor_data(spec: SynthSpec, rng: np.random.Generator, name: str, shape: tuple[int, ...], kind: str,
+                 ggml_type: str) -> np.ndarray:
+    """One tensor's bytes or values, made when it is written (memory: about one tensor)."""
+    if kind == "norm":
+        return np.ones(shape, dtype=np.float32)
+    if kind == "rope_freqs":
+        from .presets import llama3_rope_factors
+
+        assert spec.rope_scaling is not None
+        return llama3_rope_factors(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+    if kind == "bias":
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+    if kind == "router":
+        # spread router logits so top-k picks differ from token to token
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(4.0 / math.sqrt(shape[-1]))
+    std = _std(spec, shape, kind)
+    if ggml_type in ("Q4_K", "Q6_K"):
+        from .presets import kquant_blocks
+
+        return kquant_blocks(ggml_type, rng, int(np.prod(shape)), std)
+    data = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+    if ggml_type == "F16":
+        return data.astype(np.float16)
+    if ggml_type == "Q8_0":
+        import gguf
+
+        return gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+    return data
+
+
+def _tensor_info(ggml_type: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], np.dtype, int, object]:
+    """(shape as the writer wants it, numpy dtype, byte count, raw ggml type or None)."""
     import gguf
+
+    n = int(np.prod(shape))
+    if ggml_type == "F32":
+        return shape, np.dtype(np.float32), 4 * n, None
+    if ggml_type == "F16":
+        return shape, np.dtype(np.float16), 2 * n, None
+    qt = gguf.GGMLQuantizationType[ggml_type]
+    block, type_size = gguf.GGML_QUANT_SIZES[qt]
+    byte_shape = (*shape[:-1], shape[-1] // block * type_size)
+    return byte_shape, np.dtype(np.uint8), n // block * type_size, qt
+
+
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M"}
+
+
+def synthesize(spec: SynthSpec, out: str | Path, *, progress: bool = False) -> Path:
+    """Write the synthetic model to ``out`` (atomically) and return its path.
+
+    Tensors are written one at a time as they are made, so memory stays near one tensor: an
+    8B-shaped Q4_K_M (about 4.6 GiB) is written in well under a minute on 2 cores."""
+    import gguf
+
+    from ..console import Progress
+    from .models import refuse_home
 
     _check(spec)
     out = Path(out)
-    from .models import refuse_home
-
     refuse_home(out.parent, "output folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     arch = ARCHS[spec.arch]
-    vocab = spm_vocab()
-    n_vocab = len(vocab.tokens)
+    vocab = padded_vocab(spec.n_vocab)
     rng = np.random.default_rng(spec.seed)
 
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     w = gguf.GGUFWriter(tmp, spec.arch)
     w.add_name(spec.name or f"dgr-synth-{spec.arch}-{spec.n_layer}L-{spec.dtype}{'-tied' if spec.tied else ''}")
-    w.add_string("general.description", f"dgr synthetic model, seed {spec.seed}; random weights, not a language model")
-    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[spec.dtype]
-    w.add_file_type(int(ftype))
+    shape_note = f"; shapes of the {spec.preset} preset" if spec.preset else ""
+    w.add_string("general.description",
+                 f"dgr synthetic model, seed {spec.seed}; random weights, not a language model{shape_note}")
+    w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[spec.dtype]]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, (kind, val) in arch.hparams(spec).items():
         k = f"{spec.arch}.{key}"
@@ -274,7 +402,7 @@ def synthesize(spec: SynthSpec, out: str | Path) -> Path:
             w.add_uint32(k, int(val))  # type: ignore[arg-type]
         else:
             w.add_float32(k, float(val))  # type: ignore[arg-type]
-    w.add_uint32(f"{spec.arch}.vocab_size", n_vocab)
+    w.add_uint32(f"{spec.arch}.vocab_size", len(vocab.tokens))
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(list(vocab.tokens))
@@ -286,50 +414,27 @@ def synthesize(spec: SynthSpec, out: str | Path) -> Path:
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
 
-    residual_scale = 1.0 / math.sqrt(2.0 * spec.n_layer)
-    # Logits ~ N(0, 2) from a separate output matrix. A tied embedding is kept small so the
-    # layers, not the input token's own row, steer the final state (else greedy repeats it).
-    embd_gain = 0.25 if spec.tied else 2.0
-    plan: Plan = [("token_embd.weight", (n_vocab, spec.n_embd), "embd")]
-    plan += arch.blocks(spec)
-    plan.append(("output_norm.weight", (spec.n_embd,), "norm"))
-    if not spec.tied:
-        plan.append(("output.weight", (n_vocab, spec.n_embd), "embd"))
-
-    for name, shape, kind in plan:
-        if kind == "norm":
-            data = np.ones(shape, dtype=np.float32)
-        elif kind == "bias":
-            data = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
-        elif kind == "router":
-            # spread router logits so top-k picks differ from token to token
-            data = (rng.standard_normal(shape, dtype=np.float32) * np.float32(4.0 / math.sqrt(shape[-1])))
-        else:
-            fan_in = shape[-1]
-            std = {"embd": embd_gain, "in": 1.0, "out": residual_scale}[kind] / math.sqrt(fan_in)
-            data = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
-        # matrices (and stacked expert matrices) take the model dtype; the router stays f32 as
-        # in real conversions; vectors (norms) are f32
-        _add_tensor(w, name, data, spec.dtype if data.ndim >= 2 and kind != "router" else "f32")
-
+    plan = [(name, shape, kind, _ggml_type(spec, name, shape, kind)) for name, shape, kind in tensor_plan(spec)]
+    total = 0
+    for name, shape, _kind, ggml_type in plan:
+        wshape, dtype, nbytes, raw = _tensor_info(ggml_type, shape)
+        w.add_tensor_info(name, wshape, dtype, nbytes, raw_dtype=raw)  # type: ignore[arg-type]
+        total += nbytes
+    bar = Progress(f"writing {out.name} (synthetic)", total) if progress else None
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        for name, shape, kind, ggml_type in plan:
+            data = _tensor_data(spec, rng, name, shape, kind, ggml_type)
+            w.write_tensor_data(data)
+            if bar:
+                bar.update(data.nbytes)
+            del data
         w.close()
         tmp.replace(out)
     finally:
+        if bar:
+            bar.close()
         tmp.unlink(missing_ok=True)
     return out
-
-
-def _add_tensor(w, name: str, data: np.ndarray, dtype: str) -> None:
-    import gguf
-
-    if dtype == "f32":
-        w.add_tensor(name, data)
-    elif dtype == "f16":
-        w.add_tensor(name, data.astype(np.float16))
-    else:
-        q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
-        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
