@@ -68,7 +68,39 @@ def check_toolchain(backend: str) -> list[str]:
             raise DgrError("backend metal builds only on macOS")
     elif backend == "vulkan":
         flags += _vulkan_flags()
-    return flags
+    return _merge_compiler_flags(flags + cpu_isa_flags())
+
+
+# The pinned ggml's AMX matrix path (an "extra buffer type" chosen over the x86 repack when the
+# CPU has AMX and the build is -march=native) crashes in ggml_backend_amx_mul_mat on the first
+# decode of any model whose matrices it takes (seen here: n_embd 2048, Q4_K and Q8_0, on a
+# Sapphire Rapids vCPU; upstream llama.cpp issue 20824, closed unfixed). SmolLM2's 576-wide rows
+# never reach it, larger models always do. The native build keeps every other ISA extension;
+# only the AMX ones are switched off (GCC lets an explicit -mno-* win over -march=native).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def _merge_compiler_flags(flags: list[str]) -> list[str]:
+    """One -DCMAKE_C_FLAGS / -DCMAKE_CXX_FLAGS each (CMake keeps only the last of a repeated -D)."""
+    merged: dict[str, list[str]] = {}
+    out: list[str] = []
+    for f in flags:
+        key = next((k for k in ("-DCMAKE_C_FLAGS=", "-DCMAKE_CXX_FLAGS=") if f.startswith(k)), None)
+        if key is None:
+            out.append(f)
+            continue
+        if key not in merged:
+            merged[key] = []
+            out.append(key)
+        merged[key].append(f[len(key):])
+    return [f + " ".join(merged[f]) if f in merged else f for f in out]
+
+
+def cpu_isa_flags() -> list[str]:
+    """CMake flags that leave AMX out of a native x86-64 build (see NO_AMX); none elsewhere."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    return [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
 def cuda_architectures() -> str:
