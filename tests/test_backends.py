@@ -211,3 +211,16 @@ def test_drift_arithmetic() -> None:
     bad = rep.violations({"tokens": 64, "top1_agreement_min": 0.95, "max_abs_dlogprob": 0.1, "bogus": 1})
     assert len(bad) == 4
     assert json.loads(json.dumps(rep.to_json()))["top1_agreement"] == pytest.approx(7 / 8)
+
+
+def test_native_x86_builds_leave_amx_out(monkeypatch) -> None:
+    """The pinned ggml's AMX path crashes on wide models (docs/realistic-size.md): x86-64 builds
+    compile without it, in one CMAKE_C/CXX_FLAGS each even when a backend sets its own."""
+    from dgr.upstream import build as b
+
+    monkeypatch.setattr(b.platform, "machine", lambda: "x86_64")
+    flags = b._merge_compiler_flags(["-DX=1", "-DCMAKE_CXX_FLAGS=-I/inc"] + b.cpu_isa_flags())
+    assert flags == ["-DX=1", f"-DCMAKE_CXX_FLAGS=-I/inc {b.NO_AMX}", f"-DCMAKE_C_FLAGS={b.NO_AMX}"]
+    assert f"-DCMAKE_C_FLAGS={b.NO_AMX}" in b.check_toolchain("cpu")
+    monkeypatch.setattr(b.platform, "machine", lambda: "aarch64")
+    assert b.cpu_isa_flags() == []
