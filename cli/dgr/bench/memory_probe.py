@@ -47,9 +47,9 @@ def owned_tensors(path: Path, start: int, end: int) -> tuple[list[str], int, int
     """(names, bytes, n_layer) of the tensors the dense-llama range [start, end) holds in ``path``:
     its blk.N tensors, the token embedding for a head, the final norm and output for a tail
     (the token embedding when the output is tied), and rope_freqs for everyone."""
-    from ..gguf.inspect import open_gguf
+    from ..gguf.gguf_set import open_model
 
-    with open_gguf(path) as gf:  # the strict reader: a corrupt file is a GgufError
+    with open_model(path) as gf:  # the strict reader (every part of a split set): a corrupt file is a GgufError
         n_layer = gf.get("llama.block_count")
         if not isinstance(n_layer, int) or isinstance(n_layer, bool) or n_layer <= 0:
             raise ProbeError(f"{path} is not a llama GGUF (no valid llama.block_count)")

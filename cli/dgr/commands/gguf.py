@@ -8,12 +8,13 @@ from typing import Optional
 
 import typer
 
-from ..gguf import inspect as gguf_inspect, presets as gguf_presets, slice as gguf_slice, synth as gguf_synth, identity
+from ..gguf import gguf_set, presets as gguf_presets, slice as gguf_slice, synth as gguf_synth, identity
 from ..gguf.models import resolve_model
 
 app = typer.Typer(no_args_is_help=True)
 
-FileArg = typer.Argument(None, help="GGUF file (default: the embedded SmolLM2-135M).", show_default=False)
+FileArg = typer.Argument(None, help="GGUF file or any part of a split set PREFIX-NNNNN-of-MMMMM.gguf "
+                         "(default: the embedded SmolLM2-135M).", show_default=False)
 
 
 def _mib(n: int) -> str:
@@ -26,11 +27,17 @@ def inspect_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Architecture, hyper-parameters, tensors grouped by layer range, types, sizes, tokenizer."""
-    info = gguf_inspect.inspect(resolve_model(file))
+    info = gguf_set.inspect_model(resolve_model(file))
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
     typer.echo(f"{info['path']}  ({_mib(info['file_bytes'])}, GGUF v{info['gguf_version']})")
+    if info.get("parts"):
+        typer.echo(f"  split set:     {len(info['parts'])} parts (metadata in part 1)")
+        for part in info["parts"]:
+            extra = f" + {', '.join(part['globals'])}" if part["globals"] else ""
+            typer.echo(f"    {Path(part['path']).name:<40} {_mib(part['file_bytes']):>12} "
+                       f"{part['n_tensors']:>5} tensors  layers {part['layers']}{extra}")
     typer.echo(f"  name:          {info['name']}")
     typer.echo(f"  architecture:  {info['architecture']}")
     hp = info["hparams"]
@@ -74,6 +81,8 @@ def fingerprint_cmd(
     typer.echo(f"metadata digest:  {ident.metadata_digest}")
     typer.echo(f"tokenizer digest: {ident.tokenizer_digest}")
     typer.echo(f"architecture:     {ident.architecture}")
+    if ident.parts:
+        typer.echo(f"split set:        {len(ident.parts)} parts, {', '.join(Path(q).name for q in ident.parts)}")
     typer.echo(f"tensors:          {len(ident.manifest.tensors)} ({_mib(ident.manifest.total_bytes)})")
     typer.echo(f"weight types:     {identity.weight_types_digest(ident.manifest)} "
                f"{identity.weight_types_summary(ident.manifest)}")
@@ -81,7 +90,7 @@ def fingerprint_cmd(
 
 @app.command("slice")
 def slice_cmd(
-    src: Path = typer.Argument(..., help="Source GGUF (a whole artifact, never a slice)."),
+    src: Path = typer.Argument(..., help="Source GGUF (a whole artifact, or any part of a split set; never a slice)."),
     layers: str = typer.Option(..., "--layers", help="Layer range START:END (END exclusive), e.g. 0:15."),
     out: Path = typer.Option(..., "-o", "--out", help="Output GGUF."),
 ) -> None:
@@ -91,12 +100,16 @@ def slice_cmd(
     typer.echo(f"wrote {res.path}: layers {res.range} of {res.n_layer}"
                f"{' (' + ', '.join(roles) + ')' if roles else ''}, {len(res.tensors)} tensors, "
                f"{_mib(res.file_bytes)}; source artifact id {res.source_artifact_id}")
+    if res.source_parts > 1:
+        typer.echo(f"  tensor data read from {len(res.read_from)} of {res.source_parts} parts: "
+                   f"{', '.join(Path(q).name for q in res.read_from)}")
 
 
 @app.command("verify-slice")
 def verify_slice_cmd(
     slice_file: Path = typer.Argument(..., metavar="SLICE", help="Slice GGUF."),
-    source: Optional[Path] = typer.Option(None, "--source", help="Also check against this source GGUF."),
+    source: Optional[Path] = typer.Option(None, "--source", help="Also check against this source GGUF (or any "
+                                          "part of a split set)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Expect exactly this range START:END."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:

@@ -5,8 +5,12 @@ sha256 of the bytes; the artifact id is the sha256 of its canonical text (docs/i
 Because every tensor has its own entry, a node holding only a slice verifies its tensors
 against the manifest that the slice carries, and the manifest against the artifact id.
 
-Hashing a large file takes a while, so results are cached by (path, size, mtime_ns) in
-``$DGR_CACHE_DIR/identity`` (default ``build/cache/identity``).
+A split GGUF set (``PREFIX-NNNNN-of-MMMMM.gguf``, :mod:`dgr.gguf.gguf_set`) is one artifact: its
+manifest lists the tensors of every part, its metadata digest is part 1's, so its artifact id
+is that of the same model as one file.
+
+Hashing a large file takes a while, so results are cached by (path, size, mtime_ns) — of every
+part, for a set — in ``$DGR_CACHE_DIR/identity`` (default ``build/cache/identity``).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from typing import Any
 
 from .. import paths
 from ..errors import DgrError
-from .inspect import GgufFile, open_gguf
+from .gguf_set import GgufModel, GgufSet, open_model, split_name
+from .inspect import GgufFile
 from ..console import Progress
 
 MANIFEST_HEADER = "dgr-artifact-manifest/v1"
-CACHE_FORMAT = "dgr-identity-cache/v1"
+# v2: the metadata digest excludes split.* pairs; keys list every part of a split set
+CACHE_FORMAT = "dgr-identity-cache/v2"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 16 << 20
 
@@ -143,12 +149,14 @@ class Manifest:
 
 @dataclass(frozen=True)
 class ArtifactIdentity:
-    """What `dgr gguf fingerprint` reports for one file."""
+    """What `dgr gguf fingerprint` reports for one file or split set (``path``: part 1's,
+    ``size``: all parts together, ``parts``: every part's path, empty for a single file)."""
     path: str
     size: int
     architecture: str
     tokenizer_digest: str
     manifest: Manifest
+    parts: tuple[str, ...] = ()
 
     @property
     def artifact_id(self) -> str:
@@ -165,12 +173,14 @@ class ArtifactIdentity:
             "architecture": self.architecture, "n_tensors": len(self.manifest.tensors),
             "tensor_bytes": self.manifest.total_bytes, "manifest_format": MANIFEST_HEADER,
         }
+        if self.parts:
+            d["parts"] = list(self.parts)
         if entries:
             d["tensors"] = [t.to_json() for t in self.manifest.tensors]
         return d
 
 
-def hash_tensors(gf: GgufFile, names: list[str] | None = None, *, progress: bool = True,
+def hash_tensors(gf: GgufFile | GgufSet, names: list[str] | None = None, *, progress: bool = True,
                  label: str = "hashing") -> list[TensorEntry]:
     """Manifest entries for the named tensors (all by default), hashing their exact bytes."""
     infos = [gf.tensor(n) for n in names] if names is not None else list(gf.tensors)
@@ -194,7 +204,7 @@ def hash_tensors(gf: GgufFile, names: list[str] | None = None, *, progress: bool
     return entries
 
 
-def manifest_of(gf: GgufFile, *, progress: bool = True) -> Manifest:
+def manifest_of(gf: GgufModel, *, progress: bool = True) -> Manifest:
     return Manifest.build(gf.metadata_digest(), hash_tensors(gf, progress=progress))
 
 
@@ -210,12 +220,22 @@ def cache_dir() -> Path | None:
         return None
 
 
-def _cache_key(path: Path) -> tuple[str, int, int]:
+CacheKey = list[Any]
+
+
+def _file_key(path: Path) -> list[Any]:
     st = path.stat()
-    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
 
 
-def _cache_file(key: tuple[str, int, int]) -> Path | None:
+def _cache_key(paths: list[Path]) -> CacheKey:
+    """(resolved path, size, mtime_ns) of a file; for a split set, of every part in order."""
+    if len(paths) == 1:
+        return _file_key(paths[0])
+    return ["split-set"] + [_file_key(p) for p in paths]
+
+
+def _cache_file(key: CacheKey) -> Path | None:
     d = cache_dir()
     if d is None:
         return None
@@ -223,23 +243,23 @@ def _cache_file(key: tuple[str, int, int]) -> Path | None:
     return d / f"{h}.json"
 
 
-def _cache_load(key: tuple[str, int, int]) -> ArtifactIdentity | None:
+def _cache_load(key: CacheKey, path: str, size: int, parts: tuple[str, ...]) -> ArtifactIdentity | None:
     f = _cache_file(key)
     if f is None or not f.is_file():
         return None
     try:
         d = json.loads(f.read_text())
-        if d.get("format") != CACHE_FORMAT or tuple(d["key"]) != key:
+        if d.get("format") != CACHE_FORMAT or d["key"] != key:
             return None
         m = Manifest.parse(d["manifest"])
         if m.artifact_id != d["artifact_id"]:
             return None
-        return ArtifactIdentity(key[0], key[1], d["architecture"], d["tokenizer_digest"], m)
+        return ArtifactIdentity(path, size, d["architecture"], d["tokenizer_digest"], m, parts)
     except (ValueError, KeyError, TypeError, DgrError):
         return None  # a damaged cache entry is recomputed, never trusted
 
 
-def _cache_store(key: tuple[str, int, int], ident: ArtifactIdentity) -> None:
+def _cache_store(key: CacheKey, ident: ArtifactIdentity) -> None:
     f = _cache_file(key)
     if f is None:
         return
@@ -247,7 +267,7 @@ def _cache_store(key: tuple[str, int, int], ident: ArtifactIdentity) -> None:
         f.parent.mkdir(parents=True, exist_ok=True)
         tmp = f.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({
-            "format": CACHE_FORMAT, "key": list(key), "artifact_id": ident.artifact_id,
+            "format": CACHE_FORMAT, "key": key, "artifact_id": ident.artifact_id,
             "architecture": ident.architecture, "tokenizer_digest": ident.tokenizer_digest,
             "manifest": ident.manifest.text()}))
         tmp.replace(f)
@@ -266,20 +286,40 @@ def clear_cache() -> int:
 
 
 def identify(path: str | Path, *, progress: bool = True, use_cache: bool = True) -> ArtifactIdentity:
-    """The artifact identity of a GGUF file (manifest + artifact id), cached by (path, size, mtime_ns)."""
+    """The artifact identity of a GGUF file, or of the whole split set ``path`` is a part of
+    (manifest + artifact id), cached by (path, size, mtime_ns) of every file it covers.
+
+    A set is checked (every part's header; docs/identity.md "Split GGUF sets") on every call,
+    also when the identity comes from the cache: a broken set is a DgrError naming the part."""
     p = Path(path)
     if not p.is_file():
         raise DgrError(f"GGUF file not found: {p}")
-    key = _cache_key(p)
-    if use_cache:
-        hit = _cache_load(key)
-        if hit is not None:
-            return hit
-    with open_gguf(p) as gf:
-        arch = gf.get("general.architecture")
-        ident = ArtifactIdentity(key[0], key[1], arch if isinstance(arch, str) else "",
-                                 gf.tokenizer_digest(), manifest_of(gf, progress=progress))
-    if use_cache and _cache_key(p) == key:  # unchanged while we hashed it
+    if split_name(p.name) is None:
+        key = _cache_key([p])
+        if use_cache:
+            hit = _cache_load(key, key[0], key[1], ())
+            if hit is not None:
+                return hit
+        with open_model(p) as gf:   # refuses a renamed split part
+            return _identify_open(gf, key, progress=progress, use_cache=use_cache)
+    with open_model(p) as m:
+        paths_ = [m.path] if isinstance(m, GgufFile) else m.part_paths
+        key = _cache_key(paths_)
+        parts = tuple(str(q.resolve()) for q in paths_) if isinstance(m, GgufSet) else ()
+        if use_cache:
+            hit = _cache_load(key, str(m.path.resolve()), sum(q.stat().st_size for q in paths_), parts)
+            if hit is not None:
+                return hit
+        return _identify_open(m, key, progress=progress, use_cache=use_cache)
+
+
+def _identify_open(m: GgufModel, key: CacheKey, *, progress: bool, use_cache: bool) -> ArtifactIdentity:
+    paths_ = m.part_paths if isinstance(m, GgufSet) else [m.path]
+    arch = m.get("general.architecture")
+    ident = ArtifactIdentity(str(m.path.resolve()), m.size, arch if isinstance(arch, str) else "",
+                             m.tokenizer_digest(), manifest_of(m, progress=progress),
+                             tuple(str(q.resolve()) for q in paths_) if isinstance(m, GgufSet) else ())
+    if use_cache and _cache_key(paths_) == key:  # unchanged while we hashed it
         _cache_store(key, ident)
     return ident
 

@@ -22,6 +22,8 @@ import numpy as np
 from ..errors import DgrError
 
 SLICE_PREFIX = "dgr.slice."
+SPLIT_PREFIX = "split."   # split-set container pairs (dgr.gguf.gguf_set)
+DIGEST_EXCLUDED = (SLICE_PREFIX, SPLIT_PREFIX)   # namespaces outside the metadata digest
 METADATA_DOMAIN = b"dgr-gguf-metadata/v1\n"
 TOKENIZER_DOMAIN = b"dgr-gguf-tokenizer/v1\n"
 GGUF_MAGIC = b"GGUF"
@@ -320,8 +322,9 @@ class GgufFile:
         return h.hexdigest()
 
     def metadata_digest(self) -> str:
-        """sha256 over every metadata pair except ``dgr.slice.*``, sorted by key (docs/identity.md)."""
-        return self.kv_digest(METADATA_DOMAIN, [k for k in self._fields if not k.startswith(SLICE_PREFIX)])
+        """sha256 over every metadata pair except ``dgr.slice.*`` and ``split.*`` (a split set's
+        container pairs), sorted by key (docs/identity.md)."""
+        return self.kv_digest(METADATA_DOMAIN, [k for k in self._fields if not k.startswith(DIGEST_EXCLUDED)])
 
     def tokenizer_digest(self) -> str:
         """sha256 over every ``tokenizer.*`` pair, sorted by key."""
@@ -461,29 +464,35 @@ def tokenizer_summary(gf: GgufFile) -> dict[str, Any]:
 
 
 def inspect(path: str | Path) -> dict[str, Any]:
-    """A summary of one GGUF: architecture, hyper-parameters, tensors by range, tokenizer."""
+    """A summary of one GGUF file: architecture, hyper-parameters, tensors by range, tokenizer
+    (a split set as a whole: :func:`dgr.gguf.gguf_set.inspect_model`)."""
     with open_gguf(path) as gf:
-        arch = gf.get("general.architecture")
-        hp: dict[str, Any] = {}
-        if isinstance(arch, str):
-            for name in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
-                         "attention.head_count_kv", "context_length", "rope.dimension_count",
-                         "attention.layer_norm_rms_epsilon", "rope.freq_base", "vocab_size"):
-                v = gf.get(f"{arch}.{name}")
-                if v is not None:
-                    hp[name] = v
-        slice_info = {k[len(SLICE_PREFIX):]: gf.get(k) for k in gf.keys
-                      if k.startswith(SLICE_PREFIX) and k not in (SLICE_PREFIX + "source_manifest",
-                                                                    SLICE_PREFIX + "tensor_entries")}
-        return {
-            "path": str(gf.path), "file_bytes": gf.size, "gguf_version": gf.version,
-            "name": gf.get("general.name"), "architecture": arch, "hparams": hp,
-            "file_type": gf.get("general.file_type"), "n_kv": len(gf.keys), "n_tensors": len(gf.tensors),
-            "tensor_bytes": sum(t.n_bytes for t in gf.tensors),
-            "types": dict(sorted(Counter(t.type_name for t in gf.tensors).items())),
-            "tied_output": None if gf.is_slice else (
-                gf.has_tensor("token_embd.weight") and not gf.has_tensor("output.weight")),
-            "groups": tensor_groups(gf.tensors),
-            "tokenizer": tokenizer_summary(gf),
-            "slice": slice_info or None,
-        }
+        return summary(gf)
+
+
+def summary(gf: Any) -> dict[str, Any]:
+    """:func:`inspect`'s summary of an opened GgufFile (or anything that reads like one)."""
+    arch = gf.get("general.architecture")
+    hp: dict[str, Any] = {}
+    if isinstance(arch, str):
+        for name in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+                     "attention.head_count_kv", "context_length", "rope.dimension_count",
+                     "attention.layer_norm_rms_epsilon", "rope.freq_base", "vocab_size"):
+            v = gf.get(f"{arch}.{name}")
+            if v is not None:
+                hp[name] = v
+    slice_info = {k[len(SLICE_PREFIX):]: gf.get(k) for k in gf.keys
+                  if k.startswith(SLICE_PREFIX) and k not in (SLICE_PREFIX + "source_manifest",
+                                                                SLICE_PREFIX + "tensor_entries")}
+    return {
+        "path": str(gf.path), "file_bytes": gf.size, "gguf_version": gf.version,
+        "name": gf.get("general.name"), "architecture": arch, "hparams": hp,
+        "file_type": gf.get("general.file_type"), "n_kv": len(gf.keys), "n_tensors": len(gf.tensors),
+        "tensor_bytes": sum(t.n_bytes for t in gf.tensors),
+        "types": dict(sorted(Counter(t.type_name for t in gf.tensors).items())),
+        "tied_output": None if gf.is_slice else (
+            gf.has_tensor("token_embd.weight") and not gf.has_tensor("output.weight")),
+        "groups": tensor_groups(gf.tensors),
+        "tokenizer": tokenizer_summary(gf),
+        "slice": slice_info or None,
+    }

@@ -148,7 +148,10 @@ def synthetic_model_path(arg: str) -> Path:
 def resolve_model(arg: str | Path | None) -> Path:
     """A model argument: None -> the embedded default; a name in MODEL_NAMES -> that packaged
     model; ``synthetic:PRESET[:DTYPE]`` -> a realistic random-weight model (made on first use);
-    a path (absolute or relative to DGR_MODEL_DIR) -> that file, refused under /home."""
+    a path (absolute or relative to DGR_MODEL_DIR) -> that file, refused under /home.
+    Any part of a split GGUF set names the whole set: the set is checked (a missing, extra,
+    reordered or mismatched part is refused, naming it) and part 1's path is returned, the path
+    llama.cpp and the worker are given (docs/identity.md "Split GGUF sets")."""
     if arg is None:
         return default_model_path()
     if str(arg).startswith(SYNTHETIC_PREFIX) and not Path(arg).exists():
@@ -162,4 +165,6 @@ def resolve_model(arg: str | Path | None) -> Path:
     if not p.is_file():
         raise DgrError(f"model file not found: {p}", hint=f"or a packaged model: {', '.join(MODEL_NAMES)}, "
                                                          "or synthetic:PRESET (dgr gguf synth --help)")
-    return p
+    from .gguf_set import first_part
+
+    return first_part(p)

@@ -162,14 +162,14 @@ def recipe_for(path: str | Path, *, backend: str = "cpu", activation_dtype: str 
     """The recipe a Shard of this GGUF (a whole artifact or a slice) would serve on this runtime,
     on ``backend``, as part of a route with backend plan ``backends`` (default: ``backend``)."""
     from . import identity
-    from .inspect import open_gguf
+    from .gguf_set import open_model
     from .slice import adapter_for, read_slice_info
 
     if backend not in BACKENDS:
         raise RecipeError(f"unknown backend {backend!r}", hint=f"one of {', '.join(BACKENDS)}")
     if backends and backend not in plan_backends(backend_plan(plan_backends(backends))):
         raise RecipeError(f"backend {backend} is not part of the route's backend plan {backends}")
-    with open_gguf(path) as gf:
+    with open_model(path) as gf:   # a single file, or the split set any part names
         if gf.is_slice:
             info = read_slice_info(gf)
             artifact_id, tok, manifest = info.source_artifact_id, info.source_tokenizer_digest, info.source_manifest

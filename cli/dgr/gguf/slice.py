@@ -5,7 +5,9 @@ A slice is a GGUF holding only the tensors its range owns (``blk.N.*`` for N in 
 — for a tail), with the original tensor names, every original metadata pair byte for byte, and
 ``dgr.slice.*`` pairs binding it to the source: the source artifact id, metadata and tokenizer
 digests, the range and the full canonical source manifest. It never uses ``split.*`` keys
-(llama.cpp reads those as pieces of one file).
+(llama.cpp reads those as pieces of one file): the slice of a split set (any part names it,
+:mod:`dgr.gguf.gguf_set`) is a plain single file, its tensor data read only from the parts that
+hold the range's tensors.
 
 Which tensors a range owns is the architecture adapter's knowledge; an architecture without
 an adapter fails closed: no guessing by tensor names.
@@ -21,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import DgrError
-from .inspect import SLICE_PREFIX, GgufFile, layer_of, open_gguf
+from .gguf_set import GgufSet, open_model
+from .inspect import SLICE_PREFIX, SPLIT_PREFIX, GgufFile, layer_of, open_gguf
 from .identity import Manifest, ManifestError, TensorEntry, hash_tensors, identify
 from ..console import Progress
 
@@ -197,7 +200,7 @@ def range_bytes_by_role(path: str | Path, rng: LayerRange) -> dict[str, int]:
     """Bytes of the tensors a range owns, by role: per-layer roles of the adapter (e.g. attention,
     router, experts), 'layer' for an adapter without roles, and 'head' / 'tail' / 'tied_output' /
     'shared'."""
-    with open_gguf(path) as gf:
+    with open_model(path) as gf:
         adapter = adapter_for(gf.architecture)
         n_layer = gf.n_layer
         sizes = {t.name: t.n_bytes for t in gf.tensors}
@@ -253,6 +256,9 @@ class SliceResult:
     tensors: tuple[str, ...]
     source_artifact_id: str
     file_bytes: int
+    # the files whose tensor data was copied (for a split set: only the parts holding the range)
+    read_from: tuple[str, ...] = ()
+    source_parts: int = 1   # files of the source (the parts of a split set)
 
 
 def slice_gguf(src: str | Path, rng: LayerRange, out: str | Path, *, progress: bool = True) -> SliceResult:
@@ -263,10 +269,10 @@ def slice_gguf(src: str | Path, rng: LayerRange, out: str | Path, *, progress: b
     from .models import refuse_home
 
     refuse_home(out.parent, "output folder")
-    if out.exists() and out.resolve() == src.resolve():
-        raise SliceError("the slice output would overwrite its source", hint="choose another -o path")
     ident = identify(src, progress=progress)
-    with open_gguf(src) as gf:
+    if out.exists() and out.resolve() in {Path(q).resolve() for q in (ident.parts or (ident.path,))}:
+        raise SliceError("the slice output would overwrite its source", hint="choose another -o path")
+    with open_model(src) as gf:
         if gf.is_slice:
             raise SliceError(f"{src} is already a slice (has {SLICE_PREFIX}* metadata); slicing a slice is refused",
                              hint="slice the original artifact instead")
@@ -286,8 +292,8 @@ def slice_gguf(src: str | Path, rng: LayerRange, out: str | Path, *, progress: b
         w = _writer_class()(tmp, arch)
         w.data_alignment = gf.alignment
         for key in gf.keys:
-            if key == "general.architecture":
-                continue  # the writer adds it first; same value, same type
+            if key == "general.architecture" or key.startswith(SPLIT_PREFIX):
+                continue  # the writer adds the architecture first (same value and type); a slice is one file
             w.add_key_value(key, _RawValue(gf.kv_value_bytes(key)), gguf.GGUFValueType.STRING)
         w.add_uint32(K_VERSION, SLICE_FORMAT_VERSION)
         w.add_string(K_ARTIFACT, ident.artifact_id)
@@ -329,7 +335,10 @@ def slice_gguf(src: str | Path, rng: LayerRange, out: str | Path, *, progress: b
             tmp.replace(out)
         finally:
             tmp.unlink(missing_ok=True)
-    return SliceResult(out, rng, n_layer, tuple(names), ident.artifact_id, out.stat().st_size)
+        read_from = tuple(str(gf.part_paths[i]) for i in sorted(gf.parts_read)) if isinstance(gf, GgufSet) \
+            else ((str(gf.path),) if names else ())
+    return SliceResult(out, rng, n_layer, tuple(names), ident.artifact_id, out.stat().st_size, read_from,
+                       max(1, len(ident.parts)))
 
 
 # ---- verifying ----
@@ -418,6 +427,9 @@ def verify_slice(path: str | Path, source: str | Path | None = None, *,
             checks.append("metadata matches source metadata digest")
         if gf.tokenizer_digest() != info.source_tokenizer_digest:
             problems.append("tokenizer metadata differs from the source's tokenizer digest")
+        split_keys = [k for k in gf.keys if k.startswith(SPLIT_PREFIX)]
+        if split_keys:
+            problems.append(f"slice carries split-set pair {split_keys[0]!r} (llama.cpp would look for other parts)")
         # 3. range and ownership
         rng = info.range
         n_layer_kv = gf.n_layer if gf.has(f"{gf.architecture}.block_count") else None

@@ -26,9 +26,10 @@ from ..errors import DgrError
 BACKENDS = ("cpu", "vulkan", "cuda", "hip", "metal")
 DEFAULT_TARGETS = ("dgr-worker",)
 TEST_TARGETS = ("dgr-tests",)
-# Whole-model llama.cpp tools used as yardsticks and helpers (benchmarks, quantize, references).
+# Whole-model llama.cpp tools used as yardsticks and helpers (benchmarks, quantize, references,
+# llama-gguf-split: writes and merges split GGUF sets).
 TOOL_TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-simple",
-                "llama-completion", "llama-server")
+                "llama-completion", "llama-server", "llama-gguf-split")
 BACKEND_CMAKE = {
     "cpu": [],
     "vulkan": ["-DGGML_VULKAN=ON"],
