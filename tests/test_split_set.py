@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from dgr.errors import DgrError
 from dgr.gguf import identity
-from dgr.gguf.gguf_set import GgufSet, SplitSetError, inspect_model, open_model, part_paths
+from dgr.gguf.gguf_set import GgufSet, SplitSetError, inspect_model, model_stem, open_model, part_paths
 from dgr.gguf.inspect import open_gguf
 from dgr.gguf.models import resolve_model
 from dgr.gguf.recipe import recipe_for
@@ -244,6 +244,15 @@ def test_routes_refuse_a_broken_set_before_any_worker(parts: list[Path], cmd: li
 def test_model_argument_resolves_any_part_to_part_1(parts: list[Path]) -> None:
     assert resolve_model(parts[2]) == parts[0]
     assert part_paths(parts[1]) == parts
+    assert model_stem(parts[2]) == "m" and model_stem(Path("x/model.gguf")) == "model"
+
+
+def test_worker_gets_part_1_and_the_set_identity(single: Path, parts: list[Path]) -> None:
+    r = CliRunner().invoke(app, ["worker", "serve", "--model", str(parts[2]), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    argv = r.output.split()
+    assert argv[argv.index("--model") + 1] == str(parts[0])
+    assert argv[argv.index("--artifact-id") + 1] == identity.identify(single, progress=False).artifact_id
 
 
 # ---- inspect, recipe ----

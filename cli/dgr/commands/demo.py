@@ -13,7 +13,7 @@ import typer
 
 def demo(
     model: Optional[str] = typer.Option(
-        None, "--model", help="GGUF file, or a packaged model: smollm2-135m (default, embedded SmolLM2-135M Q4_1), "
+        None, "--model", help="GGUF file (or any part of a split set), or a packaged model: smollm2-135m (default, embedded SmolLM2-135M Q4_1), "
         "gemma3-270m (Gemma 3 270M Q4_K_M, the gemma3 extra)."),
     split: Optional[str] = typer.Option(None, "--split", help="Shard ranges, e.g. 0:9,9:18 (default: the model's "
                                         "layers in two halves on two local workers)."),

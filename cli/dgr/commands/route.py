@@ -52,7 +52,8 @@ def _printer(n: int, as_json: bool):
 
 @app.command("run")
 def run(
-    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file or any part of a split set "
+                                         "(default: embedded SmolLM2-135M)."),
     split: str = typer.Option("0:15,15:30", "--split", help="Contiguous shard ranges, e.g. 0:15,15:30."),
     slices: bool = typer.Option(False, "--slices", help="Serve per-range slice files (each worker maps only its tensors)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt (repeated for --sessions)."),
@@ -154,7 +155,8 @@ def generate(
 @app.command("drift")
 def drift(
     backend: str = typer.Option(..., "--backend", help="One backend per shard in route order, e.g. cpu,vulkan."),
-    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file or any part of a split set "
+                                         "(default: embedded SmolLM2-135M)."),
     split: str = typer.Option("0:15,15:30", "--split", help="Contiguous shard ranges, e.g. 0:15,15:30."),
     reference: str = typer.Option("cpu", "--reference", help="Backend of the whole-model reference worker."),
     tokens: int = typer.Option(64, "--tokens", min=1, help="Generated tokens compared per prompt."),

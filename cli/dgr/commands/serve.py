@@ -27,7 +27,7 @@ def serve(
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate: serve HTTPS."),
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients send (default: the GGUF "
-                                             "file's stem; with --shard, the artifact id)."),
+                                             "file's stem, a split set's PREFIX; with --shard, the artifact id)."),
     max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", min=1, help="Requests that run at once "
                                                  "(default: the workers' session slots)."),
     queue: int = typer.Option(64, "--queue", min=0, help="Requests that may wait for a slot; beyond that: 429."),
@@ -52,6 +52,7 @@ def serve(
     console at /, /health and /metrics. Starts local workers for --model/--split, or serves running
     workers given with --shard, or starts them on a lab's simulated hosts with --lab. Ctrl-C stops it
     (and the workers it started)."""
+    from ..gguf.gguf_set import model_stem
     from ..gguf.models import resolve_model
     from ..route import local as rt
     from ..serve.server import ServeOptions, serve_route
@@ -90,7 +91,7 @@ def serve(
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     if not fake:
         rt.ensure_worker()
-    opts.model_id = opts.model_id or (src.stem if src else "fake")
+    opts.model_id = opts.model_id or (model_stem(src) if src else "fake")
     with rt.LocalRoute(src, rng, fake=fake, slices=slices, threads=threads or os.cpu_count() or 1,
                        max_sessions=max_sessions, ctx_per_session=ctx_per_session) as lr:
         log(f"route {','.join(f'{a}:{b}' for a, b in rng)} on {len(rng)} local worker(s)")
@@ -104,6 +105,7 @@ def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Op
                ctx_per_session: int, fake: bool, log, ready) -> None:
     """Workers on a lab's hosts (each in its namespace, CPU set and memory budget, mTLS on every
     hop); the gateway runs here and dials the head with the lab's driver certificate."""
+    from ..gguf.gguf_set import model_stem
     from ..gguf.models import resolve_model
     from ..lab.hosts import Lab
     from ..lab.route import LabRoute
@@ -126,7 +128,7 @@ def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Op
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     if not fake:
         rt.ensure_worker()
-    opts.model_id = opts.model_id or (src.stem if src else "fake")
+    opts.model_id = opts.model_id or (model_stem(src) if src else "fake")
     with LabRoute(lab, src, rng, placement=placement, max_sessions=max_sessions, ctx_per_session=ctx_per_session,
                   fake=fake) as lr:
         opts.route_tls = lr.tls

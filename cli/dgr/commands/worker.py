@@ -17,7 +17,8 @@ app = typer.Typer(no_args_is_help=True)
 
 @app.command("serve")
 def serve(
-    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (whole model or a `dgr gguf slice`)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (whole model, any part of a split "
+                                         "set, or a `dgr gguf slice`)."),
     fake_model: bool = typer.Option(False, "--fake-model", help="Deterministic arithmetic model (tests, no GGUF)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layer range A:B served (default: all)."),
     n_layer: Optional[int] = typer.Option(None, "--n-layer", min=1, help="Fake model: number of layers (default 8)."),

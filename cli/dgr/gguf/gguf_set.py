@@ -348,3 +348,10 @@ def inspect_model(path: str | Path) -> dict[str, Any]:
         info = summary(m)
         info["parts"] = [s.to_json() for s in m.summaries()] if isinstance(m, GgufSet) else None
     return info
+
+
+def model_stem(path: str | Path) -> str:
+    """A model's short name: the file's stem, or a split set's PREFIX (``m-00001-of-00003.gguf`` -> ``m``)."""
+    p = Path(path)
+    sn = split_name(p.name)
+    return sn.prefix if sn is not None else p.stem

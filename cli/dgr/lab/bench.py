@@ -129,9 +129,10 @@ def model_split(model: Path, hosts: int) -> list[tuple[int, int]]:
     Q8_0 output matrix; bytes would weigh that matrix as 14 layers instead of 8). Its output
     matrix costs as much as 8 of the 30 layers, so the even 0:15|15:30 leaves the head idle
     about a third of every step; the balanced split is 0:19|19:30."""
-    from ..gguf.inspect import layer_of, open_gguf
+    from ..gguf.gguf_set import open_model
+    from ..gguf.inspect import layer_of
 
-    with open_gguf(model) as gf:
+    with open_model(model) as gf:   # every part of a split set
         n_layer = int(gf.n_layer)
         per = [0] * n_layer
         for t in gf.tensors:
