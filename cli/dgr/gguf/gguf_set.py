@@ -292,30 +292,31 @@ def open_set(path: str | Path) -> GgufSet:
 def open_model(path: str | Path) -> GgufModel:
     """A single GGUF file, or the whole split set when ``path`` names a part of one (any part).
 
-    Rules (docs/identity.md "Split GGUF sets"): a ``PREFIX-NNNNN-of-MMMMM.gguf`` file with a
-    ``split.count`` pair is a part; any other name with ``split.count`` >= 2 is refused (a
-    renamed part); a file without split pairs is a single file, unless its name says it is part
-    of a set of two or more."""
+    Rules (docs/identity.md "Split GGUF sets"): a file whose ``split.count`` is 2 or more is a
+    part, and must be named ``PREFIX-NNNNN-of-MMMMM.gguf`` (else: a renamed part, refused); a
+    file without ``split.count`` or with ``split.count`` <= 1 (llama-gguf-split's ``--merge``
+    output has 0) is a single file, unless its name says it is part of a set of two or more
+    while it has no ``split.count`` at all (refused)."""
     p = Path(path)
     gf = open_gguf(p)
     sn = split_name(p.name)
-    count = gf.get(K_SPLIT_COUNT) if gf.has(K_SPLIT_COUNT) else None
-    if sn is None:
-        if isinstance(count, int) and count >= 2:
-            no = gf.get(K_SPLIT_NO)
-            gf.close()
-            ordinal = no + 1 if isinstance(no, int) else "?"
-            raise SplitSetError(f"{p.name} is part {ordinal} of a {count}-part split set, but its name is not "
-                                "PREFIX-NNNNN-of-NNNNN.gguf (renamed part)",
-                                hint="restore the part names llama-gguf-split gave them")
-        return gf
-    if count is None:
-        if sn.count == 1:
-            return gf
+    if gf.has(K_SPLIT_COUNT) and gf.value_type(K_SPLIT_COUNT) != T_UINT16:
         gf.close()
-        raise SplitSetError(f"{p.name} is named as part {sn.no} of {sn.count} but has no split.count pair "
-                            "(not a llama-gguf-split part)")
+        raise SplitSetError(f"{p.name}: split.count is not a u16 (a split-set part's pair)")
+    count = gf.get(K_SPLIT_COUNT)
+    if count is None or count <= 1:
+        if sn is not None and sn.count >= 2 and count is None:
+            gf.close()
+            raise SplitSetError(f"{p.name} is named as part {sn.no} of {sn.count} but has no split.count pair "
+                                "(not a llama-gguf-split part)")
+        return gf
+    no = gf.get(K_SPLIT_NO)
     gf.close()
+    if sn is None:
+        ordinal = no + 1 if isinstance(no, int) else "?"
+        raise SplitSetError(f"{p.name} is part {ordinal} of a {count}-part split set, but its name is not "
+                            "PREFIX-NNNNN-of-NNNNN.gguf (renamed part)",
+                            hint="restore the part names llama-gguf-split gave them")
     return open_set(p)
 
 
