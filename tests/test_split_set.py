@@ -368,3 +368,49 @@ def test_smollm2_as_three_parts_has_the_single_file_id(smollm2_path: Path, tmp_p
         == "a3e57daae193ff32f1ffed53f899498f7bb1f4fb2986d4f4731e7c0263e8b857"
     _flip(parts[2], parts[2].stat().st_size - 7)   # a byte of part 3's last tensor
     assert identity.identify(parts[0], progress=False).artifact_id != ident.artifact_id
+
+
+# ---- corrupt parts: always a DgrError or a valid result ----
+
+def test_corrupt_parts_end_in_dgr_errors(single: Path, tmp_path: Path) -> None:
+    """Seeded corruptions (tests/gguf_corrupt.py) of one part at a time, read by every set-aware
+    reader: each ends in a DgrError or a valid result, never another exception; a corruption
+    that the strict reader must refuse is refused for the set too."""
+    import random
+
+    import gguf_corrupt
+
+    d = tmp_path / "fuzz"
+    d.mkdir()
+    good = [p.read_bytes() for p in split_like_gguf_split(single, d / "m", PER_PART)]
+    paths = part_paths(d / "m-00001-of-00003.gguf")
+    rng = random.Random(20261205)
+    outcomes: dict[str, int] = {}
+    for c in gguf_corrupt.corpus(good[0], 20261205, 60):
+        # part 1 (every metadata pair): the corpus; parts 2-3 (split.* only): a header byte or a cut
+        victim = rng.randrange(3)
+        if victim == 0:
+            data = c.data
+        else:
+            buf = bytearray(good[victim])
+            if rng.random() < 0.7:
+                buf[rng.randrange(min(len(buf), 400))] ^= 1 << rng.randrange(8)
+            else:
+                del buf[rng.randrange(len(buf)):]
+            data = bytes(buf)
+        for i, p in enumerate(paths):
+            p.write_bytes(data if i == victim else good[i])
+        try:
+            identity.identify(paths[2], progress=False, use_cache=False)
+            inspect_model(paths[0])
+            recipe_for(paths[1], runtime=("0", "c" * 40, "d" * 64), progress=False)
+            slice_gguf(paths[0], LayerRange(0, 1), tmp_path / "s.gguf", progress=False)
+            outcome = "ok"
+        except DgrError as exc:
+            assert "\n" not in str(exc)
+            outcome = type(exc).__name__
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        if victim == 0 and c.must_refuse:
+            assert outcome != "ok", c.kind
+    print("split-set corruptions:", outcomes)
+    assert sum(outcomes.values()) == 60 and len(outcomes) > 1, outcomes
