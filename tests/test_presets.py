@@ -62,6 +62,7 @@ def test_1b_preset_read_back_from_the_file(tmp_path: Path) -> None:
         assert gf.hparam("rope.freq_base") == 500000.0
         assert "synthetic" in gf.get("general.name") and "synthetic" in gf.get("general.description")
         assert gf.get("general.file_type") == 15   # LLAMA_FTYPE_MOSTLY_Q4_K_M
+        assert "<|start_header_id|>" in gf.get("tokenizer.chat_template")   # llama.cpp's llama3 format
         assert len(gf.get("tokenizer.ggml.tokens")) == 128256
         emb = gf.tensor("token_embd.weight")
         assert emb.shape == (2048, 128256) and emb.type_name == "Q6_K"   # tied

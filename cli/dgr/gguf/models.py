@@ -131,7 +131,7 @@ def synthetic_model_path(arg: str) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     target = d / f"{spec.preset}-{spec.dtype}-seed{spec.seed}.gguf"
     marker = target.with_suffix(".spec.json")
-    want = json.dumps({"spec": repr(spec), "format": 1}, sort_keys=True)
+    want = json.dumps({"spec": repr(spec), "format": 2}, sort_keys=True)
     if target.is_file() and marker.is_file():
         st = target.stat()
         try:

@@ -83,6 +83,17 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
 
 PRESET_DTYPES = ("f16", "q8_0", "q4_k_m")
 
+# The families' chat formats, as short templates llama.cpp's llama_chat_apply_template recognises
+# (the markers are plain text to the synthetic vocabulary, as any unknown text would be).
+CHAT_TEMPLATES = {
+    "llama": ("{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+              "{{ message['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+              "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"),
+    "qwen3": ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+}
+CHAT_TEMPLATES["qwen3moe"] = CHAT_TEMPLATES["qwen3"]
+
 
 def preset(name: str) -> Preset:
     from ..errors import DgrError

@@ -87,6 +87,7 @@ class SynthSpec:
     rms_eps: float = 1e-5
     rope_scaling: tuple[float, float, float, int] | None = None   # Llama 3 RoPE frequency factors
     preset: str = ""           # the realistic shape this spec copies (dgr gguf synth --preset)
+    chat_template: str = ""    # tokenizer.chat_template (presets: the family's chat format)
 
     @property
     def head_dim(self) -> int:
@@ -274,7 +275,7 @@ def padded_vocab(n_vocab: int) -> Vocab:
 
 def spec_from_preset(name: str, *, dtype: str = "q4_k_m", n_layer: int | None = None, seed: int = 0) -> SynthSpec:
     """The SynthSpec of a realistic preset (cli/dgr/gguf/presets.py); ``n_layer`` overrides the depth."""
-    from .presets import PRESET_DTYPES, preset
+    from .presets import CHAT_TEMPLATES, PRESET_DTYPES, preset
 
     p = preset(name)
     if dtype not in PRESET_DTYPES:
@@ -286,7 +287,7 @@ def spec_from_preset(name: str, *, dtype: str = "q4_k_m", n_layer: int | None = 
                      n_expert=p.n_expert or 8, n_expert_used=p.n_expert_used or 2, n_ff_exp=p.n_ff_exp or 64,
                      key_length=p.head_dim if p.head_dim != p.n_embd // p.n_head else 0,
                      n_vocab=p.n_vocab, rope_theta=p.rope_theta, rms_eps=p.rms_eps,
-                     rope_scaling=p.rope_scaling, preset=p.name)
+                     rope_scaling=p.rope_scaling, preset=p.name, chat_template=CHAT_TEMPLATES[p.arch])
 
 
 def tensor_plan(spec: SynthSpec) -> Plan:
@@ -413,6 +414,8 @@ def synthesize(spec: SynthSpec, out: str | Path, *, progress: bool = False) -> P
     w.add_unk_token_id(vocab.unk)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    if spec.chat_template:
+        w.add_chat_template(spec.chat_template)
 
     plan = [(name, shape, kind, _ggml_type(spec, name, shape, kind)) for name, shape, kind in tensor_plan(spec)]
     total = 0
