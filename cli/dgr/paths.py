@@ -56,3 +56,14 @@ def patched_source_dir() -> Path:
 
 def backend_build_dir(backend: str) -> Path:
     return build_dir() / backend
+
+
+def refuse_home(path: Path, what: str = "model path") -> Path:
+    """``path`` resolved; a path under /home (where model artifacts are not allowed) is refused."""
+    from .errors import DgrError
+
+    resolved = Path(path).expanduser().resolve()
+    if resolved == Path("/home") or Path("/home") in resolved.parents:
+        raise DgrError(f"{what} {resolved} is under /home, where model artifacts are not allowed",
+                       hint="set DGR_MODEL_DIR to a folder outside /home")
+    return resolved

@@ -28,12 +28,7 @@ GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
-def refuse_home(path: Path, what: str = "model path") -> Path:
-    resolved = Path(path).expanduser().resolve()
-    if resolved == Path("/home") or Path("/home") in resolved.parents:
-        raise DgrError(f"{what} {resolved} is under /home, where model artifacts are not allowed",
-                       hint="set DGR_MODEL_DIR to a folder outside /home")
-    return resolved
+from ..paths import refuse_home  # noqa: E402  (kept here: callers import it from models)
 
 
 def model_dir() -> Path:

@@ -379,7 +379,7 @@ def synthesize(spec: SynthSpec, out: str | Path, *, progress: bool = False) -> P
     import gguf
 
     from ..console import Progress
-    from .models import refuse_home
+    from ..paths import refuse_home
 
     _check(spec)
     out = Path(out)
