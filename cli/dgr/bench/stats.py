@@ -26,3 +26,19 @@ def positional_agreement(a: list[int], b: list[int]) -> float:
     """Share of positions (over the shorter sequence) holding the same token."""
     n = min(len(a), len(b))
     return sum(1 for i in range(n) if a[i] == b[i]) / n if n else 1.0
+
+
+def cadence(chunk_times: list[list[float]], tokens: list[int]) -> dict[str, float | int | None]:
+    """How text reached a client: ``chunk_times`` per request, the arrival of each chunk (event)
+    that carried text; ``tokens`` per request, the tokens generated. ``chunks_per_token`` is
+    the share of tokens that arrived as a chunk of their own (1.0: one event per token); the
+    inter-token latency (ITL) is every gap between two consecutive chunks of one request, pooled
+    over the requests (the first chunk's wait is the TTFT, not an ITL); ``max_gap_s`` the
+    longest. Tokens that arrive together make one chunk and one longer gap: the figures show
+    bursts that a tokens-per-second rate hides."""
+    gaps = [b - a for ts in chunk_times for a, b in zip(ts, ts[1:])]
+    n_tok = sum(tokens)
+    return {"chunks": sum(len(ts) for ts in chunk_times), "tokens": n_tok,
+            "chunks_per_token": sum(len(ts) for ts in chunk_times) / n_tok if n_tok else None,
+            "itl_p50_s": percentile(gaps, 0.5), "itl_p90_s": percentile(gaps, 0.9),
+            "itl_p99_s": percentile(gaps, 0.99), "max_gap_s": max(gaps) if gaps else None, "gaps": len(gaps)}
