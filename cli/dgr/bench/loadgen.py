@@ -96,11 +96,13 @@ class LevelResult:
                 "chunk_times_s": [r.chunk_times_s for r in self.requests]}
 
 
-async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_tokens: int, api_key: str = "none",
-                    lane: str = "", timeout: float = 600.0, stop_at_eos: bool = False) -> LevelResult:
+async def run_level(base_url: str, model: str, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_tokens: int,
+                    api_key: str = "none", lane: str = "", timeout: float = 600.0,
+                    stop_at_eos: bool = False) -> LevelResult:
     """All ``prompts`` at once, one streaming greedy chat request each, no prompt cache (every
     server prefills afresh); unless ``stop_at_eos``, ``ignore_eos`` makes every answer
-    ``max_tokens`` long.
+    ``max_tokens`` long. A prompt given as token ids goes as is to ``/completions`` instead (no
+    chat template: the same tokens as a route driver session).
 
     The client is ``httpx`` speaking the OpenAI API (JSON request, server-sent events), not the
     ``openai`` package (the gateway's tests use that one): a load generator has to cost little
@@ -120,7 +122,7 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
     server has already started on it (seen: a route share longer than the client's TTFT)."""
     import httpx
 
-    url = base_url.rstrip("/") + "/chat/completions"
+    base = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"}
     async with httpx.AsyncClient(timeout=timeout, headers=headers,
                                  limits=httpx.Limits(max_connections=max(1, len(prompts)))) as client:
@@ -133,10 +135,15 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
             pass
         t0 = time.perf_counter()
 
-        async def one(p: str) -> RequestResult:
-            body = {"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                    "ignore_eos": not stop_at_eos, "cache_prompt": False}
+        async def one(p: str | Sequence[int]) -> RequestResult:
+            body: dict[str, Any] = {
+                "model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": not stop_at_eos, "cache_prompt": False}
+            if isinstance(p, str):
+                url = base + "/chat/completions"
+                body["messages"] = [{"role": "user", "content": p}]
+            else:
+                url, body["prompt"] = base + "/completions", [int(t) for t in p]
             began = time.perf_counter()
             written: list[float] = []
 
@@ -169,7 +176,8 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
                         if route_ttft is None and isinstance(ms, (int, float)):
                             route_ttft = ms / 1e3
                         choices = ch.get("choices") or []
-                        text = (choices[0].get("delta") or {}).get("content") if choices else None
+                        text = ((choices[0].get("delta") or {}).get("content") or choices[0].get("text")) \
+                            if choices else None
                         if text:
                             now = time.perf_counter()
                             first = first or now

@@ -62,7 +62,7 @@ from typing import Any, Callable, Sequence
 from dgr.errors import DgrError
 
 from .loadgen import LevelResult, LlamaServer, RequestResult, proc_cpu_s, run_level, wait_healthy
-from .stats import cadence
+from .stats import cadence, cadence_cells
 
 _log = logging.getLogger(__name__)
 
@@ -363,14 +363,6 @@ def _where(cpu: dict[str, dict[str, float]], runs_by_lane: dict[str, list[LevelR
     ls = cpu.get("llama_server", {})
     out["llama_server"] = {"server_cpu_s": ls.get("llama_server", 0.0), "http_client_cpu_s": ls.get("bench_client", 0.0)}
     return out
-
-
-def cadence_cells(c: dict[str, Any]) -> str:
-    """A cadence (stats.cadence) as table cells: chunks per token, ITL p50/p90/p99, max gap (ms)."""
-    def ms(k: str) -> str:
-        return "n/a" if c.get(k) is None else f"{c[k] * 1e3:.1f}"
-    cpt = "n/a" if c.get("chunks_per_token") is None else f"{c['chunks_per_token']:.2f}"
-    return f"{cpt:>10} {ms('itl_p50_s'):>8} {ms('itl_p90_s'):>7} {ms('itl_p99_s'):>7} {ms('max_gap_s'):>8}"
 
 
 def summary(doc: dict[str, Any]) -> str:

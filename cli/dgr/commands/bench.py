@@ -126,6 +126,9 @@ def route(
     repeats: int = typer.Option(3, "--repeats", min=1, max=50),
     rpc: bool = typer.Option(True, "--rpc/--no-rpc",
                              help="Also measure llama.cpp's RPC split (two local rpc-servers; builds them once)."),
+    llama_server: bool = typer.Option(True, "--llama-server/--no-llama-server",
+                                      help="Also stream the same prompts from llama-server (whole model): its "
+                                           "inter-token latency next to the route's."),
     out: Path = typer.Option(Path("route-bench.json"), "--out", help="Where to write the results JSON."),
     hosts: int = typer.Option(0, "--hosts", min=0, help="Run the route over N simulated hosts (`dgr lab`, 1 core/1 thread "
                               "each, mTLS) against one such host; 0: the local route on this machine's cores."),
@@ -168,7 +171,7 @@ def route(
         return
 
     cfg = rb.RouteBenchConfig(split=tuple(parse_split(split)), threads=threads or 0, n_prompt=n_prompt,
-                              n_gen=n_gen, repeats=repeats, rpc=rpc)
+                              n_gen=n_gen, repeats=repeats, rpc=rpc, llama_server=llama_server)
     doc = rb.run_route_bench(resolve_model(model), cfg)
     _write(out, doc, rb.summary(doc))
 
