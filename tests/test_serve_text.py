@@ -1,4 +1,4 @@
-"""The gateway's pure parts: incremental text with stop strings, admission (no workers)."""
+"""The gateway's pure parts: incremental text with stop strings, one delta per token, admission (no workers)."""
 
 from __future__ import annotations
 
