@@ -243,6 +243,10 @@ def serve(
                                 "top level (rotations: repeats x top / level; medians reported)."),
     llama_server: bool = typer.Option(True, "--llama-server/--no-llama-server",
                                       help="Run the llama-server lane (built on first use)."),
+    prompt: Optional[list[str]] = typer.Option(
+        None, "--prompt", help="A user message (repeat for several; cycled to each level's requests). Default: "
+                               "four short questions. For the streaming cadence give prompts whose answers outlast "
+                               "--max-tokens (docs/serve.md)."),
     out: Path = typer.Option(Path("serve-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """dgr serve vs the route driver called directly and vs llama-server (-np = top level), one run:
@@ -259,7 +263,10 @@ def serve(
         raise DgrError(f"bad --levels {levels!r}", hint="e.g. 1,4,8") from None
     if not lv or min(lv) < 1 or repeats < 1 or max_tokens < 2:
         raise DgrError("--levels must be positive, --repeats >= 1, --max-tokens >= 2")
+    if prompt is not None and not all(p.strip() for p in prompt):
+        raise DgrError("--prompt must not be empty")
     cfg = sb.ServeBenchConfig(split=tuple(parse_split(split)) if split else (), levels=lv, threads=threads or 0,
-                              max_tokens=max_tokens, repeats=repeats, llama_server=llama_server)
+                              max_tokens=max_tokens, repeats=repeats, llama_server=llama_server,
+                              prompts=tuple(prompt or ()))
     doc = sb.run_serve_bench(resolve_model(model), cfg)
     _write(out, doc, sb.summary(doc))
