@@ -151,6 +151,16 @@ def test_bench_route_runs_end_to_end(native_bin: Path, smollm2_path: Path, tmp_p
     assert doc["split"] == ["0:15", "15:30"] and doc["concurrency"] == [1, 2]
     assert "targets" in doc and doc["targets"]
     assert doc["llama_bench"]["tg_tok_s"] > 0
+    # the streaming cadence of the route, the whole model and llama-server on the same prompts
+    for c in ("1", "2"):
+        for lane in ("route", "whole_worker", "llama_server"):
+            cad = doc["cadence"][c][lane]
+            # the driver hands over every token as its own answer; llama-server's events may merge
+            # a character split over tokens
+            least = 0.75 if lane == "llama_server" else 1.0
+            assert cad["tokens"] == int(c) * 8 and cad["chunks_per_token"] >= least, (c, lane, cad)
+            assert cad["itl_p50_s"] > 0
+    assert doc["llama_server"]["1"]["decode_tok_s"] > 0
 
 
 def test_cadence_counts_one_answers_tokens_as_one_chunk():
