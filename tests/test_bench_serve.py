@@ -15,11 +15,14 @@ from dgr.bench.loadgen import LevelResult, RequestResult  # noqa: E402
 
 
 def _level(lane: str, n: int, *, ttft: float, tok_s_each: float, tokens: int = 65, cpu=None,
-           route_ttft: float | None = None) -> LevelResult:
+           route_ttft: float | None = None, per_chunk: int = 1) -> LevelResult:
+    """``n`` requests whose tokens come evenly at ``tok_s_each``, ``per_chunk`` tokens per event."""
     reqs = []
     for i in range(n):
         first = ttft + 0.001 * i
-        reqs.append(RequestResult(30, tokens, ttft, first, first + (tokens - 1) / tok_s_each, route_ttft_s=route_ttft))
+        chunks = [first + k / tok_s_each for k in range(0, tokens, per_chunk)] + [first + (tokens - 1) / tok_s_each]
+        reqs.append(RequestResult(30, tokens, ttft, first, first + (tokens - 1) / tok_s_each, route_ttft_s=route_ttft,
+                                  chunk_times_s=sorted(set(chunks))))
     return LevelResult(lane, n, reqs, 2.0, cpu or {})
 
 
@@ -36,15 +39,17 @@ class _Srv:
     cmd = ["llama-server", "-np", "8"]
 
 
-def _doc(gw_decode: float, gw_ttft: float, whole_decode: float, whole_ttft: float, gw_route_ttft=0.050):
+def _doc(gw_decode: float, gw_ttft: float, whole_decode: float, whole_ttft: float, gw_route_ttft=0.050,
+         per_chunk: int = 1):
     runs = {}
     for level in (1, 4):
         runs[("driver_split", level)] = [_level("driver_split", level, ttft=0.050, tok_s_each=20.0,
                                                 cpu={"bench_client": 0.4, "split_worker_0": 2.0})]
         runs[("gateway_split", level)] = [_level("gateway_split", level, ttft=gw_ttft, tok_s_each=gw_decode,
                                                  cpu={"gateway_split": 0.3, "bench_client": 0.2},
-                                                 route_ttft=gw_route_ttft)]
-        runs[("gateway_whole", level)] = [_level("gateway_whole", level, ttft=whole_ttft, tok_s_each=whole_decode)]
+                                                 route_ttft=gw_route_ttft, per_chunk=per_chunk)]
+        runs[("gateway_whole", level)] = [_level("gateway_whole", level, ttft=whole_ttft, tok_s_each=whole_decode,
+                                                 per_chunk=per_chunk)]
         runs[("llama_server", level)] = [_level("llama_server", level, ttft=0.040, tok_s_each=21.0)]
     cfg = sb.ServeBenchConfig(levels=(1, 4), max_tokens=65, repeats=1)
     return sb._document(Path("/m.gguf"), cfg, [(0, 15), (15, 30)], 2, runs, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0), 10.0,
@@ -52,7 +57,7 @@ def _doc(gw_decode: float, gw_ttft: float, whole_decode: float, whole_ttft: floa
 
 
 def test_targets_met_and_missed_are_reported_per_level():
-    ok = _doc(gw_decode=19.8, gw_ttft=0.053, whole_decode=24.5, whole_ttft=0.042)
+    ok = _doc(gw_decode=19.8, gw_ttft=0.053, whole_decode=21.0, whole_ttft=0.042)
     assert ok["all_met"], ok["checks"]
     lv = ok["results"][1]
     assert lv["comparisons"]["gateway_vs_driver_decode"] == pytest.approx(0.99, abs=0.005)
@@ -112,3 +117,26 @@ def test_every_bench_json_records_the_tree_it_ran_from(tmp_path):
         pytest.skip("not a git checkout")
     assert git["git_commit"] == head and isinstance(git["git_dirty"], bool)
     assert json.loads(out.read_text())["bench"] == "x"
+
+
+def test_streaming_cadence_per_lane_and_its_targets():
+    # one event per token, tokens every 1/21 s on the whole model and llama-server alike
+    even = _doc(gw_decode=19.8, gw_ttft=0.053, whole_decode=21.0, whole_ttft=0.042)
+    lv = even["results"][0]
+    whole = lv["cadence"]["gateway_whole"]
+    assert whole["chunks_per_token"] == pytest.approx(1.0) and whole["gaps"] == 64
+    assert whole["itl_p50_s"] == pytest.approx(1 / 21.0) and whole["max_gap_s"] == pytest.approx(1 / 21.0)
+    assert lv["comparisons"]["whole_vs_llama_server_itl_p50"] == pytest.approx(1.0)
+    assert lv["comparisons"]["split_vs_whole_itl_p50"] == pytest.approx(21.0 / 19.8)
+    assert all(lv["met"][k] for k in ("gateway_chunks_per_token", "whole_vs_llama_server_itl_p50",
+                                      "whole_vs_llama_server_itl_p99", "split_vs_whole_itl_p50"))
+    # the same decode rate in bursts of 4 tokens: a quarter of the events, gaps 4x as long
+    bursts = _doc(gw_decode=19.8, gw_ttft=0.053, whole_decode=21.0, whole_ttft=0.042, per_chunk=4)
+    lv = bursts["results"][0]
+    assert lv["cadence"]["gateway_whole"]["chunks_per_token"] == pytest.approx(17 / 65)
+    assert lv["comparisons"]["whole_vs_llama_server_itl_p50"] == pytest.approx(4.0)
+    assert lv["aggregate_decode_tok_s"]["gateway_whole"] == even["results"][0]["aggregate_decode_tok_s"]["gateway_whole"]
+    missed = {c["check"] for c in bursts["checks"] if not c["met"]}
+    assert {"gateway_chunks_per_token", "whole_vs_llama_server_itl_p50", "whole_vs_llama_server_itl_p99"} <= missed
+    assert "ITL p50" in sb.summary(bursts)
+    json.dumps(bursts, allow_nan=False)

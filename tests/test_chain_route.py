@@ -100,7 +100,7 @@ def test_tokens_per_answer_changes_the_answers_not_the_tokens(fake_workers):
     eps = _eps(fake_workers, "2-shard")
     ref = asyncio.run(_generate_all(eps, PROMPTS, chain=False, max_tokens=30, stop_on_eog=False))
     bytes_out = {}
-    for per_answer in (1, 8):
+    for per_answer in (None, 1, 8):     # None: the driver's default
         got = asyncio.run(_generate_all(eps, PROMPTS, chain=True, expect_mode="chained",
                                         tokens_per_answer=per_answer, max_tokens=30, stop_on_eog=False))
         for g, r in zip(got, ref):
@@ -109,6 +109,8 @@ def test_tokens_per_answer_changes_the_answers_not_the_tokens(fake_workers):
         bytes_out[per_answer] = sum(g.telemetry.nodes[0].frame_bytes_out for g in got)
     # grouped answers share one header: fewer answers, fewer bytes for the same tokens
     assert bytes_out[8] < 0.6 * bytes_out[1], bytes_out
+    # by default every token is an answer of its own, sent as soon as it is sampled (streaming)
+    assert bytes_out[None] == bytes_out[1], bytes_out
     with pytest.raises(RouteError, match="tokens_per_answer must be >= 1"):
         RouteDriver(eps, tokens_per_answer=0)
 

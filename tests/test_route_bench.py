@@ -151,3 +151,29 @@ def test_bench_route_runs_end_to_end(native_bin: Path, smollm2_path: Path, tmp_p
     assert doc["split"] == ["0:15", "15:30"] and doc["concurrency"] == [1, 2]
     assert "targets" in doc and doc["targets"]
     assert doc["llama_bench"]["tg_tok_s"] > 0
+    # the streaming cadence of the route, the whole model and llama-server on the same prompts
+    for c in ("1", "2"):
+        for lane in ("route", "whole_worker", "llama_server"):
+            cad = doc["cadence"][c][lane]
+            # the driver hands over every token as its own answer; llama-server's events may merge
+            # a character split over tokens
+            least = 0.75 if lane == "llama_server" else 1.0
+            assert cad["tokens"] == int(c) * 8 and cad["chunks_per_token"] >= least, (c, lane, cad)
+            assert cad["itl_p50_s"] > 0
+    assert doc["llama_server"]["1"]["decode_tok_s"] > 0
+
+
+def test_cadence_counts_one_answers_tokens_as_one_chunk():
+    from dgr.bench.route_report import cadence_of
+    from dgr.bench.stats import cadence
+
+    # tokens 10 ms apart, one per answer; then the same tokens two per answer (20 ms apart)
+    single = [{"chunk_times_s": [[0.1 + 0.01 * k for k in range(8)]], "tokens": [8]}]
+    paired = [{"chunk_times_s": [[0.1 + 0.02 * (k // 2) + 2e-6 * (k % 2) for k in range(8)]], "tokens": [8]}]
+    one, two = cadence_of(single), cadence_of(paired)
+    assert one["chunks_per_token"] == 1.0 and one["itl_p50_s"] == pytest.approx(0.01)
+    assert two["chunks_per_token"] == 0.5 and two["itl_p50_s"] == pytest.approx(0.02)
+    assert two["max_gap_s"] == pytest.approx(0.02) and two["gaps"] == 3
+    # a streamed client's events are taken as they came (no merging)
+    assert cadence([[0.0, 1e-6, 0.01]], [3])["chunks_per_token"] == 1.0
+    assert cadence([], [])["itl_p50_s"] is None

@@ -133,6 +133,59 @@ def test_streaming_completion_and_stop_string(gw, shards):
     _wait_idle(shards)   # the session stopped early by the stop string is gone from every shard
 
 
+def _sse_text_events(gw, body: dict) -> tuple[list[str], dict]:
+    """The text of every streamed event that carries text, in order, and the usage event."""
+    texts, usage = [], {}
+    with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[len("data: "):])
+            usage = ev.get("usage") or usage
+            for ch in ev.get("choices") or []:
+                if ch.get("text"):
+                    texts.append(ch["text"])
+    return texts, usage
+
+
+def test_a_stream_of_n_tokens_is_n_text_events(gw, shards):
+    """Every sampled token reaches the client as an event of its own, in order: the worker
+    answers each token at once and the gateway never merges tokens that arrive together. The
+    only text that waits for the next token is a UTF-8 character whose bytes are split over
+    tokens (the fake model's byte vocabulary makes these) or text that may start a stop string
+    (none here); a token without text (a special token) makes no event."""
+    import codecs
+
+    from dgr.route.driver import RouteDriver, Sampling
+
+    n, prompt = 48, [256, *b"stream me"]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    texts, usage = _sse_text_events(gw, body)
+
+    async def direct():
+        d = await RouteDriver([w.target for w in shards]).connect()
+        try:
+            r = await d.generate(prompt, max_tokens=n, sampling=Sampling(ignore_eog=True))
+            got = await d.head.stub.Detokenize(pb.DetokenizeRequest(token_ids=r.tokens, include_pieces=True))
+            return r.tokens, list(got.pieces)
+        finally:
+            await d.close()
+    tokens, pieces = asyncio.run(direct())
+    assert len(tokens) == n and usage["completion_tokens"] == n
+    # one event per token that completes text: its text, plus what earlier tokens left incomplete
+    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    expected = [t for t in (dec.decode(p) for p in pieces) if t]
+    tail = dec.decode(b"", final=True)
+    if tail:
+        expected.append(tail)
+    assert texts == expected
+    # the fake model's answer is mostly single-byte text: most tokens are events of their own
+    assert len(texts) > n // 2
+
+
 def test_concurrent_requests_batch_on_the_workers(gw, shards):
     prompts = [f"prompt number {i} " * (i + 1) for i in range(6)]
     c = _client(gw)

@@ -4,7 +4,8 @@
 :func:`run_level` sends N streaming chat requests at once (``httpx``, the OpenAI API's JSON and
 server-sent events) and records, per request, the time to its first content chunk, each
 chunk's arrival and the token counts the server reports (``stream_options.include_usage``). :class:`LevelResult`
-derives the figures every lane reports the same way.
+derives the figures every lane reports the same way, the cadence of the text (chunks per token,
+inter-token latency) among them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class RequestResult:
     error: str | None = None
     route_ttft_s: float | None = None   # dgr serve: the route's share of the TTFT (its stream's "server_timing")
     send_s: float = 0.0                 # from this request's turn in the client to its body's write
+    chunk_times_s: list[float] = field(default_factory=list)   # each event that carried text, since the level started
 
 
 @dataclass
@@ -73,6 +75,14 @@ class LevelResult:
         ok = [r.ttft_s for r in self.requests if r.error is None]
         return statistics.median(ok) if ok else 0.0
 
+    @property
+    def cadence(self) -> dict[str, Any]:
+        """Chunks per token and the inter-token latency of the level's requests (stats.cadence)."""
+        from .stats import cadence
+
+        ok = [r for r in self.requests if r.error is None]
+        return cadence([r.chunk_times_s for r in ok], [r.completion_tokens for r in ok])
+
     def to_json(self) -> dict[str, Any]:
         return {"lane": self.lane, "concurrency": self.concurrency, "ok": self.ok, "wall_s": self.wall_s,
                 "aggregate_decode_tok_s": self.aggregate_decode_tok_s, "ttft_p50_s": self.ttft_p50_s,
@@ -82,14 +92,17 @@ class LevelResult:
                 "prompt_tokens": [r.prompt_tokens for r in self.requests],
                 "completion_tokens": [r.completion_tokens for r in self.requests],
                 "errors": [r.error for r in self.requests if r.error], "cpu_s": self.cpu_s,
-                "gateway_ttft_mean_s": self.gateway_ttft_mean_s}
+                "gateway_ttft_mean_s": self.gateway_ttft_mean_s, "cadence": self.cadence,
+                "chunk_times_s": [r.chunk_times_s for r in self.requests]}
 
 
-async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_tokens: int, api_key: str = "none",
-                    lane: str = "", timeout: float = 600.0, stop_at_eos: bool = False) -> LevelResult:
+async def run_level(base_url: str, model: str, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_tokens: int,
+                    api_key: str = "none", lane: str = "", timeout: float = 600.0,
+                    stop_at_eos: bool = False) -> LevelResult:
     """All ``prompts`` at once, one streaming greedy chat request each, no prompt cache (every
     server prefills afresh); unless ``stop_at_eos``, ``ignore_eos`` makes every answer
-    ``max_tokens`` long.
+    ``max_tokens`` long. A prompt given as token ids goes as is to ``/completions`` instead (no
+    chat template: the same tokens as a route driver session).
 
     The client is ``httpx`` speaking the OpenAI API (JSON request, server-sent events), not the
     ``openai`` package (the gateway's tests use that one): a load generator has to cost little
@@ -109,7 +122,7 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
     server has already started on it (seen: a route share longer than the client's TTFT)."""
     import httpx
 
-    url = base_url.rstrip("/") + "/chat/completions"
+    base = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"}
     async with httpx.AsyncClient(timeout=timeout, headers=headers,
                                  limits=httpx.Limits(max_connections=max(1, len(prompts)))) as client:
@@ -122,10 +135,15 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
             pass
         t0 = time.perf_counter()
 
-        async def one(p: str) -> RequestResult:
-            body = {"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                    "ignore_eos": not stop_at_eos, "cache_prompt": False}
+        async def one(p: str | Sequence[int]) -> RequestResult:
+            body: dict[str, Any] = {
+                "model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": not stop_at_eos, "cache_prompt": False}
+            if isinstance(p, str):
+                url = base + "/chat/completions"
+                body["messages"] = [{"role": "user", "content": p}]
+            else:
+                url, body["prompt"] = base + "/completions", [int(t) for t in p]
             began = time.perf_counter()
             written: list[float] = []
 
@@ -134,6 +152,7 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
                     written.append(time.perf_counter())
 
             first = last = None
+            chunks: list[float] = []
             usage: dict[str, Any] | None = None
             route_ttft: float | None = None
             parts: list[str] = []
@@ -157,11 +176,13 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
                         if route_ttft is None and isinstance(ms, (int, float)):
                             route_ttft = ms / 1e3
                         choices = ch.get("choices") or []
-                        text = (choices[0].get("delta") or {}).get("content") if choices else None
+                        text = ((choices[0].get("delta") or {}).get("content") or choices[0].get("text")) \
+                            if choices else None
                         if text:
                             now = time.perf_counter()
                             first = first or now
                             last = now
+                            chunks.append(now - t0)
                             parts.append(text)
             except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:  # recorded per request
                 # (AttributeError/TypeError: an event that is JSON but not the OpenAI shape)
@@ -172,7 +193,7 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], *, max_to
             return RequestResult(int(usage.get("prompt_tokens", 0)) if usage else 0,
                                  int(usage.get("completion_tokens", max_tokens)) if usage else max_tokens,
                                  first - sent, first - t0, last - t0, "".join(parts), route_ttft_s=route_ttft,
-                                 send_s=sent - began)
+                                 send_s=sent - began, chunk_times_s=chunks)
 
         res = await asyncio.gather(*(one(p) for p in prompts))
     return LevelResult(lane, len(prompts), list(res), time.perf_counter() - t0)

@@ -32,6 +32,7 @@ decode token per seam <= 2 * n_embd * 4 + 256.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -62,6 +63,7 @@ class RouteBenchConfig:
     rpc: bool = True               # also llama.cpp's RPC split (builds build/<backend>-rpc once)
     backend: str = "cpu"
     driver_overhead: bool = True
+    llama_server: bool = True      # also stock llama-server (whole model) streaming the same prompts
 
 
 def synthetic_prompt(n: int, seed: int, n_vocab: int = 49152) -> list[int]:
@@ -130,7 +132,26 @@ async def _measure(endpoints: list[str], n_prompt: int, n_gen: int, sessions: in
                              for i in range(len(s0.hop_decode_rtt_s))],
         "driver_cpu_s": rep.driver_cpu_s,
         "wall_s": rep.wall_s,
+        # when each token reached the driver (the route's streaming cadence, route_report.cadence_of)
+        "chunk_times_s": [s.token_times_s for s in rep.sessions],
+        "tokens": [len(s.tokens) for s in rep.sessions],
     }
+
+
+def _llama_server_level(url: str, n_prompt: int, n_gen: int, sessions: int, seed: int) -> dict[str, Any]:
+    """Stock llama-server streaming the prompts :func:`_measure` sends at ``seed`` (token ids to
+    ``/v1/completions``, greedy, through end-of-generation): aggregate decode, TTFT and when
+    each event that carried text arrived."""
+    from .loadgen import run_level
+
+    prompts = [synthetic_prompt(n_prompt, seed + i) for i in range(sessions)]
+    lv = asyncio.run(run_level(url + "/v1", "llama", prompts, max_tokens=n_gen, lane="llama_server"))
+    if not lv.ok:
+        raise DgrError("a llama-server request failed: " + "; ".join(r.error or "" for r in lv.requests if r.error))
+    return {"sessions": sessions, "decode_tok_s": lv.aggregate_decode_tok_s,
+            "ttft_s": statistics.mean(r.ttft_s for r in lv.requests),
+            "chunk_times_s": [r.chunk_times_s for r in lv.requests],
+            "tokens": [r.completion_tokens for r in lv.requests]}
 
 
 _COUNTERS = ("dgr_decode_only_busy_seconds_total", "dgr_decode_only_batches_total", "dgr_decode_only_rows_total")
@@ -293,17 +314,24 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig) -> dict[str, Any]:
     step_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     whole_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     floor_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+    server_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     brackets: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
     ctx = cfg.n_prompt + cfg.n_gen + 16
     say(f"starting route workers {','.join(f'{a}:{b}' for a, b in cfg.split)} and a whole-model worker "
-        f"({threads} threads each)")
+        f"({threads} threads each)" + (", and llama-server" if cfg.llama_server else ""))
+    from .loadgen import LlamaServer
+
     with LocalRoute(model, cfg.split, threads=threads, max_sessions=max_s, ctx_per_session=ctx,
                     backend=cfg.backend) as lr, \
             LocalRoute(model, [(0, n_layer)], threads=threads, max_sessions=max_s, ctx_per_session=ctx,
-                       backend=cfg.backend) as lw:
+                       backend=cfg.backend) as lw, \
+            (LlamaServer(model, threads=threads, parallel=max_s, ctx_per_slot=ctx, backend=cfg.backend)
+             if cfg.llama_server else contextlib.nullcontext()) as server:
         asyncio.run(_measure(lr.endpoints, 16, 4, 1, 999))   # warm up both, both modes
         asyncio.run(_measure(lr.endpoints, 16, 4, 1, 999, chain=False))
         asyncio.run(_measure(lw.endpoints, 16, 4, 1, 999))
+        if server is not None:
+            _llama_server_level(server.url, 16, 4, 1, 999)
         lb_runs: list[dict[str, Any]] = []
         bb_runs: list[dict[str, Any]] = []
         rpc_runs: list[dict[str, Any]] = []
@@ -333,6 +361,9 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig) -> dict[str, Any]:
                 step_runs[c].append(asyncio.run(_measure(lr.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100,
                                                          chain=False)))
                 whole_runs[c].append(asyncio.run(_measure(lw.endpoints, cfg.n_prompt, cfg.n_gen, c, rep * 100)))
+                if server is not None:
+                    say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): llama-server (streaming, same prompts)")
+                    server_runs[c].append(_llama_server_level(server.url, cfg.n_prompt, cfg.n_gen, c, rep * 100))
                 if len(cfg.split) == 2:
                     say(f"repeat {rep + 1}/{cfg.repeats}: {c} session(s): seam floor (whole, head+tail in one "
                         "process, head and tail in two processes over a socketpair)")
@@ -346,7 +377,8 @@ def run_route_bench(model: Path, cfg: RouteBenchConfig) -> dict[str, Any]:
     overhead = asyncio.run(_driver_overhead()) if cfg.driver_overhead else None
     derived = derive(cfg.concurrency, route_runs=route_runs, step_runs=step_runs, whole_runs=whole_runs,
                      brackets=brackets, lb_runs=lb_runs, bb_runs=bb_runs, floor_runs=floor_runs, rpc_runs=rpc_runs,
-                     n_shards=len(cfg.split), rpc_on=cfg.rpc, n_embd=n_embd)
+                     n_shards=len(cfg.split), rpc_on=cfg.rpc, n_embd=n_embd,
+                     server_runs=server_runs if cfg.llama_server else None)
     return {
         "schema": SCHEMA, "model": str(model), "n_layer": n_layer, "n_embd": n_embd,
         "split": [f"{a}:{b}" for a, b in cfg.split], "threads": threads, "n_prompt": cfg.n_prompt,

@@ -129,7 +129,8 @@ def by_sessions(runs: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def derive(concurrency: Sequence[int], *, route_runs: Runs, step_runs: Runs, whole_runs: Runs, brackets: Runs,
            lb_runs: list[dict[str, Any]], bb_runs: list[dict[str, Any]], floor_runs: Runs,
-           rpc_runs: list[dict[str, Any]], n_shards: int, rpc_on: bool, n_embd: int) -> dict[str, Any]:
+           rpc_runs: list[dict[str, Any]], n_shards: int, rpc_on: bool, n_embd: int,
+           server_runs: Runs | None = None) -> dict[str, Any]:
     """The results JSON's derived part from the measured runs: medians per configuration, the
     ratios (of medians, and paired per repeat then the median), the seam floor and RPC
     summaries, and the targets."""
@@ -201,9 +202,49 @@ def derive(concurrency: Sequence[int], *, route_runs: Runs, step_runs: Runs, who
     seam = route[one]["seam_bytes_per_decode_token"]
     targets = {t: paired[k] >= least for t, (k, least) in TARGET_RATIOS.items() if k in paired}
     targets["seam_bytes_per_decode_token_le_limit"] = 0 < seam <= seam_limit
+    cad = {str(c): {"route": cadence_of(route_runs[c]), "whole_worker": cadence_of(whole_runs[c]),
+                    "llama_server": cadence_of(server_runs[c], merge_s=0.0) if server_runs else None}
+           for c in concurrency}
     return {"route_mode": route[one]["mode"], "route": route, "route_stepwise": stepwise, "whole_worker": whole,
             "whole_worker_mode": whole[one]["mode"], "llama_bench": lb, "llama_batched_bench": bb, "llama_rpc": rpc,
-            "seam_floor": floor, "seam_bytes_limit": seam_limit, "ratios": ratios, "targets": targets}
+            "seam_floor": floor, "seam_bytes_limit": seam_limit, "ratios": ratios, "targets": targets,
+            "cadence": cad, "llama_server": by_sessions_server(server_runs) if server_runs else
+            {"skipped": True, "reason": "--no-llama-server"}}
+
+
+# a route driver hands over the tokens of one answer microseconds apart: one chunk
+DRIVER_CHUNK_MERGE_S = 1e-4
+
+
+def cadence_of(runs: list[dict[str, Any]], merge_s: float = DRIVER_CHUNK_MERGE_S) -> dict[str, Any]:
+    """Chunks per token and inter-token latency (stats.cadence) over every session of ``runs``
+    (their ``chunk_times_s`` and ``tokens``): for a route or a whole-model worker, when each
+    token reached the driver; for llama-server, when each streamed event reached the client."""
+    from .stats import cadence
+
+    return cadence([ts for r in runs for ts in r.get("chunk_times_s", [])],
+                   [n for r in runs for n in r.get("tokens", [])], merge_s=merge_s)
+
+
+def by_sessions_server(runs: Runs) -> dict[str, Any]:
+    """llama-server's medians per concurrency (aggregate decode, mean TTFT), with its runs."""
+    return {str(c): {"decode_tok_s": _median(v, "decode_tok_s"), "ttft_s": _median(v, "ttft_s"), "runs": v}
+            for c, v in runs.items() if v}
+
+
+def cadence_lines(doc: dict[str, Any]) -> list[str]:
+    """Per concurrency: chunks per token and ITL of the route, the whole model and llama-server."""
+    cad = doc.get("cadence")
+    if not cad:
+        return []
+    from .stats import cadence_cells
+
+    lines = [f"streaming cadence {'':14}{'chunks/tok':>10} {'ITL p50':>8} {'p90':>7} {'p99':>7} {'max gap':>8}  (ms)"]
+    for c, lanes in cad.items():
+        for lane, v in lanes.items():
+            if v is not None:
+                lines.append(f"{c:>3} sessions, {lane:<14}" + cadence_cells(v))
+    return lines
 
 
 def repeat_lines(doc: dict[str, Any]) -> list[str]:
@@ -243,6 +284,7 @@ def summary(doc: dict[str, Any]) -> str:
                                            if k not in ("paired_median", "paired_per_repeat")))
     lines.append("paired per-repeat ratios (median; the targets use these): "
                  + ", ".join(f"{k} {v:.2f}" for k, v in r["paired_median"].items()))
+    lines += cadence_lines(doc)
     lines.append(f"seam bytes per decode token per seam: {route['seam_bytes_per_decode_token']:.0f} "
                  + (f"(stepwise {stepwise['seam_bytes_per_decode_token']:.0f}) " if stepwise else "")
                  + f"(limit {doc['seam_bytes_limit']})")

@@ -32,6 +32,16 @@ compute noise. Targets (ratios of medians, measured side by side):
 - gateway_split / driver_split aggregate decode >= 0.95; gateway TTFT overhead p50 <= 5 ms
 - gateway_whole / llama_server aggregate decode >= 0.95; |TTFT p50 ratio - 1| <= 10 %
 - gateway_split / llama_server aggregate decode >= 0.90
+
+Streaming cadence, per level and lane (``cadence``, :func:`dgr.bench.stats.cadence`): chunks per
+token (events that carried text / tokens generated), ITL p50/p90/p99 (the gaps between one
+request's consecutive text events, pooled over the level's requests) and the longest gap. Targets:
+
+- every gateway lane: chunks per token >= 0.95 (one event per token; only text that waits for the
+  rest of a UTF-8 character or may start a stop string is sent with a later token);
+- gateway_whole / llama_server: ITL p50 <= 1.1x, ITL p99 <= 1.5x;
+- gateway_split / gateway_whole: ITL p50 <= 1.1x (the split's workers pinned to the same cores,
+  as ``LocalRoute`` places a co-located route).
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from typing import Any, Callable, Sequence
 from dgr.errors import DgrError
 
 from .loadgen import LevelResult, LlamaServer, RequestResult, proc_cpu_s, run_level, wait_healthy
+from .stats import cadence, cadence_cells
 
 _log = logging.getLogger(__name__)
 
@@ -61,6 +72,11 @@ TARGETS = {
     "whole_vs_llama_server_decode": 0.95,
     "whole_vs_llama_server_ttft_ratio_dev": 0.10,
     "split_vs_llama_server_decode": 0.90,
+    # streaming cadence (docs/serve.md): text events per token, inter-token latency (ITL)
+    "gateway_chunks_per_token": 0.95,
+    "whole_vs_llama_server_itl_p50": 1.10,
+    "whole_vs_llama_server_itl_p99": 1.50,
+    "split_vs_whole_itl_p50": 1.10,
 }
 
 
@@ -124,7 +140,8 @@ async def _driver_level(endpoints: Sequence[str], prompts: Sequence[str], max_to
                                    on_token=lambda _t: times.append(time.perf_counter()))
             if res.error is not None or not times:
                 return RequestResult(len(ids), 0, 0.0, 0.0, 0.0, error=str(res.error or "no token"))
-            return RequestResult(len(ids), len(res.tokens), times[0] - sent, times[0] - t0, times[-1] - t0)
+            return RequestResult(len(ids), len(res.tokens), times[0] - sent, times[0] - t0, times[-1] - t0,
+                                 chunk_times_s=[t - t0 for t in times])
 
         res = await asyncio.gather(*(one(p) for p in prompts))
         return LevelResult("driver_split", len(prompts), list(res), time.perf_counter() - t0)
@@ -134,6 +151,10 @@ async def _driver_level(endpoints: Sequence[str], prompts: Sequence[str], max_to
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
+
+
+def _ratio_or_none(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def default_threads() -> int:
@@ -231,11 +252,16 @@ def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], 
     def reqs(lane: str, level: int) -> list[RequestResult]:
         return [q for r in runs.get((lane, level), []) if r.ok for q in r.requests]
 
+    def cad(lane: str, level: int) -> dict[str, Any]:
+        q = reqs(lane, level)
+        return cadence([r.chunk_times_s for r in q], [r.completion_tokens for r in q])
+
     levels_doc = []
     checks = []
     for level in cfg.levels:
         dec = {ln: med(ln, level, "aggregate_decode_tok_s") for ln in
                ("driver_split", "gateway_split", "gateway_whole", "llama_server")}
+        cads = {ln: cad(ln, level) for ln in dec}
         ttft = {ln: p50([q.ttft_s for q in reqs(ln, level)]) for ln in dec}
         overhead = [q.ttft_s - q.route_ttft_s for q in reqs("gateway_split", level) if q.route_ttft_s is not None]
         deciles = statistics.quantiles(overhead, n=10) if len(overhead) >= 2 else None
@@ -245,7 +271,16 @@ def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], 
             "whole_vs_llama_server_decode": _ratio(dec["gateway_whole"], dec["llama_server"]),
             "whole_vs_llama_server_ttft_ratio": _ratio(ttft["gateway_whole"], ttft["llama_server"]),
             "split_vs_llama_server_decode": _ratio(dec["gateway_split"], dec["llama_server"]),
+            "gateway_chunks_per_token": min(cads[ln]["chunks_per_token"] or 0.0
+                                            for ln in ("gateway_split", "gateway_whole")),
+            "whole_vs_llama_server_itl_p50": _ratio_or_none(cads["gateway_whole"]["itl_p50_s"],
+                                                            cads["llama_server"]["itl_p50_s"]),
+            "whole_vs_llama_server_itl_p99": _ratio_or_none(cads["gateway_whole"]["itl_p99_s"],
+                                                            cads["llama_server"]["itl_p99_s"]),
+            "split_vs_whole_itl_p50": _ratio_or_none(cads["gateway_split"]["itl_p50_s"],
+                                                     cads["gateway_whole"]["itl_p50_s"]),
         }
+        itl_checks = ("whole_vs_llama_server_itl_p50", "whole_vs_llama_server_itl_p99", "split_vs_whole_itl_p50")
         met = {
             "gateway_vs_driver_decode": cmp_["gateway_vs_driver_decode"] >= TARGETS["gateway_vs_driver_decode"],
             "gateway_ttft_overhead_s":
@@ -256,6 +291,8 @@ def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], 
                 abs(cmp_["whole_vs_llama_server_ttft_ratio"] - 1) <= TARGETS["whole_vs_llama_server_ttft_ratio_dev"],
             "split_vs_llama_server_decode":
                 cmp_["split_vs_llama_server_decode"] >= TARGETS["split_vs_llama_server_decode"],
+            "gateway_chunks_per_token": cmp_["gateway_chunks_per_token"] >= TARGETS["gateway_chunks_per_token"],
+            **{k: cmp_[k] is not None and cmp_[k] <= TARGETS[k] for k in itl_checks},
         }
         info = {   # reported, not judged: both lanes' compute noise is in it
             "gateway_vs_driver_ttft_p50_diff_s": ttft["gateway_split"] - ttft["driver_split"],
@@ -267,6 +304,10 @@ def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], 
                 checks.append({"concurrency": level, "check": k, "value": None, "met": False,
                                "note": "llama_server lane not measured"})
                 continue
+            if k in itl_checks and cmp_[k] is None:
+                checks.append({"concurrency": level, "check": k, "value": None, "met": False,
+                               "note": "no inter-token gaps measured on a lane it compares"})
+                continue
             if k == "gateway_ttft_overhead_s" and not overhead:
                 checks.append({"concurrency": level, "check": k, "value": None, "met": False,
                                "note": "no gateway answer reported its route timing (server_timing)"})
@@ -275,7 +316,7 @@ def _document(model: Path, cfg: ServeBenchConfig, split: list[tuple[int, int]], 
         cpu = {ln: _median_cpu(runs.get((ln, level), [])) for ln in dec}
         levels_doc.append({
             "concurrency": level, "rotations": max((len(runs.get((ln, level), [])) for ln in dec), default=0),
-            "aggregate_decode_tok_s": dec, "ttft_p50_s": ttft, "comparisons": {**cmp_, **info},
+            "aggregate_decode_tok_s": dec, "ttft_p50_s": ttft, "cadence": cads, "comparisons": {**cmp_, **info},
             "met": met, "cpu_s_median": cpu,
             "where_time_goes": _where(cpu, {ln: runs.get((ln, level), []) for ln in dec}),
             "runs": {ln: [r.to_json() for r in runs.get((ln, level), [])] for ln in dec},
@@ -327,10 +368,12 @@ def _where(cpu: dict[str, dict[str, float]], runs_by_lane: dict[str, list[LevelR
 def summary(doc: dict[str, Any]) -> str:
     lines = [f"dgr bench serve: {Path(doc['model']).name}, split {','.join(doc['split'])}, {doc['threads']} threads, "
              f"{doc['max_tokens']} tokens per answer, {doc['repeats']} x the top level requests per lane and level"]
-    lines.append(f"{'conc':>4}  {'lane':<14} {'decode tok/s':>12} {'TTFT p50 ms':>12}")
+    lines.append(f"{'conc':>4}  {'lane':<14} {'decode tok/s':>12} {'TTFT p50 ms':>12} {'chunks/tok':>10} "
+                 f"{'ITL p50':>8} {'p90':>7} {'p99':>7} {'max gap':>8}")
     for lv in doc["results"]:
         for lane, v in lv["aggregate_decode_tok_s"].items():
-            lines.append(f"{lv['concurrency']:>4}  {lane:<14} {v:12.1f} {lv['ttft_p50_s'][lane] * 1e3:12.1f}")
+            lines.append(f"{lv['concurrency']:>4}  {lane:<14} {v:12.1f} {lv['ttft_p50_s'][lane] * 1e3:12.1f} "
+                         + cadence_cells(lv.get("cadence", {}).get(lane, {})))
     lines.append("")
     for c in doc["checks"]:
         value = "      n/a" if c["value"] is None else f"{c['value']:9.3f}"

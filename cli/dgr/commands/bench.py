@@ -126,6 +126,9 @@ def route(
     repeats: int = typer.Option(3, "--repeats", min=1, max=50),
     rpc: bool = typer.Option(True, "--rpc/--no-rpc",
                              help="Also measure llama.cpp's RPC split (two local rpc-servers; builds them once)."),
+    llama_server: bool = typer.Option(True, "--llama-server/--no-llama-server",
+                                      help="Also stream the same prompts from llama-server (whole model): its "
+                                           "inter-token latency next to the route's."),
     out: Path = typer.Option(Path("route-bench.json"), "--out", help="Where to write the results JSON."),
     hosts: int = typer.Option(0, "--hosts", min=0, help="Run the route over N simulated hosts (`dgr lab`, 1 core/1 thread "
                               "each, mTLS) against one such host; 0: the local route on this machine's cores."),
@@ -168,7 +171,7 @@ def route(
         return
 
     cfg = rb.RouteBenchConfig(split=tuple(parse_split(split)), threads=threads or 0, n_prompt=n_prompt,
-                              n_gen=n_gen, repeats=repeats, rpc=rpc)
+                              n_gen=n_gen, repeats=repeats, rpc=rpc, llama_server=llama_server)
     doc = rb.run_route_bench(resolve_model(model), cfg)
     _write(out, doc, rb.summary(doc))
 
@@ -240,6 +243,10 @@ def serve(
                                 "top level (rotations: repeats x top / level; medians reported)."),
     llama_server: bool = typer.Option(True, "--llama-server/--no-llama-server",
                                       help="Run the llama-server lane (built on first use)."),
+    prompt: Optional[list[str]] = typer.Option(
+        None, "--prompt", help="A user message (repeat for several; cycled to each level's requests). Default: "
+                               "four short questions. For the streaming cadence give prompts whose answers outlast "
+                               "--max-tokens (docs/serve.md)."),
     out: Path = typer.Option(Path("serve-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """dgr serve vs the route driver called directly and vs llama-server (-np = top level), one run:
@@ -256,7 +263,10 @@ def serve(
         raise DgrError(f"bad --levels {levels!r}", hint="e.g. 1,4,8") from None
     if not lv or min(lv) < 1 or repeats < 1 or max_tokens < 2:
         raise DgrError("--levels must be positive, --repeats >= 1, --max-tokens >= 2")
+    if prompt is not None and not all(p.strip() for p in prompt):
+        raise DgrError("--prompt must not be empty")
     cfg = sb.ServeBenchConfig(split=tuple(parse_split(split)) if split else (), levels=lv, threads=threads or 0,
-                              max_tokens=max_tokens, repeats=repeats, llama_server=llama_server)
+                              max_tokens=max_tokens, repeats=repeats, llama_server=llama_server,
+                              prompts=tuple(prompt or ()))
     doc = sb.run_serve_bench(resolve_model(model), cfg)
     _write(out, doc, sb.summary(doc))

@@ -46,8 +46,9 @@ __all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_TOKENS_PER_ANSWER", "GenerationResult",
            "RouteSessionError", "Sampling", "ShardHandle", "route_error"]
 
 DEFAULT_TIMEOUT_S = 60.0
-# generated tokens per answer from a chained head (GenerateParams.tokens_per_answer)
-DEFAULT_TOKENS_PER_ANSWER = 4
+# generated tokens per answer from a chained head (GenerateParams.tokens_per_answer): one, so
+# that every token reaches the caller as soon as it is sampled (docs/serve.md, "Streaming cadence")
+DEFAULT_TOKENS_PER_ANSWER = 1
 RELEASE_TIMEOUT_S = 2.0
 PROBE_TIMEOUT_S = 2.0      # chained mode: capability probe that finds a silent shard after a failure
 
@@ -63,10 +64,11 @@ class RouteDriver:
     is relayed, else stepwise; False always stepwise; True requires the chained mode
     (:class:`RouteError` when a shard lacks it).
 
-    ``tokens_per_answer`` (chained mode): the head may send up to this many generated tokens in
-    one answer while they come less than 50 ms apart, none held longer than 50 ms
-    (``GenerateParams.tokens_per_answer``); the first token and the last always come at once. Fewer answers cost this process less CPU,
-    which on a host shared with the shards is compute time. 1: one answer per token."""
+    ``tokens_per_answer`` (chained mode): 1 (default) answers every token as soon as it is
+    sampled. N > 1 lets the head send up to N generated tokens in one answer while they come
+    less than 50 ms apart, none held longer than 50 ms (``GenerateParams.tokens_per_answer``):
+    fewer answers cost this process a little less CPU, but the tokens reach the caller in
+    bursts, so a streaming caller (``dgr serve``) must not ask for it."""
 
     def __init__(self, endpoints: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S,
                  chain: bool | None = None, tokens_per_answer: int = DEFAULT_TOKENS_PER_ANSWER,

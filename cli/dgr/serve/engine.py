@@ -4,9 +4,10 @@ The :class:`Engine` owns a connected route driver. A request becomes a :class:`G
 its prompt is formatted with the model's own chat template (the head worker's
 ``ApplyChatTemplate``) and tokenized by the head; the driver runs the session (many sessions
 share the workers' batches); each sampled token's piece is looked up once per token id
-(``Detokenize`` with ``include_pieces``, cached) and decoded incrementally (a UTF-8 sequence
-split across tokens waits for its last byte). Stop strings are matched on the text; text that
-might start a stop string is held back until it cannot. Closing a generation early (client gone,
+(``Detokenize`` with ``include_pieces``, cached) and decoded incrementally. Each token becomes
+one delta (one server-sent event) as soon as it arrives; the only text held back is a UTF-8
+sequence split across tokens (until its last byte) and text that might start a stop string
+(until it cannot): docs/serve.md, "Streaming cadence". Closing a generation early (client gone,
 stop string hit) cancels its session on every shard, which frees its KV.
 
 No HTTP here: :mod:`dgr.serve.app` maps :class:`GatewayError` to OpenAI-shaped responses.
@@ -241,23 +242,19 @@ class Generation:
         assert task is not None
         text = _TextStream(self.params.stop)
         try:
-            done = False
-            while not done:
-                toks = [await q.get()]
-                while not q.empty():
-                    toks.append(q.get_nowait())
-                if toks[-1] is self._DONE:
-                    toks.pop()
-                    done = True
-                if toks:
-                    self.usage.completion_tokens += len(toks)
-                    out = text.push(b"".join(await eng.pieces(toks)))
-                    if text.stopped:
-                        self.finish_reason = "stop"
-                        yield Delta(out, "stop")
-                        return
-                    if out:
-                        yield Delta(out)
+            # One token at a time, also when several are queued (the reader fell behind): each
+            # token's text is its own delta, so that text leaves as evenly as it was sampled.
+            # Only _TextStream holds text back (an incomplete UTF-8 character, a possible stop
+            # string's start); held text goes out with the next token that completes it.
+            while (tok := await q.get()) is not self._DONE:
+                self.usage.completion_tokens += 1
+                out = text.push((await eng.pieces((tok,)))[0])
+                if text.stopped:
+                    self.finish_reason = "stop"
+                    yield Delta(out, "stop")
+                    return
+                if out:
+                    yield Delta(out)
             res = task.result()
             if res.error is not None:
                 raise _session_error(res.error)
