@@ -33,6 +33,9 @@ struct ShardModelOptions {
     int32_t layer_end   = 0;   // one past the last layer held; <= 0 means n_layer
     int32_t n_gpu_layers = -1; // llama.cpp default: all layers on the accelerator if there is one
     bool use_mmap = true;
+    // llama.cpp's "only load metadata and simulate memory allocations": nothing is read or
+    // allocated; a context made from it reports what it would allocate (memory_use())
+    bool no_alloc = false;
 };
 
 class ShardModel {
@@ -97,6 +100,11 @@ struct MemoryUse {
     uint64_t weights = 0;
     uint64_t kv = 0;
     uint64_t scratch = 0;
+    // of the above: weights held in a host buffer type other than the CPU's default one (a
+    // repacked copy, e.g. CPU_REPACK, made from the mapped file), and bytes on an accelerator
+    uint64_t weights_copied = 0;
+    uint64_t device = 0;
+    uint64_t device_weights = 0, device_kv = 0, device_compute = 0;
 };
 
 class ShardContext {

@@ -38,6 +38,7 @@ uint64_t llama_kv_bytes_per_cell(const std::string & path, uint32_t layer_start,
     mo.layer_start = (int32_t) layer_start;
     mo.layer_end = (int32_t) layer_end;
     mo.n_gpu_layers = 0;
+    mo.no_alloc = true;  // hyperparameters only: nothing is read or allocated
     auto m = dgr::ShardModel::load(mo, error);
     if (!m) {
         if (error && error->empty()) *error = "cannot load model '" + path + "'";
