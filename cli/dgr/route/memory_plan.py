@@ -20,7 +20,8 @@ MIB = 1 << 20
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """One range's need in bytes (host memory) and the worker's verdict against a budget."""
+    """One range's need in bytes (host memory) and the worker's verdict against a budget;
+    ``copied_bytes``: the weights llama.cpp also holds as repacked copies (docs/memory.md)."""
     layer_start: int
     layer_end: int
     n_layer: int
@@ -88,6 +89,8 @@ class MemoryMeasurement:
     predicted_bytes: int
     peak_rss_bytes: int       # VmHWM after the decode steps
     rss_bytes: int            # VmRSS then
+    rss_anon_bytes: int       # of which anonymous (KV, compute, copies, heap)
+    rss_file_bytes: int       # and file pages (mapped weights)
     plan: dict[str, int]      # the worker's predicted parts (dgr_memory_predicted_bytes)
 
     @property
@@ -163,7 +166,8 @@ def measure_memory(model: Path, layers: tuple[int, int] | None = None, *, max_se
         parts = {p: int(c.metric("dgr_memory_predicted_bytes", part=p) or 0)
                  for p in ("weights", "kv", "compute", "runtime")}
         m = MemoryMeasurement((ident.range.start, ident.range.end), int(capacity.predicted_memory_bytes),
-                              _status_bytes(w.pid, "VmHWM"), _status_bytes(w.pid, "VmRSS"), parts)
+                              _status_bytes(w.pid, "VmHWM"), _status_bytes(w.pid, "VmRSS"),
+                              _status_bytes(w.pid, "RssAnon"), _status_bytes(w.pid, "RssFile"), parts)
     _log.info("memory of %s [%d, %d): predicted %.1f MiB, peak RSS %.1f MiB (%+.1f %%)", model, *m.layers,
               m.predicted_bytes / MIB, m.peak_rss_bytes / MIB, 100 * m.error)
     return m

@@ -128,6 +128,7 @@ std::unique_ptr<ShardContext> ShardContext::create(const ShardModel & model, con
     cp.n_ubatch  = opts.n_ubatch;
     cp.n_seq_max = opts.n_seq_max;
     cp.kv_unified = opts.kv_unified;
+    cp.n_outputs_max = opts.n_outputs_max;
     if (opts.n_threads > 0) {
         cp.n_threads       = opts.n_threads;
         cp.n_threads_batch = opts.n_threads;

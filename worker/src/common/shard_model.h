@@ -75,6 +75,10 @@ struct ShardContextOptions {
     uint32_t n_seq_max = 1;
     bool     kv_unified = false;  // one KV cell pool shared by all sequences
     int32_t  n_threads = 0;  // 0: llama.cpp default
+    // most rows one decode call asks output for (0: n_batch, llama.cpp's default). The compute
+    // and output buffers are sized for it: the output matrix of a 128k vocabulary over 512 rows
+    // is 250 MiB that a worker asking one row per session never touches
+    uint32_t n_outputs_max = 0;
 };
 
 // One decode call: either token ids (head) or boundary rows n_tokens x n_embd f32 (non-head),

@@ -4,6 +4,7 @@
 #include "common/shard_model.h"
 #include "worker/cgroup_memory.h"
 #include "worker/kv_budget.h"
+#include "worker/llama_backend.h"
 
 #include "llama.h"
 
@@ -23,8 +24,8 @@ namespace {
 constexpr double kMiB = 1048576.0;
 // What serving adds to the process measured after the metadata load: the gRPC server and its
 // threads, the scheduler, allocator arenas. Measured on the CPU build (SmolLM2 and synthetic
-// models, 1-16 sessions): 12-20 MiB; docs/memory.md.
-constexpr uint64_t kServeAllowance = 24ull << 20;
+// models, 1-16 sessions): 4-8 MiB; docs/memory.md.
+constexpr uint64_t kServeAllowance = 8ull << 20;
 
 std::string mib(uint64_t b) {
     char s[32];
@@ -153,6 +154,7 @@ bool plan_memory(const MemoryPlanRequest & req, MemoryNeed * need, std::string *
     co.n_seq_max = req.max_sessions;
     co.kv_unified = req.kv_unified;
     co.n_threads = req.threads;
+    co.n_outputs_max = llama_outputs_max(req.max_sessions);
     auto ctx = ShardContext::create(*model, co, error);
     if (!ctx) return false;
     const MemoryUse mu = ctx->memory_use();
@@ -234,7 +236,7 @@ std::string admission_refusal(const MemoryNeed & n, const MemoryBudget & b, bool
 std::string describe_need(const MemoryNeed & n) {
     return "layers [" + std::to_string(n.layer_start) + ", " + std::to_string(n.layer_end) + ") of " +
            std::to_string(n.n_layer) + " need " + mib(n.total()) + " MiB: weights " + mib(n.weights) +
-           (n.copied ? " + copied " + mib(n.copied) : std::string()) + ", KV " + mib(n.kv) + " (" +
+           (n.copied ? " + repacked copies " + mib(n.copied) : std::string()) + ", KV " + mib(n.kv) + " (" +
            std::to_string(n.kv_cells) + " cells: " + std::to_string(n.max_sessions) + " sessions x " +
            std::to_string(n.ctx_per_session) + "), compute " + mib(n.compute) + ", runtime " + mib(n.runtime) +
            (n.device ? "; on the accelerator " + mib(n.device) : std::string());

@@ -1,8 +1,10 @@
 // What a Shard needs in host memory, computed before anything is loaded (docs/memory.md):
 //   weights  the pages of the tensors its range holds, read from the GGUF header(s) of the file
-//            or of every part of a split set (mapped: resident once touched, and all are touched)
-//   copied   weights llama.cpp copies out of the mapping into a buffer of its own (CPU_REPACK):
-//            the copy is resident next to the mapped pages it was made from
+//            or of every part of a split set (mapped: resident once touched; a decode touches
+//            every layer's, the head's token embedding row by row as tokens are seen)
+//   copied   the weights llama.cpp repacks (CPU_REPACK) into a buffer of its own: the copy is
+//            anonymous, and the file pages it was read from stay mapped next to it (clean: the
+//            kernel may reclaim them under pressure, but they count in RSS until it does)
 //   kv       the KV cache for the cells the context is created with
 //   compute  llama.cpp's compute buffers plus the output buffer (logits / boundary rows)
 //   runtime  the process itself: code, libraries, vocabulary, gRPC (measured + an allowance)
