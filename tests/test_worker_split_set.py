@@ -19,12 +19,21 @@ from dgr.protocol.client import WorkerClient, boundary_rows, sampled
 from dgr.route.supervisor import WorkerProcess
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 from gguf_corrupt import flip_tensor_byte
-from gguf_split_set import part_path, split_gguf
+from splitset import gguf_split_tool, run_gguf_split, split_like_gguf_split
 
 pytestmark = pytest.mark.native
 
 ARGS = ["--max-sessions", "2", "--ctx-per-session", "256", "--threads", "1"]
 PROMPT = "once upon a time"
+
+
+def split_gguf(src: Path, prefix: Path, n_parts: int) -> list[Path]:
+    """``src`` cut into ``n_parts`` parts the way the pinned llama-gguf-split lays them out."""
+    from gguf import GGUFReader
+    n = len(GGUFReader(src).tensors)
+    parts = split_like_gguf_split(src, prefix, -(-n // n_parts))
+    assert len(parts) == n_parts
+    return parts
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +212,42 @@ def test_broken_sets_are_refused_naming_the_part(native_bin: Path, models, tmp_p
     shutil.copy(oparts4[1], copies[1])
     err = refused(native_bin, copies[0])
     assert str(copies[1]) in err and "split.count 4" in err
+
+
+@pytest.mark.real
+def test_smollm2_cut_by_the_pinned_gguf_split_runs_like_the_file(native_bin: Path, smollm2_path: Path,
+                                                                 tmp_path: Path) -> None:
+    """SmolLM2 split into 3 parts by the pinned llama-gguf-split: the worker serves the file's
+    identity, and whole and by range the same greedy tokens and the same logits (top
+    log-probabilities) as the single file."""
+    from dgr.protocol.client import Sampling
+    exe = gguf_split_tool()
+    (tmp_path / "set").mkdir()
+    run_gguf_split(exe, "--split-max-tensors", "100", str(smollm2_path), str(tmp_path / "set" / "smol"))
+    parts = sorted((tmp_path / "set").glob("smol-*-of-*.gguf"))
+    assert len(parts) == 3, parts
+    bin_ = native_bin / "dgr-worker"
+    args = ["--max-sessions", "1", "--ctx-per-session", "256", "--threads", "2"]
+
+    def run(model: Path, *extra: str) -> tuple[str, list[int], list[list[tuple[int, float]]]]:
+        with WorkerProcess.start(["--model", str(model), *args, *extra], binary=bin_, ready_timeout=120) as w:
+            c = w.client(timeout=120)
+            ident = c.capability().identity.artifact_id
+            ids = c.tokenize(PROMPT, add_special=True)
+            toks, tops = [], []
+            with c.open_session(sampling=Sampling(top_logprobs=4, ignore_eog=True)) as s:
+                r = s.prefill_chunk(ids)
+                for k in range(12):
+                    t = r.tail.tokens[0]
+                    toks.append(t.token_id)
+                    tops.append([(x.token_id, x.logprob) for x in t.top_logprobs])
+                    if k + 1 < 12:
+                        r = s.decode_step(t.token_id)
+            return ident, toks, tops
+
+    want = run(smollm2_path)
+    got = run(parts[0])
+    assert got == want  # identity, tokens and log-probabilities bit for bit
+    # by range over the set: the head and tail give the file's tokens
+    toks, _ = two_shards(bin_, parts[0], 15, 30, 12)
+    assert toks == want[1]
