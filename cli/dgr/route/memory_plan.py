@@ -21,7 +21,7 @@ MIB = 1 << 20
 @dataclass(frozen=True)
 class MemoryPlan:
     """One range's need in bytes (host memory) and the worker's verdict against a budget;
-    ``copied_bytes``: the weights llama.cpp also holds as repacked copies (docs/memory.md)."""
+    ``copied_bytes``: the part of the weights llama.cpp holds as repacked copies (docs/memory.md)."""
     layer_start: int
     layer_end: int
     n_layer: int
@@ -47,7 +47,7 @@ class MemoryPlan:
     @property
     def shard_bytes(self) -> int:
         """What --memory-budget-mb is held against: weights, KV and compute (not the process)."""
-        return self.weights_bytes + self.copied_bytes + self.kv_bytes + self.compute_bytes
+        return self.weights_bytes + self.kv_bytes + self.compute_bytes
 
 
 def plan_memory(model: Path, layers: tuple[int, int] | None = None, *, max_sessions: int = 16,

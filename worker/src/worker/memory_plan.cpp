@@ -198,17 +198,17 @@ std::string admission_refusal(const MemoryNeed & n, const MemoryBudget & b, bool
     // a cgroup limit is the whole process, so the process itself (runtime) counts too
     const bool whole_process = b.source.rfind("cgroup", 0) == 0;
     const uint64_t runtime = whole_process ? n.runtime : 0;
-    const uint64_t fixed = n.weights + n.copied + n.compute + runtime;
+    const uint64_t fixed = n.weights + n.compute + runtime;
     const uint64_t need = fixed + n.kv;
     if (need <= b.bytes) return {};
     std::string s = "layers [" + std::to_string(n.layer_start) + ", " + std::to_string(n.layer_end) + ") need " +
-                    mib(need) + " MiB (weights " + mib(n.weights + n.copied) + " + KV " + mib(n.kv) + " for " +
+                    mib(need) + " MiB (weights " + mib(n.weights) + " + KV " + mib(n.kv) + " for " +
                     std::to_string(n.max_sessions) + " sessions x " + std::to_string(n.ctx_per_session) +
                     " positions + compute " + mib(n.compute) + (whole_process ? " + runtime " + mib(runtime) : "") +
                     "), more than the budget of " + mib(b.bytes) + " MiB (" + b.source + "): ";
     if (fixed >= b.bytes || n.kv_per_cell == 0) {
         const uint32_t layers = n.layer_end - n.layer_start;
-        const uint64_t per_layer = layers ? (n.weights + n.copied) / layers : 0;
+        const uint64_t per_layer = layers ? n.weights / layers : 0;
         const uint64_t room = b.bytes > n.compute + runtime ? b.bytes - n.compute - runtime : 0;
         const uint64_t fit = per_layer ? room / per_layer : 0;
         return s + "the range itself is too large (its weights and compute alone need " + mib(fixed) +
@@ -236,7 +236,7 @@ std::string admission_refusal(const MemoryNeed & n, const MemoryBudget & b, bool
 std::string describe_need(const MemoryNeed & n) {
     return "layers [" + std::to_string(n.layer_start) + ", " + std::to_string(n.layer_end) + ") of " +
            std::to_string(n.n_layer) + " need " + mib(n.total()) + " MiB: weights " + mib(n.weights) +
-           (n.copied ? " + repacked copies " + mib(n.copied) : std::string()) + ", KV " + mib(n.kv) + " (" +
+           (n.copied ? " (" + mib(n.copied) + " of them repacked)" : std::string()) + ", KV " + mib(n.kv) + " (" +
            std::to_string(n.kv_cells) + " cells: " + std::to_string(n.max_sessions) + " sessions x " +
            std::to_string(n.ctx_per_session) + "), compute " + mib(n.compute) + ", runtime " + mib(n.runtime) +
            (n.device ? "; on the accelerator " + mib(n.device) : std::string());

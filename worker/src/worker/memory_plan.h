@@ -2,9 +2,9 @@
 //   weights  the pages of the tensors its range holds, read from the GGUF header(s) of the file
 //            or of every part of a split set (mapped: resident once touched; a decode touches
 //            every layer's, the head's token embedding row by row as tokens are seen)
-//   copied   the weights llama.cpp repacks (CPU_REPACK) into a buffer of its own: the copy is
-//            anonymous, and the file pages it was read from stay mapped next to it (clean: the
-//            kernel may reclaim them under pressure, but they count in RSS until it does)
+//   copied   of the weights, those llama.cpp repacks (CPU_REPACK) into a buffer of its own:
+//            the copy is anonymous memory of the same size, and the loader releases the file
+//            pages it read them from (patch 0009), so they count once
 //   kv       the KV cache for the cells the context is created with
 //   compute  llama.cpp's compute buffers plus the output buffer (logits / boundary rows)
 //   runtime  the process itself: code, libraries, vocabulary, gRPC (measured + an allowance)
@@ -35,11 +35,11 @@ struct MemoryNeed {
     bool head = false, tail = false;
     uint32_t max_sessions = 0, ctx_per_session = 0;
     uint64_t kv_cells = 0;
-    uint64_t weights = 0, copied = 0, kv = 0, compute = 0, runtime = 0;
+    uint64_t weights = 0, copied = 0, kv = 0, compute = 0, runtime = 0;  // copied: part of weights
     uint64_t device = 0;         // on an accelerator (not host memory; not in total())
     uint64_t kv_per_cell = 0;    // kv / kv_cells
     uint32_t n_parts = 1;        // files of the model (split set)
-    uint64_t total() const { return weights + copied + kv + compute + runtime; }
+    uint64_t total() const { return weights + kv + compute + runtime; }
 };
 
 // Fills *need for the request; false + *error (one line) when the model cannot be read.

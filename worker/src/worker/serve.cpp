@@ -238,7 +238,7 @@ int serve_main(int argc, char ** argv) {
             std::fprintf(stderr, "dgr-worker: error: %s\n", err.c_str());
             return 1;
         }
-        backend->set_predicted_memory(need.weights + need.copied, need.kv, need.compute, need.runtime);
+        backend->set_predicted_memory(need.weights, need.kv, need.compute, need.runtime);
     }
     backend->set_identity(o.fingerprint, o.artifact_id, o.recipe_json);
     if (kv_cells == 0) {
