@@ -122,3 +122,19 @@ def test_measured_peak_rss_is_close_to_the_prediction(native_bin: Path, model: P
     m = measure_memory(model, (0, 8), max_sessions=4, ctx_per_session=1024, decode_steps=4, binary=native_bin / "dgr-worker")
     assert m.peak_rss_bytes > 0 and m.predicted_bytes > 0
     assert abs(m.peak_rss_bytes - m.predicted_bytes) / m.predicted_bytes < 0.35, m
+
+
+def test_cli_prints_the_plan_and_the_verdict(native_bin: Path, model: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from dgr.main import app
+    r = CliRunner().invoke(app, ["worker", "memory", str(model), "--layers", "0:4", "--max-sessions", "4",
+                                 "--ctx-per-session", "1024", "--json"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.output)["plan"]
+    assert (plan["layer_start"], plan["layer_end"], plan["kv_cells"]) == (0, 4, 4096) and plan["fits"]
+    r = CliRunner().invoke(app, ["worker", "memory", str(model), "--layers", "0:4", "--max-sessions", "4",
+                                 "--ctx-per-session", "1024", "--memory-budget-mb", "0.5"])
+    assert r.exit_code == 0 and "the range itself is too large" in r.output, r.output
