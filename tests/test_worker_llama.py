@@ -223,35 +223,38 @@ def test_smollm2_eight_sessions(worker_bin, native_bin, smollm2_path):
     check_model(worker_bin, native_bin, smollm2_path, 32, exact=True)
 
 
-def test_memory_budget_fits_kv_after_weights_and_scratch(worker_bin, synth_model):
-    """--memory-budget-mb: weights and compute scratch (llama.cpp's memory breakdown) come out
-    of the budget, the KV cache gets what remains (whole 256-cell streams per session), and
-    sessions are admitted against those cells; a budget the weights and scratch alone exceed
-    refuses to start, saying why."""
+def test_memory_budget_admits_weights_kv_and_scratch_before_loading(worker_bin, synth_model):
+    """--memory-budget-mb: the range's weights, KV cache and compute scratch are predicted before
+    loading (docs/memory.md) and a budget that cannot hold them refuses to start, saying what
+    would fit; a budget that holds them serves, and sessions are admitted against their KV cells."""
+    from dgr.route.memory_plan import plan_memory
     mib = 1 << 20
     with WorkerProcess.start(["--model", str(synth_model), "--max-sessions", "4", "--ctx-per-session", "1024"],
                              binary=worker_bin) as w:
         cap = w.client().capability().capacity
     assert cap.weight_bytes > 0 and cap.scratch_bytes > 0 and cap.kv_bytes > 0 and cap.memory_budget_bytes == 0
-    per_cell = cap.kv_bytes / cap.kv_cells
-    fixed = cap.weight_bytes + cap.scratch_bytes
+    assert cap.predicted_memory_bytes > 0
 
-    too_small = (fixed * 0.5) / mib
+    p = plan_memory(synth_model, None, max_sessions=4, ctx_per_session=1024, binary=worker_bin)
+    too_small = (p.shard_bytes - p.kv_bytes) * 0.5 / mib
     r = subprocess.run([str(worker_bin), "serve", "--listen", "127.0.0.1:0", "--model", str(synth_model),
-                        "--memory-budget-mb", f"{too_small:.3f}"], capture_output=True, text=True, timeout=60)
+                        "--max-sessions", "4", "--ctx-per-session", "1024", "--memory-budget-mb", f"{too_small:.3f}"],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
-    assert "leave nothing of --memory-budget-mb" in r.stderr
-
-    # room for 1.5 streams of 256 cells per session: cut to 256 cells each
-    budget = f"{(fixed + 4 * 384 * per_cell) / mib:.4f}"
-    with WorkerProcess.start(["--model", str(synth_model), "--max-sessions", "4", "--ctx-per-session", "1024",
+    assert "the range itself is too large" in r.stderr and "--memory-budget-mb" in r.stderr
+    # room for 1.5 streams of 256 cells per session: refused, naming the context that fits
+    budget = f"{(p.shard_bytes - p.kv_bytes + 4 * 384 * p.kv_bytes_per_cell) / mib:.4f}"
+    r = subprocess.run([str(worker_bin), "serve", "--listen", "127.0.0.1:0", "--model", str(synth_model),
+                        "--max-sessions", "4", "--ctx-per-session", "1024", "--memory-budget-mb", budget],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "or --ctx-per-session 256 at --max-sessions 4" in r.stderr, r.stderr
+    with WorkerProcess.start(["--model", str(synth_model), "--max-sessions", "4", "--ctx-per-session", "256",
                               "--memory-budget-mb", budget], binary=worker_bin) as w:
         c = w.client()
         cap2 = c.capability().capacity
         assert cap2.kv_cells == 4 * 256
         assert cap2.max_session_positions == 256
         assert cap2.memory_budget_bytes == int(float(budget) * mib)
-        assert cap2.weight_bytes + cap2.scratch_bytes + cap2.kv_bytes <= cap2.memory_budget_bytes
         assert c.metric("dgr_memory_budget_bytes") == cap2.memory_budget_bytes
         assert c.metric("dgr_memory_bytes", part="kv") == cap2.kv_bytes
         with c.open_session() as s:  # a session may not outgrow its 256 cells

@@ -17,8 +17,9 @@ static void print_version() {
 }
 
 static void print_usage(const char * argv0) {
-    std::printf("usage: %s [--version] [--smoke] | serve (--fake-model | --model FILE) [options]\n", argv0);
+    std::printf("usage: %s [--version] [--smoke] | serve (--fake-model | --model FILE) [options] | plan-memory --model FILE [options]\n", argv0);
     std::printf("  serve      run the gRPC Shard service (serve --help lists the options)\n");
+    std::printf("  plan-memory  the host memory `serve` with the same options would need, without loading\n");
     std::printf("  --version  print dgr version, pinned llama.cpp commit, patch digest, backend\n");
     std::printf("  --smoke    initialise llama.cpp backends and print system info\n");
 }
@@ -30,6 +31,9 @@ int main(int argc, char ** argv) {
     }
     if (std::strcmp(argv[1], "serve") == 0) {
         return dgr::worker::serve_main(argc - 2, argv + 2);
+    }
+    if (std::strcmp(argv[1], "plan-memory") == 0) {
+        return dgr::worker::plan_memory_main(argc - 2, argv + 2);
     }
     if (std::strcmp(argv[1], "--version") == 0) {
         print_version();

@@ -21,22 +21,6 @@ int main() {
     CHECK(s.ctx_per_session == 300 && s.kv_cells == 4 * 512, "unsized: %u %llu", s.ctx_per_session,
           (unsigned long long) s.kv_cells);
 
-    BackendInfo in;
-    in.weight_bytes = 100;
-    in.scratch_bytes = 20;
-    in.kv_cells = 1024;
-    in.kv_bytes = 1024 * 10;  // 10 bytes per cell
-    MemoryFit f = fit_memory_budget(100, in, false, 2, 2048);
-    CHECK(f.outcome == MemoryFit::no_room, "weights + scratch reach the budget");
-    f = fit_memory_budget(120 + 10240, in, false, 2, 2048);
-    CHECK(f.outcome == MemoryFit::fits, "everything fits");
-    f = fit_memory_budget(120 + 5120 + 9, in, false, 2, 2048);
-    CHECK(f.outcome == MemoryFit::cut && f.kv_cells == 512 && f.ctx_per_session == 256, "cut: %d %llu %u",
-          (int) f.outcome, (unsigned long long) f.kv_cells, f.ctx_per_session);
-    f = fit_memory_budget(120 + 5000, in, true, 2, 2048);
-    CHECK(f.outcome == MemoryFit::cut && f.kv_cells == 500 && f.ctx_per_session == 2048, "unified cut");
-    f = fit_memory_budget(120 + 2000, in, false, 2, 2048);
-    CHECK(f.outcome == MemoryFit::under_a_stream && f.left_bytes == 2000, "fewer than 256 cells per session");
     CHECK(fake_bytes_per_cell(8, 2, 6) == 4 * 8 * 4, "fake cell");
     if (g_failures) {
         std::fprintf(stderr, "kv_budget_test: %d failure(s)\n", g_failures);

@@ -38,7 +38,8 @@ def serve(
     kv_cells: Optional[int] = typer.Option(None, "--kv-cells", min=1, help="KV budget in cells."),
     memory_budget_mb: Optional[float] = typer.Option(
         None, "--memory-budget-mb", min=0.0,
-        help="Everything the shard holds (weights + compute scratch + KV) in MiB; the KV cache gets what remains."),
+        help="What the shard may hold (weights + KV + compute) in MiB, checked before loading; a range that "
+             "does not fit is refused, saying what would (docs/memory.md)."),
     chain_peers: Optional[str] = typer.Option(
         None, "--chain-peers", help="Hosts chained sessions may forward to (comma-separated, '*' any; default loopback)."),
     chain_tls_ca: Optional[Path] = typer.Option(None, "--chain-tls-ca", help="PEM CA to verify downstream workers (TLS)."),
@@ -93,3 +94,50 @@ def serve(
     if not binary.is_file():
         raise DgrError(f"{binary} missing", hint=f"run `dgr build --backend {backend}`")
     os.execv(str(binary), argv)
+
+
+@app.command("memory")
+def memory(
+    model: Path = typer.Argument(..., help="GGUF file, any part of a split set, or a slice."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Layer range A:B (default: all)."),
+    max_sessions: int = typer.Option(16, "--max-sessions", min=1, max=256),
+    ctx_per_session: int = typer.Option(2048, "--ctx-per-session", min=1),
+    memory_budget_mb: Optional[float] = typer.Option(None, "--memory-budget-mb", min=0.0,
+                                                     help="Say whether this budget admits the range."),
+    measure: bool = typer.Option(False, "--measure", help="Also start the worker, run a prompt and a few "
+                                 "decode steps in every session and report its peak RSS against the prediction."),
+    as_json: bool = typer.Option(False, "--json"),
+    backend: str = typer.Option("cpu", "--backend"),
+) -> None:
+    """The host memory a worker would need for a range, computed before loading (docs/memory.md)."""
+    from dataclasses import asdict
+
+    from ..gguf.models import resolve_model
+    from ..gguf.slice import LayerRange
+    from ..route.memory_plan import MIB, measure_memory, plan_memory
+
+    path = resolve_model(model)
+    rng = None
+    if layers:
+        r = LayerRange.parse(layers)
+        rng = (r.start, r.end)
+    binary = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+    plan = plan_memory(path, rng, max_sessions=max_sessions, ctx_per_session=ctx_per_session,
+                       memory_budget_mb=memory_budget_mb, binary=binary)
+    out: dict = {"plan": asdict(plan)}
+    if measure:
+        m = measure_memory(path, rng, max_sessions=max_sessions, ctx_per_session=ctx_per_session, binary=binary)
+        out["measured"] = asdict(m) | {"error": m.error}
+    if as_json:
+        typer.echo(json.dumps(out, indent=2))
+        return
+    typer.echo(f"layers [{plan.layer_start}, {plan.layer_end}) of {plan.n_layer}: {plan.total_bytes / MIB:.1f} MiB "
+               f"(weights {plan.weights_bytes / MIB:.1f}, KV {plan.kv_bytes / MIB:.1f}, compute "
+               f"{plan.compute_bytes / MIB:.1f}, runtime {plan.runtime_bytes / MIB:.1f})")
+    if plan.budget_bytes:
+        typer.echo(f"budget {plan.budget_bytes / MIB:.1f} MiB ({plan.budget_source}): "
+                   + ("fits" if plan.fits else plan.refusal))
+    if measure:
+        m = out["measured"]
+        typer.echo(f"measured peak RSS {m['peak_rss_bytes'] / MIB:.1f} MiB against {m['predicted_bytes'] / MIB:.1f} "
+                   f"predicted ({100 * m['error']:+.1f} %)")

@@ -282,7 +282,8 @@ def _unmark(text: str) -> str:
 # ---------------------------------------------------------------------------- render
 
 _WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-          "eleven", "twelve")
+          "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
+          "nineteen", "twenty")
 
 
 def count_word(n: int) -> str:

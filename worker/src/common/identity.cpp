@@ -10,6 +10,7 @@
 
 #include "ggml.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -31,6 +32,7 @@ constexpr uint32_t T_UINT8 = 0, T_INT8 = 1, T_UINT16 = 2, T_INT16 = 3, T_UINT32 
                    T_FLOAT64 = 12;
 constexpr uint32_t kMaxDims = 4;
 constexpr const char * kSlicePrefix = "dgr.slice.";
+constexpr const char * kSplitPrefix = "split.";
 constexpr const char * kManifestHeader = "dgr-artifact-manifest/v1";
 
 // fixed size of a scalar value type, 0 if not a scalar
@@ -355,6 +357,22 @@ bool GgufHeader::get_u32(const std::string & key, uint32_t * out) const {
     return true;
 }
 
+bool GgufHeader::get_u16(const std::string & key, uint16_t * out) const {
+    auto it = pairs_.find(key);
+    if (it == pairs_.end() || it->second.vtype != T_UINT16) return false;
+    const uint8_t * p = base_ + it->second.value_start + 4;
+    *out = (uint16_t) (p[0] | (p[1] << 8));
+    return true;
+}
+
+bool GgufHeader::get_i32(const std::string & key, int32_t * out) const {
+    auto it = pairs_.find(key);
+    if (it == pairs_.end() || it->second.vtype != T_INT32) return false;
+    Cursor cur{base_, size_, it->second.value_start + 4};
+    *out = (int32_t) cur.u32();
+    return true;
+}
+
 std::string GgufHeader::kv_digest(const std::string & domain,
                                   const std::function<bool(const std::string &)> & keep) const {
     Sha256 h;
@@ -366,7 +384,11 @@ std::string GgufHeader::kv_digest(const std::string & domain,
 }
 
 std::string GgufHeader::metadata_digest() const {
-    return kv_digest("dgr-gguf-metadata/v1\n", [](const std::string & k) { return k.rfind(kSlicePrefix, 0) != 0; });
+    // split.* says how the artifact is cut into files, not what it is: a split set and the same
+    // model in one file have one metadata digest (docs/identity.md "Split GGUF sets")
+    return kv_digest("dgr-gguf-metadata/v1\n", [](const std::string & k) {
+        return k.rfind(kSlicePrefix, 0) != 0 && k.rfind(kSplitPrefix, 0) != 0;
+    });
 }
 
 std::string GgufHeader::tokenizer_digest() const {
@@ -376,6 +398,168 @@ std::string GgufHeader::tokenizer_digest() const {
 bool GgufHeader::is_slice() const {
     auto it = pairs_.lower_bound(kSlicePrefix);
     return it != pairs_.end() && it->first.rfind(kSlicePrefix, 0) == 0;
+}
+
+std::string split_part_path(const std::string & prefix, uint32_t index, uint32_t n_parts) {
+    char tail[40];
+    std::snprintf(tail, sizeof tail, "-%05u-of-%05u.gguf", index + 1, n_parts);
+    return prefix + tail;
+}
+
+namespace {
+
+// "-NNNNN-of-MMMMM.gguf" at the end of a file name: the 1-based part number and the count
+bool parse_split_tail(const std::string & name, std::string * prefix, uint32_t * number, uint32_t * count) {
+    constexpr size_t kTail = 20;  // "-00001-of-00003.gguf"
+    if (name.size() <= kTail) return false;
+    const std::string t = name.substr(name.size() - kTail);
+    unsigned a = 0, b = 0;
+    char rest[8] = {0};
+    if (t[0] != '-' || t.compare(6, 4, "-of-") != 0 || t.compare(15, 5, ".gguf") != 0) return false;
+    for (size_t i : {1, 2, 3, 4, 5, 10, 11, 12, 13, 14}) {
+        if (t[i] < '0' || t[i] > '9') return false;
+    }
+    if (std::sscanf(t.c_str(), "-%5u-of-%5u%7s", &a, &b, rest) != 3) return false;
+    *prefix = name.substr(0, name.size() - kTail);
+    *number = a;
+    *count = b;
+    return true;
+}
+
+}  // namespace
+
+uint64_t GgufSet::file_bytes() const {
+    uint64_t n = 0;
+    for (const auto & p : parts_) n += p->size();
+    return n;
+}
+
+bool GgufSet::open(const std::string & path, std::string * error) {
+    path_ = path;
+    parts_.clear();
+    tensors_.clear();
+    auto fail = [&](const std::string & why) {
+        if (error) *error = why;
+        return false;
+    };
+    parts_.push_back(std::make_unique<GgufHeader>());
+    if (!parts_[0]->open(path, error)) return false;
+    const GgufHeader & g0 = *parts_[0];
+    const std::string::size_type slash = path.rfind('/');
+    const std::string dir = slash == std::string::npos ? std::string() : path.substr(0, slash + 1);
+    const std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+    std::string prefix;
+    uint32_t number = 0, named_count = 0;
+    const bool named_as_part = parse_split_tail(base, &prefix, &number, &named_count);
+    uint16_t count = 0, no = 0;
+    if (g0.has("split.count") && !g0.get_u16("split.count", &count)) {
+        return fail(path + ": split.count must be a u16 (a split GGUF set's part)");
+    }
+    if (count <= 1) {
+        // one file (llama-gguf-split --merge writes split.count 0); a name that says part k of
+        // M >= 2 without split.count is a renamed file, not a part
+        if (named_as_part && named_count >= 2 && !g0.has("split.count")) {
+            return fail(path + " is named as part " + std::to_string(number) + " of " + std::to_string(named_count) +
+                        " of a split GGUF set but has no split.count pair");
+        }
+        for (size_t i = 0; i < g0.tensors().size(); ++i) tensors_.push_back(TensorRef{&g0, &g0.tensors()[i], 0});
+        return true;
+    }
+    if (!g0.get_u16("split.no", &no) || no >= count) {
+        return fail(path + ": split.no is missing, not a u16 or not below split.count " + std::to_string(count));
+    }
+    if (!named_as_part || number != (uint32_t) no + 1 || named_count != count) {
+        return fail(path + ": part " + std::to_string(no + 1) + " of a " + std::to_string(count) +
+                    "-part split GGUF set (split.no " + std::to_string(no) + ") must be named PREFIX" +
+                    split_part_path("", no, count) + " so that the other parts can be found");
+    }
+    if (no != 0) {
+        // any part names the set; the set is opened (and handed to llama.cpp) from part 1
+        const std::string first = split_part_path(dir + prefix, 0, count);
+        struct stat st{};
+        if (::stat(first.c_str(), &st) != 0) {
+            return fail("split GGUF set " + dir + prefix + ": part 1 of " + std::to_string(count) + " (" + first +
+                        ") is missing");
+        }
+        return open(first, error);
+    }
+    if (g0.is_slice()) return fail(path + ": a dgr slice is one file, never a split set");
+    int32_t total = 0;
+    if (!g0.get_i32("split.tensors.count", &total) || total < 0) {
+        return fail(path + ": split.tensors.count (i32) is missing from part 1 of the split set");
+    }
+    const std::string set_name = dir + prefix + "-*-of-" + split_part_path("", 0, count).substr(10);
+    for (uint32_t i = 1; i < count; ++i) {
+        const std::string pp = split_part_path(dir + prefix, i, count);
+        struct stat st{};
+        if (::stat(pp.c_str(), &st) != 0) {
+            return fail("split GGUF set " + set_name + ": part " + std::to_string(i + 1) + " of " +
+                        std::to_string(count) + " (" + pp + ") is missing");
+        }
+        parts_.push_back(std::make_unique<GgufHeader>());
+        std::string why;
+        if (!parts_.back()->open(pp, &why)) {
+            return fail("split GGUF set " + set_name + ": part " + std::to_string(i + 1) + " of " +
+                        std::to_string(count) + ": " + why);
+        }
+        const GgufHeader & g = *parts_.back();
+        uint16_t c = 0, n = 0;
+        int32_t t = 0;
+        if (!g.get_u16("split.count", &c) || !g.get_u16("split.no", &n) || !g.get_i32("split.tensors.count", &t)) {
+            return fail("split GGUF set " + set_name + ": part " + pp +
+                        " lacks split.no/split.count (u16) or split.tensors.count (i32): not a part of this set");
+        }
+        if (c != count || t != total) {
+            return fail("split GGUF set " + set_name + ": part " + pp + " says split.count " + std::to_string(c) +
+                        ", split.tensors.count " + std::to_string(t) + "; part 1 says " + std::to_string(count) +
+                        ", " + std::to_string(total) + " (a part of another set)");
+        }
+        if (n != i) {
+            return fail("split GGUF set " + set_name + ": part " + pp + " holds split.no " + std::to_string(n) +
+                        " (part " + std::to_string(n + 1) + "), expected " + std::to_string(i) +
+                        ": the parts are reordered or renamed");
+        }
+        // only part 1 carries metadata: what another part says would be unchecked by the identity
+        for (const auto & [key, pair] : g.pairs()) {
+            if (key.rfind(kSplitPrefix, 0) != 0 && key != "general.alignment") {
+                return fail("split GGUF set " + set_name + ": part " + pp + " holds metadata pair " + quoted(key) +
+                            "; only part 1 carries metadata");
+            }
+        }
+    }
+    // an extra part: another file of the same prefix with a part number or count outside the set
+    if (DIR * d = ::opendir(dir.empty() ? "." : dir.c_str())) {
+        std::string extra;
+        while (const dirent * e = ::readdir(d)) {
+            std::string p2;
+            uint32_t num = 0, cnt = 0;
+            if (parse_split_tail(e->d_name, &p2, &num, &cnt) && p2 == prefix && (cnt != count || num == 0 || num > count)) {
+                extra = dir + e->d_name;
+                break;
+            }
+        }
+        ::closedir(d);
+        if (!extra.empty()) {
+            return fail("split GGUF set " + set_name + ": extra part " + extra + " next to the set's " +
+                        std::to_string(count) + " parts; remove it or keep each set in its own directory");
+        }
+    }
+    std::map<std::string, size_t> owner;
+    for (size_t i = 0; i < parts_.size(); ++i) {
+        for (const GgufTensor & t : parts_[i]->tensors()) {
+            auto [it, fresh] = owner.emplace(t.name, i);
+            if (!fresh) {
+                return fail("split GGUF set " + set_name + ": tensor " + quoted(t.name) + " is in part " +
+                            parts_[it->second]->path() + " and in part " + parts_[i]->path());
+            }
+            tensors_.push_back(TensorRef{parts_[i].get(), &t, i});
+        }
+    }
+    if (tensors_.size() != (size_t) total) {
+        return fail("split GGUF set " + set_name + ": the parts hold " + std::to_string(tensors_.size()) +
+                    " tensors, split.tensors.count says " + std::to_string(total));
+    }
+    return true;
 }
 
 std::string manifest_encode_name(const std::string & name) {
@@ -395,9 +579,12 @@ std::string manifest_encode_name(const std::string & name) {
 }
 
 bool identify_artifact(const std::string & path, ArtifactIdentity * out, std::string * error, const IdentityLog & log) {
-    GgufHeader g;
-    if (!g.open(path, error)) return false;
+    GgufSet set;
+    if (!set.open(path, error)) return false;
+    const GgufHeader & g = set.first();
     *out = ArtifactIdentity{};
+    out->n_parts = (uint32_t) set.n_parts();
+    out->model_path = set.path();
     if (!g.get_string("general.architecture", &out->architecture) || out->architecture.empty()) {
         if (error) *error = path + ": general.architecture is missing; not a model GGUF";
         return false;
@@ -455,24 +642,24 @@ bool identify_artifact(const std::string & path, ArtifactIdentity * out, std::st
     }
     out->metadata_digest = g.metadata_digest();
     out->tokenizer_digest = g.tokenizer_digest();
-    std::vector<const GgufTensor *> ts;
-    for (const GgufTensor & t : g.tensors()) {
-        ts.push_back(&t);
-        out->tensor_bytes += t.n_bytes;
-    }
-    std::sort(ts.begin(), ts.end(), [](const GgufTensor * a, const GgufTensor * b) { return a->name < b->name; });
+    // every tensor of every part: a split set has the id of the same model in one file
+    std::vector<TensorRef> ts = set.tensors();
+    for (const TensorRef & t : ts) out->tensor_bytes += t.tensor->n_bytes;
+    std::sort(ts.begin(), ts.end(), [](const TensorRef & a, const TensorRef & b) { return a.tensor->name < b.tensor->name; });
     if (log) {
-        char buf[64];
-        std::snprintf(buf, sizeof buf, " (%.0f MiB)", (double) out->tensor_bytes / 1048576.0);
-        log("computing the artifact identity of " + path + buf + "...");
+        char buf[96];
+        std::snprintf(buf, sizeof buf, " (%.0f MiB", (double) out->tensor_bytes / 1048576.0);
+        std::string what = buf;
+        if (set.is_split()) what += " in " + std::to_string(set.n_parts()) + " parts";
+        log("computing the artifact identity of " + path + what + ")...");
     }
     std::string text = std::string(kManifestHeader) + "\nmetadata " + out->metadata_digest + "\ntensors " +
                        std::to_string(ts.size()) + "\n";
     Sha256 wt;
     wt.update("dgr-weight-types/v1\n");
-    const std::vector<std::string> digests = tensor_sha256s(g, ts);  // every core
+    const std::vector<std::string> digests = tensor_sha256s(ts);  // every core
     for (size_t i = 0; i < ts.size(); ++i) {
-        const GgufTensor * t = ts[i];
+        const GgufTensor * t = ts[i].tensor;
         text += manifest_line(*t, digests[i]) + "\n";
         wt.update(manifest_encode_name(t->name) + " " + std::to_string(t->ggml_type) + "\n");
     }

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -56,10 +57,12 @@ public:
     // Typed reads of one pair; false if it is missing or of another type.
     bool get_string(const std::string & key, std::string * out) const;
     bool get_u32(const std::string & key, uint32_t * out) const;
+    bool get_u16(const std::string & key, uint16_t * out) const;
+    bool get_i32(const std::string & key, int32_t * out) const;
 
     // sha256 hex over the domain line and the raw bytes of the chosen pairs, sorted by key bytes.
     std::string kv_digest(const std::string & domain, const std::function<bool(const std::string &)> & keep) const;
-    std::string metadata_digest() const;   // every pair but dgr.slice.*
+    std::string metadata_digest() const;   // every pair but dgr.slice.* and split.*
     std::string tokenizer_digest() const;  // tokenizer.* pairs
     bool is_slice() const;
 
@@ -73,6 +76,40 @@ private:
     std::vector<GgufTensor> tensors_;
 };
 
+// One tensor of a model artifact and the file (part) that holds it.
+struct TensorRef {
+    const GgufHeader * part = nullptr;
+    const GgufTensor * tensor = nullptr;
+    size_t part_index = 0;  // 0-based, as split.no
+};
+
+// A model artifact as files: one GGUF, or the parts of a split set as llama.cpp's gguf-split
+// writes them (docs/identity.md "Split GGUF sets"): PREFIX-00001-of-0000N.gguf ..
+// PREFIX-0000N-of-0000N.gguf, each with split.no (u16, 0-based), split.count (u16) and
+// split.tensors.count (i32, the set's total); part 1 carries the metadata, every part tensors.
+// open() takes any part's path and opens the set from part 1 (path()); it refuses, naming the
+// part, a set with a missing, extra, reordered or mismatched part, or a tensor held twice.
+class GgufSet {
+public:
+    bool open(const std::string & path, std::string * error);
+
+    const std::string & path() const { return path_; }  // the file, or part 1 of a set
+    const GgufHeader & first() const { return *parts_.front(); }
+    size_t n_parts() const { return parts_.size(); }
+    bool is_split() const { return parts_.size() > 1; }
+    const GgufHeader & part(size_t i) const { return *parts_[i]; }
+    const std::vector<TensorRef> & tensors() const { return tensors_; }  // part order, then file order
+    uint64_t file_bytes() const;  // all parts
+
+private:
+    std::string path_;
+    std::vector<std::unique_ptr<GgufHeader>> parts_;
+    std::vector<TensorRef> tensors_;
+};
+
+// The path of part `index` (0-based) of an n-part set named PREFIX-%05d-of-%05d.gguf.
+std::string split_part_path(const std::string & prefix, uint32_t index, uint32_t n_parts);
+
 // Tensor names in manifest lines: bytes outside '!'..'~' and '%' itself become %XX.
 std::string manifest_encode_name(const std::string & name);
 
@@ -85,12 +122,14 @@ struct ArtifactIdentity {
     std::string manifest_text;    // whole artifacts: computed; slices: the embedded source manifest
     std::string weight_types_digest;
     uint64_t tensor_bytes = 0;    // bytes hashed (whole artifacts)
+    uint32_t n_parts = 1;         // files of a split set (docs/identity.md "Split GGUF sets")
+    std::string model_path;       // what llama.cpp is given: the file, or part 1 of a set
 };
 
 using IdentityLog = std::function<void(const std::string &)>;
 
-// dgr.identity.identify(path) for a whole artifact (hashes every tensor's bytes; `log`, if set,
-// is told once before hashing starts); for a slice, the source artifact id and tokenizer digest
+// dgr.identity.identify(path) for a whole artifact, one file or a split set given by part 1
+// (hashes every tensor's bytes of every part; `log`, if set, is told once before hashing starts); for a slice, the source artifact id and tokenizer digest
 // read from its dgr.slice.* pairs (as dgr.recipe.recipe_for does; nothing is hashed).
 bool identify_artifact(const std::string & path, ArtifactIdentity * out, std::string * error,
                        const IdentityLog & log = nullptr);

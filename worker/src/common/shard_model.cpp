@@ -1,5 +1,7 @@
 #include "common/shard_model.h"
 
+#include "ggml-backend.h"
+
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -52,9 +54,10 @@ std::unique_ptr<ShardModel> ShardModel::load(const ShardModelOptions & opts, std
     mp.layer_start  = opts.layer_start;
     mp.layer_end    = opts.layer_end;
     mp.n_gpu_layers = opts.n_gpu_layers;
-    if (!opts.use_mmap) {
+    if (!opts.use_mmap || opts.no_alloc) {
         mp.load_mode = LLAMA_LOAD_MODE_NONE;
     }
+    mp.no_alloc = opts.no_alloc;
     llama_model * model = llama_model_load_from_file(opts.path.c_str(), mp);
     if (model == nullptr) {
         if (error) {
@@ -125,6 +128,7 @@ std::unique_ptr<ShardContext> ShardContext::create(const ShardModel & model, con
     cp.n_ubatch  = opts.n_ubatch;
     cp.n_seq_max = opts.n_seq_max;
     cp.kv_unified = opts.kv_unified;
+    cp.n_outputs_max = opts.n_outputs_max;
     if (opts.n_threads > 0) {
         cp.n_threads       = opts.n_threads;
         cp.n_threads_batch = opts.n_threads;
@@ -204,10 +208,24 @@ DecodeStatus ShardContext::decode(const ShardBatch & b, std::string * error) {
 
 MemoryUse ShardContext::memory_use() const {
     MemoryUse m;
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    ggml_backend_buffer_type_t cpu_default = cpu ? ggml_backend_dev_buffer_type(cpu) : nullptr;
     for (const auto & kv : llama_get_memory_breakdown(ctx_)) {
         m.weights += kv.second.model;
         m.kv += kv.second.context;
         m.scratch += kv.second.compute;
+        // the CPU's extra buffer types (CPU_REPACK, AMX) say they are not "host" (their layout
+        // is not plain), but they are host memory: their device is the CPU
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(kv.first);
+        const bool on_cpu = ggml_backend_buft_is_host(kv.first) || !dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+        if (!on_cpu) {
+            m.device += kv.second.total();
+            m.device_weights += kv.second.model;
+            m.device_kv += kv.second.context;
+            m.device_compute += kv.second.compute;
+        } else if (kv.first != cpu_default) {
+            m.weights_copied += kv.second.model;
+        }
     }
     return m;
 }

@@ -33,6 +33,9 @@ struct ShardModelOptions {
     int32_t layer_end   = 0;   // one past the last layer held; <= 0 means n_layer
     int32_t n_gpu_layers = -1; // llama.cpp default: all layers on the accelerator if there is one
     bool use_mmap = true;
+    // llama.cpp's "only load metadata and simulate memory allocations": nothing is read or
+    // allocated; a context made from it reports what it would allocate (memory_use())
+    bool no_alloc = false;
 };
 
 class ShardModel {
@@ -72,6 +75,10 @@ struct ShardContextOptions {
     uint32_t n_seq_max = 1;
     bool     kv_unified = false;  // one KV cell pool shared by all sequences
     int32_t  n_threads = 0;  // 0: llama.cpp default
+    // most rows one decode call asks output for (0: n_batch, llama.cpp's default). The compute
+    // and output buffers are sized for it: the output matrix of a 128k vocabulary over 512 rows
+    // is 250 MiB that a worker asking one row per session never touches
+    uint32_t n_outputs_max = 0;
 };
 
 // One decode call: either token ids (head) or boundary rows n_tokens x n_embd f32 (non-head),
@@ -97,6 +104,11 @@ struct MemoryUse {
     uint64_t weights = 0;
     uint64_t kv = 0;
     uint64_t scratch = 0;
+    // of the above: weights held in a host buffer type other than the CPU's default one (a
+    // repacked copy, e.g. CPU_REPACK, made from the mapped file), and bytes on an accelerator
+    uint64_t weights_copied = 0;
+    uint64_t device = 0;
+    uint64_t device_weights = 0, device_kv = 0, device_compute = 0;
 };
 
 class ShardContext {

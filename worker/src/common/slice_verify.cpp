@@ -9,6 +9,9 @@
 #include <set>
 #include <thread>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 namespace dgr {
 
 namespace {
@@ -40,21 +43,34 @@ bool get_bool(const GgufHeader & g, const std::string & key, bool * out) {
 
 std::vector<std::string> tensor_sha256s(const GgufHeader & g, const std::vector<const GgufTensor *> & ts,
                                         unsigned threads) {
+    std::vector<TensorRef> refs;
+    refs.reserve(ts.size());
+    for (const GgufTensor * t : ts) refs.push_back(TensorRef{&g, t, 0});
+    return tensor_sha256s(refs, threads);
+}
+
+std::vector<std::string> tensor_sha256s(const std::vector<TensorRef> & ts, unsigned threads) {
     std::vector<std::string> out(ts.size());
     if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
     threads = std::min<unsigned>(threads, (unsigned) std::max<size_t>(1, ts.size()));
     // largest first, so that one big tensor does not start last
     std::vector<size_t> order(ts.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ts[a]->n_bytes > ts[b]->n_bytes; });
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ts[a].tensor->n_bytes > ts[b].tensor->n_bytes; });
+    const uint64_t page = (uint64_t) ::sysconf(_SC_PAGESIZE);
     std::atomic<size_t> next{0};
     auto work = [&] {
         for (size_t k; (k = next.fetch_add(1)) < order.size();) {
-            const GgufTensor * t = ts[order[k]];
+            const GgufHeader & g = *ts[order[k]].part;
+            const GgufTensor * t = ts[order[k]].tensor;
             Sha256 h;
             constexpr uint64_t kChunk = 16u << 20;
             for (uint64_t off = 0; off < t->n_bytes; off += kChunk) {
-                h.update(g.data() + t->offset + off, (size_t) std::min(kChunk, t->n_bytes - off));
+                const uint64_t n = std::min(kChunk, t->n_bytes - off);
+                h.update(g.data() + t->offset + off, (size_t) n);
+                // whole pages inside this chunk (a page shared with a neighbour may refault: harmless)
+                const uint64_t a = (t->offset + off + page - 1) / page * page, b = (t->offset + off + n) / page * page;
+                if (b > a) ::madvise(const_cast<uint8_t *>(g.data()) + a, (size_t) (b - a), MADV_DONTNEED);
             }
             const auto d = h.finish();
             out[order[k]] = to_hex(d.data(), d.size());

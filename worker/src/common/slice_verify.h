@@ -19,6 +19,9 @@
 namespace dgr {
 
 // sha256 hex of each tensor's data, in the order given; `threads` workers (0: all cores).
+// Pages hashed are dropped from the process again (MADV_DONTNEED) as it goes, so that proving
+// the identity of a model larger than the memory it may hold does not make it resident.
+std::vector<std::string> tensor_sha256s(const std::vector<TensorRef> & ts, unsigned threads = 0);
 std::vector<std::string> tensor_sha256s(const GgufHeader & g, const std::vector<const GgufTensor *> & ts,
                                         unsigned threads = 0);
 

@@ -29,6 +29,12 @@ struct BackendInfo {
     uint64_t weight_bytes = 0;
     uint64_t kv_bytes = 0;
     uint64_t scratch_bytes = 0;
+    // host memory predicted before loading (worker/memory_plan.h; 0: no prediction, fake model)
+    uint64_t predicted_weight_bytes = 0, predicted_kv_bytes = 0, predicted_compute_bytes = 0,
+             predicted_runtime_bytes = 0;
+    uint64_t predicted_total() const {
+        return predicted_weight_bytes + predicted_kv_bytes + predicted_compute_bytes + predicted_runtime_bytes;
+    }
 };
 
 // One decode call: one row per (sequence, position); head rows carry token ids, other rows
@@ -58,6 +64,13 @@ public:
         if (!fingerprint.empty()) in.fingerprint = fingerprint;
         if (!artifact_id.empty()) in.artifact_id = artifact_id;
         if (!recipe_json.empty()) in.recipe_json = recipe_json;
+    }
+    void set_predicted_memory(uint64_t weights, uint64_t kv, uint64_t compute, uint64_t runtime) {
+        BackendInfo & in = mutable_info();
+        in.predicted_weight_bytes = weights;
+        in.predicted_kv_bytes = kv;
+        in.predicted_compute_bytes = compute;
+        in.predicted_runtime_bytes = runtime;
     }
     // Runs one batch; on failure `*error` says why and nothing of the batch is kept.
     virtual BackendStatus decode(const DecodeBatch & batch, std::string * error) = 0;

@@ -107,7 +107,11 @@ void Scheduler::run_batch() {
             }
             batch.pos.push_back((int32_t) (w.pos0 + i));
             batch.seq.push_back(s->seq);
-            batch.output.push_back(info_.tail ? (i + 1 == w.n && w.sample) : 1);
+            // a non-tail shard's output is every row's boundary row (llama_get_embeddings_layer_inp,
+            // which does not depend on these flags): it asks for no logits rows, else llama.cpp
+            // sizes (and clears) its output buffer for n_vocab logits per row of the batch -- 250
+            // MiB per 512 rows at a 128k vocabulary, never read (docs/memory.md)
+            batch.output.push_back(info_.tail ? (i + 1 == w.n && w.sample) : 0);
         }
         last_row[k] = batch.n_rows() - 1;
         (w.decode ? n_decode : n_prefill) += w.n;

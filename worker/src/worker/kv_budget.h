@@ -1,6 +1,7 @@
 // KV budget sizing at startup (`dgr-worker serve`): how many KV cells the context gets from
-// --kv-cells / --kv-budget-mb / --memory-budget-mb, and how they split into per-session
-// streams. Pure arithmetic (no model), so CTest checks it.
+// --kv-cells / --kv-budget-mb, and how they split into per-session streams (--memory-budget-mb
+// is checked against the whole need before loading: worker/memory_plan.h). Pure arithmetic (no
+// model), so CTest checks it.
 #pragma once
 
 #include "worker/backend.h"
@@ -26,21 +27,6 @@ struct StreamShare {
 };
 // `sized`: the cells came from --kv-cells or --kv-budget-mb (else each session gets ctx_per_session).
 StreamShare per_session_streams(uint64_t kv_cells, bool sized, uint32_t max_sessions, uint32_t ctx_per_session);
-
-// --memory-budget-mb: weights and compute scratch are fixed, the KV cache gets the rest.
-struct MemoryFit {
-    enum Outcome {
-        fits,           // weights + scratch + KV already fit: nothing to change
-        cut,            // re-create the context with `kv_cells` (and `ctx_per_session`)
-        no_room,        // weights + scratch alone reach the budget
-        under_a_stream  // per-session streams: fewer than 256 cells per session remain
-    } outcome = fits;
-    uint64_t kv_cells = 0;
-    uint32_t ctx_per_session = 0;
-    uint64_t left_bytes = 0;  // budget - weights - scratch (when positive)
-};
-MemoryFit fit_memory_budget(uint64_t budget_bytes, const BackendInfo & in, bool kv_unified, uint32_t max_sessions,
-                            uint32_t ctx_per_session);
 
 // Fake model: n_embd floats per owned layer per cell.
 uint64_t fake_bytes_per_cell(uint32_t n_embd, uint32_t layer_start, uint32_t layer_end);

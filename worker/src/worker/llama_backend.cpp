@@ -22,6 +22,8 @@ std::string meta(const llama_model * m, const char * key) {
 }
 }  // namespace
 
+uint32_t llama_outputs_max(uint32_t n_seq_max) { return std::max<uint32_t>(1, n_seq_max); }
+
 uint64_t LlamaBackend::kv_bytes_per_cell(const llama_model * model) {
     // layer-filtered KV: only the owned layers hold cells
     const uint64_t n_layer = (uint64_t) std::max(1, llama_model_layer_end(model) - llama_model_layer_start(model));
@@ -38,6 +40,7 @@ uint64_t llama_kv_bytes_per_cell(const std::string & path, uint32_t layer_start,
     mo.layer_start = (int32_t) layer_start;
     mo.layer_end = (int32_t) layer_end;
     mo.n_gpu_layers = 0;
+    mo.no_alloc = true;  // hyperparameters only: nothing is read or allocated
     auto m = dgr::ShardModel::load(mo, error);
     if (!m) {
         if (error && error->empty()) *error = "cannot load model '" + path + "'";
@@ -67,6 +70,7 @@ std::unique_ptr<LlamaBackend> LlamaBackend::create(const LlamaBackendOptions & o
     co.n_seq_max = o.n_seq_max;
     co.kv_unified = o.kv_unified;
     co.n_threads = o.threads;
+    co.n_outputs_max = llama_outputs_max(o.n_seq_max);
     b->ctx_ = dgr::ShardContext::create(m, co, error);
     if (!b->ctx_) {
         if (error && error->empty()) {
@@ -127,6 +131,13 @@ BackendStatus LlamaBackend::decode(const DecodeBatch & in, std::string * error) 
     batch_.seq.assign(in.seq.begin(), in.seq.end());
     // a non-tail shard returns every row's boundary output regardless of the flags
     batch_.logits.assign(in.output.begin(), in.output.end());
+    // the context is sized for n_seq_max output rows per call (llama.cpp aborts beyond it)
+    int64_t n_out = 0;
+    for (const int8_t o : in.output) n_out += o != 0;
+    if (n_out > (int64_t) llama_outputs_max(info_.n_seq_max)) {
+        if (error) *error = "batch asks output for " + std::to_string(n_out) + " rows, more than one per sequence";
+        return BackendStatus::invalid_argument;
+    }
     const dgr::DecodeStatus st = ctx_->decode(batch_, error);
     switch (st) {
         case dgr::DecodeStatus::ok: return BackendStatus::ok;

@@ -65,6 +65,10 @@ private:
     dgr::ShardBatch batch_;
 };
 
+// Output rows a decode call may ask for: the tail samples the last row of each session's step,
+// at most one per sequence; non-tail shards ask for none (their output is the boundary rows).
+uint32_t llama_outputs_max(uint32_t n_seq_max);
+
 // Bytes one KV cell of the given range takes (loads the model briefly); 0 + *error on failure.
 uint64_t llama_kv_bytes_per_cell(const std::string & path, uint32_t layer_start, uint32_t layer_end,
                                  std::string * error);

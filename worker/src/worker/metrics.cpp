@@ -107,7 +107,15 @@ std::vector<pm::MetricFamily> Metrics::families(const Gauges & g) const {
                        {{{{"part", "weights"}}, (double) g.weight_bytes},
                         {{{"part", "kv"}}, (double) g.kv_bytes},
                         {{{"part", "scratch"}}, (double) g.scratch_bytes}}));
-    f.push_back(gauge("dgr_memory_budget_bytes", "--memory-budget-mb in bytes (0: none).", (double) g.memory_budget_bytes));
+    f.push_back(gauge("dgr_memory_budget_bytes",
+                      "The budget admitted against: --memory-budget-mb or the cgroup memory.max, the smaller (0: none).",
+                      (double) g.memory_budget_bytes));
+    f.push_back(family("dgr_memory_predicted_bytes", T::Gauge,
+                       "Host memory predicted before loading, by part (docs/memory.md).",
+                       {{{{"part", "weights"}}, (double) g.predicted_weight_bytes},
+                        {{{"part", "kv"}}, (double) g.predicted_kv_bytes},
+                        {{{"part", "compute"}}, (double) g.predicted_compute_bytes},
+                        {{{"part", "runtime"}}, (double) g.predicted_runtime_bytes}}));
     f.push_back(counter("dgr_prefill_tokens_total", "Prompt rows computed.", d(prefill_tokens)));
     f.push_back(counter("dgr_decode_tokens_total", "Decode rows computed.", d(decode_tokens)));
     f.push_back(counter("dgr_decode_busy_seconds_total", "Seconds inside decode calls.", busy_seconds.load()));

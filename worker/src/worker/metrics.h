@@ -48,6 +48,7 @@ struct Gauges {
     uint64_t kv_cells_total = 0;
     uint32_t max_sessions = 0;
     uint64_t weight_bytes = 0, kv_bytes = 0, scratch_bytes = 0, memory_budget_bytes = 0;
+    uint64_t predicted_weight_bytes = 0, predicted_kv_bytes = 0, predicted_compute_bytes = 0, predicted_runtime_bytes = 0;
 };
 
 class Metrics {

@@ -73,6 +73,7 @@ pb::GetCapabilityResponse capability_of(const BackendInfo & in, const SchedulerO
     c->set_kv_bytes(in.kv_bytes);
     c->set_scratch_bytes(in.scratch_bytes);
     c->set_memory_budget_bytes(o.memory_budget_bytes);
+    c->set_predicted_memory_bytes(in.predicted_total());
     return resp;
 }
 
@@ -170,6 +171,10 @@ Gauges Scheduler::gauges() const {
     g.kv_bytes = info_.kv_bytes;
     g.scratch_bytes = info_.scratch_bytes;
     g.memory_budget_bytes = opts_.memory_budget_bytes;
+    g.predicted_weight_bytes = info_.predicted_weight_bytes;
+    g.predicted_kv_bytes = info_.predicted_kv_bytes;
+    g.predicted_compute_bytes = info_.predicted_compute_bytes;
+    g.predicted_runtime_bytes = info_.predicted_runtime_bytes;
     return g;
 }
 

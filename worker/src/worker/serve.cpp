@@ -7,6 +7,7 @@
 #include "worker/identity_check.h"
 #include "worker/kv_budget.h"
 #include "worker/llama_backend.h"
+#include "worker/memory_plan.h"
 #include "worker/metrics.h"
 #include "worker/scheduler.h"
 #include "worker/service.h"
@@ -34,6 +35,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace dgr::worker {
 
@@ -58,8 +60,85 @@ std::string missing_device(const char * backend) {
     return why + " (`dgr doctor --backend " + backend + "`; the CPU build: build/cpu/bin/dgr-worker)";
 }
 
+// The KV cells serve gives the context (--kv-cells / --kv-budget-mb / per-session streams; may
+// shorten o->ctx_per_session) and the memory plan for them. llama_backend_init() first.
+bool plan_for_options(ServeOptions * o, uint64_t * kv_cells, MemoryNeed * need, std::string * err) {
+    *kv_cells = o->kv_cells ? o->kv_cells : default_kv_cells(o->max_sessions, o->ctx_per_session);
+    if (o->kv_budget_mb > 0 && !o->kv_cells) {
+        const uint64_t per_cell = llama_kv_bytes_per_cell(o->model, o->has_layers ? o->layer_start : 0,
+                                                          o->has_layers ? o->layer_end : 0, err);
+        if (!per_cell) return false;
+        *kv_cells = cells_for_mib(o->kv_budget_mb, per_cell);
+    }
+    if (!o->kv_unified) {
+        const StreamShare share = per_session_streams(*kv_cells, o->kv_cells || o->kv_budget_mb > 0, o->max_sessions,
+                                                      o->ctx_per_session);
+        o->ctx_per_session = share.ctx_per_session;
+        *kv_cells = share.kv_cells;
+    }
+    // Memory-true admission (worker/memory_plan.h, docs/memory.md): what the range needs is
+    // computed from the file(s) and llama.cpp's simulated allocations before anything is loaded.
+    MemoryPlanRequest pr;
+    pr.model = o->model;
+    pr.layer_start = o->has_layers ? o->layer_start : 0;
+    pr.layer_end = o->has_layers ? o->layer_end : 0;
+    pr.max_sessions = o->max_sessions;
+    pr.ctx_per_session = o->ctx_per_session;
+    pr.kv_cells = *kv_cells;
+    pr.kv_unified = o->kv_unified;
+    pr.max_batch_tokens = o->max_batch_tokens;
+    pr.n_gpu_layers = o->n_gpu_layers;
+    pr.threads = o->threads;
+    return plan_memory(pr, need, err);
+}
+
 }  // namespace
 
+int plan_memory_main(int argc, char ** argv) {
+    std::vector<char *> args;
+    bool json = false;
+    for (int i = 0; i < argc; ++i) {
+        if (std::strcmp(argv[i], "--json") == 0) {
+            json = true;
+        } else if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+            std::printf("usage: dgr-worker plan-memory --model FILE [--layers A:B] [--max-sessions N]\n"
+                        "         [--ctx-per-session C] [--kv-cells N | --kv-budget-mb M] [--kv-unified]\n"
+                        "         [--max-batch-tokens N] [--n-gpu-layers N] [--memory-budget-mb M] [--json]\n"
+                        "  what `serve` with these options would need in host memory, computed without loading\n"
+                        "  the weights (docs/memory.md), and whether its budget admits it; exit 0 fits, 3 does not\n");
+            return 0;
+        } else {
+            args.push_back(argv[i]);
+        }
+    }
+    ServeOptions o;
+    const int rc = parse_serve_options((int) args.size(), args.data(), &o);
+    if (rc >= 0) return rc;
+    if (o.fake) {
+        std::fprintf(stderr, "dgr-worker: error: plan-memory needs --model FILE\n");
+        return 2;
+    }
+    llama_backend_init();
+    uint64_t kv_cells = 0;
+    MemoryNeed need;
+    std::string err;
+    if (!plan_for_options(&o, &kv_cells, &need, &err)) {
+        std::fprintf(stderr, "dgr-worker: error: cannot plan the memory of %s: %s\n", o.model.c_str(), err.c_str());
+        llama_backend_free();
+        return 1;
+    }
+    const MemoryBudget budget = memory_budget(o.memory_budget_mb);
+    const std::string refusal = admission_refusal(need, budget, o.kv_unified);
+    if (json) {
+        std::printf("%s\n", need_json(need, budget, refusal).c_str());
+    } else {
+        std::printf("%s\n", describe_need(need).c_str());
+        if (budget.bytes) std::printf("budget %.1f MiB (%s): %s\n", (double) budget.bytes / 1048576.0, budget.source.c_str(),
+                                      refusal.empty() ? "fits" : refusal.c_str());
+    }
+    llama_backend_free();
+    return refusal.empty() ? 0 : 3;
+}
 
 int serve_main(int argc, char ** argv) {
     ServeOptions o;
@@ -73,8 +152,9 @@ int serve_main(int argc, char ** argv) {
     sigaddset(&sigs, SIGINT);
     pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
-    uint64_t kv_cells = o.kv_cells ? o.kv_cells : default_kv_cells(o.max_sessions, o.ctx_per_session);
+    uint64_t kv_cells = o.kv_cells ? o.kv_cells : default_kv_cells(o.max_sessions, o.ctx_per_session);  // fake model
     std::unique_ptr<ModelBackend> backend;
+    MemoryBudget budget;  // the llama backend's: --memory-budget-mb or the cgroup's memory.max
     std::string err;
     if (o.fake) {
         FakeModelOptions f;
@@ -95,9 +175,9 @@ int serve_main(int argc, char ** argv) {
         f.decode_delay_ms = o.fake_delay_ms;
         f.row_delay_us = o.fake_row_delay_us;
         backend = std::make_unique<FakeBackend>(f);
-        const uint64_t budget = (uint64_t) (o.memory_budget_mb * 1048576.0);
-        if (budget && backend->info().kv_bytes > budget) {
-            kv_cells = budget / cell;
+        const uint64_t fake_budget = (uint64_t) (o.memory_budget_mb * 1048576.0);
+        if (fake_budget && backend->info().kv_bytes > fake_budget) {
+            kv_cells = fake_budget / cell;
             f.kv_cells = (uint32_t) kv_cells;
             backend = std::make_unique<FakeBackend>(f);
         }
@@ -113,10 +193,13 @@ int serve_main(int argc, char ** argv) {
                 return 2;
             }
             const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-            std::fprintf(stderr, "dgr-worker: %s %s: artifact id %s, %.0f MiB hashed in %.2f s\n",
+            const uint32_t parts = proven.recipe.identity.n_parts;
+            std::fprintf(stderr, "dgr-worker: %s %s%s: artifact id %s, %.0f MiB hashed in %.2f s\n",
                          proven.recipe.identity.slice ? "verified slice of" : "identified", o.model.c_str(),
+                         parts > 1 ? (" (a " + std::to_string(parts) + "-part split set)").c_str() : "",
                          proven.recipe.identity.artifact_id.c_str(),
                          (double) proven.recipe.identity.tensor_bytes / 1048576.0, secs);
+            o.model = proven.recipe.identity.model_path;  // part 1 of a split set: llama.cpp finds the rest
             o.artifact_id = proven.recipe.identity.artifact_id;
             o.fingerprint = proven.fingerprint;
             o.recipe_json = proven.recipe_json;
@@ -126,20 +209,17 @@ int serve_main(int argc, char ** argv) {
             std::fprintf(stderr, "dgr-worker: error: %s\n", why.c_str());
             return 1;
         }
-        if (o.kv_budget_mb > 0 && !o.kv_cells) {
-            const uint64_t per_cell = llama_kv_bytes_per_cell(o.model, o.has_layers ? o.layer_start : 0,
-                                                              o.has_layers ? o.layer_end : 0, &err);
-            if (!per_cell) {
-                std::fprintf(stderr, "dgr-worker: error: %s\n", err.c_str());
-                return 1;
-            }
-            kv_cells = cells_for_mib(o.kv_budget_mb, per_cell);
+        MemoryNeed need;
+        if (!plan_for_options(&o, &kv_cells, &need, &err)) {
+            std::fprintf(stderr, "dgr-worker: error: cannot plan the memory of %s: %s\n", o.model.c_str(), err.c_str());
+            return 1;
         }
-        if (!o.kv_unified) {
-            const StreamShare share = per_session_streams(kv_cells, o.kv_cells || o.kv_budget_mb > 0, o.max_sessions,
-                                                          o.ctx_per_session);
-            o.ctx_per_session = share.ctx_per_session;
-            kv_cells = share.kv_cells;
+        budget = memory_budget(o.memory_budget_mb);
+        std::fprintf(stderr, "dgr-worker: memory plan: %s; budget %s\n", describe_need(need).c_str(),
+                     budget.bytes ? (std::to_string(budget.bytes >> 20) + " MiB (" + budget.source + ")").c_str() : "none");
+        if (const std::string why = admission_refusal(need, budget, o.kv_unified); !why.empty()) {
+            std::fprintf(stderr, "dgr-worker: error: refusing to load: %s\n", why.c_str());
+            return 2;
         }
         LlamaBackendOptions l;
         l.kv_unified = o.kv_unified;
@@ -158,39 +238,7 @@ int serve_main(int argc, char ** argv) {
             std::fprintf(stderr, "dgr-worker: error: %s\n", err.c_str());
             return 1;
         }
-        // --memory-budget-mb: weights and scratch are what they are; the KV cache gets the rest
-        const uint64_t budget = (uint64_t) (o.memory_budget_mb * 1048576.0);
-        for (int round = 0; budget && round < 3; ++round) {
-            const BackendInfo & in = backend->info();
-            const double mib = 1.0 / 1048576.0;
-            const MemoryFit fit = fit_memory_budget(budget, in, o.kv_unified, o.max_sessions, o.ctx_per_session);
-            if (fit.outcome == MemoryFit::no_room) {
-                std::fprintf(stderr,
-                             "dgr-worker: error: the weights (%.1f MiB) and compute scratch (%.1f MiB) of layers [%u, %u) "
-                             "leave nothing of --memory-budget-mb %.1f for the KV cache\n",
-                             in.weight_bytes * mib, in.scratch_bytes * mib, in.layer_start, in.layer_end, o.memory_budget_mb);
-                return 2;
-            }
-            if (fit.outcome == MemoryFit::fits) break;
-            if (fit.outcome == MemoryFit::under_a_stream) {
-                std::fprintf(stderr,
-                             "dgr-worker: error: --memory-budget-mb %.1f leaves %.1f MiB for the KV cache: fewer than 256 "
-                             "cells per session for %u sessions; lower --max-sessions or raise the budget\n",
-                             o.memory_budget_mb, fit.left_bytes * mib, o.max_sessions);
-                return 2;
-            }
-            o.ctx_per_session = fit.ctx_per_session;
-            std::fprintf(stderr, "dgr-worker: memory budget %.1f MiB: weights %.1f + scratch %.1f MiB; KV cut to %llu cells\n",
-                         o.memory_budget_mb, in.weight_bytes * mib, in.scratch_bytes * mib, (unsigned long long) fit.kv_cells);
-            kv_cells = fit.kv_cells;
-            l.kv_cells = (uint32_t) fit.kv_cells;
-            backend.reset();
-            backend = LlamaBackend::create(l, &err);
-            if (!backend) {
-                std::fprintf(stderr, "dgr-worker: error: %s\n", err.c_str());
-                return 1;
-            }
-        }
+        backend->set_predicted_memory(need.weights, need.kv, need.compute, need.runtime);
     }
     backend->set_identity(o.fingerprint, o.artifact_id, o.recipe_json);
     if (kv_cells == 0) {
@@ -212,7 +260,7 @@ int serve_main(int argc, char ** argv) {
     so.max_message_bytes = o.max_message_bytes;
     so.session_ttl_s = o.session_ttl_s;
     so.evict_idle_s = o.evict_idle_s;
-    so.memory_budget_bytes = (uint64_t) (o.memory_budget_mb * 1048576.0);
+    so.memory_budget_bytes = o.fake ? (uint64_t) (o.memory_budget_mb * 1048576.0) : budget.bytes;
     so.chain.peers.clear();
     {
         std::stringstream ss(o.chain_peers);

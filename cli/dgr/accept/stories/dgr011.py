@@ -23,8 +23,9 @@ from ..evidence import StoryContext, story
 SPLIT2 = [(0, 15), (15, 30)]
 SPLIT3 = [(0, 10), (10, 20), (20, 30)]
 N_PREDICT = 32
-HOST_MEMORY_MB = 232          # cgroup limit per host; the worker budget is 48 MiB less (184 MiB): a
-                              # shard (weights ~60 MiB + 97 MiB compute scratch) fits, the whole model (92 + 103) does not
+HOST_MEMORY_MB = 180          # cgroup limit per host; the worker budget is 48 MiB less (132 MiB). What
+                              # `dgr-worker plan-memory` predicts at 4 sessions x 512: a half (weights 60 + KV 22.5 +
+                              # compute 16 = 99 MiB) fits, the whole model (92 + 45 + 15 = 152 MiB) does not
 CTX = 512
 PARITY_PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
                  "combined movable metal type, oil-based ink and a wooden screw press into a system that could "

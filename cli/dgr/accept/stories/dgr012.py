@@ -77,7 +77,7 @@ def run(ctx: StoryContext) -> None:
     assert ctx.model is not None
     tests_criterion(ctx, "the node admits sessions against weight, KV, scratch and queue budgets",
                     [T + "test_worker_fake_lifecycle.py::test_budgets_reject_with_resource_exhausted",
-                     T + "test_worker_llama.py::test_memory_budget_fits_kv_after_weights_and_scratch"])
+                     T + "test_worker_llama.py::test_memory_budget_admits_weights_kv_and_scratch_before_loading"])
     tests_criterion(ctx, "backpressure bounds queued activations and KV growth",
                     [T + "test_worker_fake_lifecycle.py::test_queue_limit_rejects_and_memory_stays_bounded"])
     ensure_worker(ctx.backend)

@@ -248,7 +248,7 @@ class ShardIdentity(_message.Message):
     def __init__(self, artifact_id: _Optional[str] = ..., recipe_json: _Optional[str] = ..., compatibility_fingerprint: _Optional[str] = ..., range: _Optional[_Union[ShardRange, _Mapping]] = ..., n_layer: _Optional[int] = ..., head: _Optional[bool] = ..., tail: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., architecture: _Optional[str] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("max_sessions", "kv_cells", "max_session_positions", "max_batch_tokens", "max_prefill_chunk_tokens", "max_message_bytes", "max_fragment_bytes", "compressions", "server_generation", "chain_forwarding", "weight_bytes", "kv_bytes", "scratch_bytes", "memory_budget_bytes")
+    __slots__ = ("max_sessions", "kv_cells", "max_session_positions", "max_batch_tokens", "max_prefill_chunk_tokens", "max_message_bytes", "max_fragment_bytes", "compressions", "server_generation", "chain_forwarding", "weight_bytes", "kv_bytes", "scratch_bytes", "memory_budget_bytes", "predicted_memory_bytes")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_CELLS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSION_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class Capacity(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     SCRATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
     kv_cells: int
     max_session_positions: int
@@ -277,7 +278,8 @@ class Capacity(_message.Message):
     kv_bytes: int
     scratch_bytes: int
     memory_budget_bytes: int
-    def __init__(self, max_sessions: _Optional[int] = ..., kv_cells: _Optional[int] = ..., max_session_positions: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_prefill_chunk_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_fragment_bytes: _Optional[int] = ..., compressions: _Optional[_Iterable[_Union[Compression, str]]] = ..., server_generation: _Optional[bool] = ..., chain_forwarding: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., scratch_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ...) -> None: ...
+    predicted_memory_bytes: int
+    def __init__(self, max_sessions: _Optional[int] = ..., kv_cells: _Optional[int] = ..., max_session_positions: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_prefill_chunk_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_fragment_bytes: _Optional[int] = ..., compressions: _Optional[_Iterable[_Union[Compression, str]]] = ..., server_generation: _Optional[bool] = ..., chain_forwarding: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., scratch_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., predicted_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class RuntimeInfo(_message.Message):
     __slots__ = ("dgr_version", "llama_commit", "patch_digest", "backend")
