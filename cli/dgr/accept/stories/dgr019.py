@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..evidence import StoryContext, story
+from .dgr011 import _tokenize  # one prompt tokenizer for the route stories
 
 N_PREDICT = 16
 CTX = 512
@@ -72,17 +73,6 @@ async def _generate(endpoints, toks, *, n, tls):
         res = await asyncio.gather(*(d.generate(p, max_tokens=n, sampling=Sampling(ignore_eog=True),
                                                 stop_on_eog=False) for p in toks))
         return res, d.mode
-    finally:
-        await d.close()
-
-
-async def _tokenize(endpoint, texts, chat, tls=None):
-    from ...route.driver import RouteDriver
-    from ...route.sessions import prompt_tokens
-
-    d = await RouteDriver([endpoint], tls=tls).connect(validate=False)
-    try:
-        return await prompt_tokens(d, texts, chat=chat)
     finally:
         await d.close()
 
