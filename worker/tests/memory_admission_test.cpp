@@ -1,5 +1,5 @@
 // Memory-true admission without a model (worker/cgroup_memory.h, worker/memory_plan.h): the
-// cgroup v2 memory.max walk over a fake /proc and /sys tree, the budget (the smaller of the flag
+// cgroup memory walk (v2 memory.max, v1 memory.limit_in_bytes) over a fake /proc and /sys tree, the budget (the smaller of the flag
 // and the cgroup), and the refusal line with what would fit.
 #include "worker/cgroup_memory.h"
 #include "worker/memory_plan.h"
@@ -24,7 +24,7 @@ int main() {
     char tmpl[] = "/tmp/dgr-cgroup-XXXXXX";
     const fs::path root = mkdtemp(tmpl);
     const fs::path proc = root / "proc_self_cgroup", sys = root / "sys";
-    // v1 lines are ignored; the unified line names /lab/h1/worker
+    // a v1 line whose files are absent adds nothing; the unified line names /lab/h1/worker
     put(proc, "12:memory:/ignored\n0::/lab/h1/worker\n");
     put(sys / "memory.max", "max\n");
     put(sys / "lab/memory.max", "1073741824\n");
@@ -43,8 +43,24 @@ int main() {
     put(proc, "0::/free\n");
     put(sys / "free/memory.max", "max\n");
     CHECK(!cgroup_memory_limit(proc.string(), sys.string()).limited, "max everywhere");
+    // cgroup v1 (or hybrid): memory.limit_in_bytes under <root>/memory; v1's "unlimited" is none
     put(proc, "12:memory:/x\n");
-    CHECK(!cgroup_memory_limit(proc.string(), sys.string()).limited, "cgroup v1 only");
+    CHECK(!cgroup_memory_limit(proc.string(), sys.string()).limited, "cgroup v1, no files");
+    put(sys / "memory/memory.limit_in_bytes", "9223372036854771712\n");
+    put(sys / "memory/x/memory.limit_in_bytes", "9223372036854771712\n");
+    CHECK(!cgroup_memory_limit(proc.string(), sys.string()).limited, "cgroup v1 unlimited");
+    put(sys / "memory/x/memory.limit_in_bytes", "188743680\n");
+    lim = cgroup_memory_limit(proc.string(), sys.string());
+    CHECK(lim.limited && lim.bytes == 188743680ull && lim.file == (sys / "memory/x/memory.limit_in_bytes").string(),
+          "cgroup v1 limit: %s", lim.file.c_str());
+    // hybrid: a v1 memory line and a v2 line without memory.max; the v1 limit holds
+    put(proc, "7:cpu,cpuacct:/\n4:memory:/x\n0::/\n");
+    CHECK(cgroup_memory_limit(proc.string(), sys.string()).bytes == 188743680ull, "hybrid");
+    // a v1 memory controller co-mounted with another: <root>/<controllers>
+    put(proc, "4:memory,hugetlb:/y\n");
+    put(sys / "memory,hugetlb/memory.limit_in_bytes", "9223372036854771712\n");
+    put(sys / "memory,hugetlb/y/memory.limit_in_bytes", "104857600\n");
+    CHECK(cgroup_memory_limit(proc.string(), sys.string()).bytes == 104857600ull, "co-mounted v1");
     put(proc, "0::/bad\n");
     put(sys / "bad/memory.max", "lots\n");
     CHECK(!cgroup_memory_limit(proc.string(), sys.string()).limited, "not a number");
@@ -61,6 +77,20 @@ int main() {
     CHECK(b.bytes == 104857600ull && b.source.rfind("cgroup memory.max (", 0) == 0, "cgroup smaller: %s", b.source.c_str());
     b = memory_budget(0, (root / "missing").string(), sys.string());
     CHECK(b.bytes == 0, "no budget");
+
+    // a token embedding read row by row: one batch's rows with fault-around, at most the tensor
+    dgr::GgufTensor embd;
+    embd.name = "token_embd.weight";
+    embd.dims = {4096, 128256};
+    embd.n_bytes = 128256ull * 2304;  // Q4_K rows of 4096
+    embd.offset = 8192;
+    CHECK(embedding_rows_bytes(embd, 528, 4096) == 528ull * 65536, "rows: %llu",
+          (unsigned long long) embedding_rows_bytes(embd, 528, 4096));
+    CHECK(embedding_rows_bytes(embd, 1u << 30, 4096) == (8192ull + 128256ull * 2304 + 4095) / 4096 * 4096 - 8192,
+          "whole tensor at most");
+    embd.dims = {65536, 64};          // rows wider than the fault-around: their pages plus one
+    embd.n_bytes = 64ull * 65536 * 2;
+    CHECK(embedding_rows_bytes(embd, 2, 4096) == 2ull * (131072 + 4096), "wide rows");
 
     // the verdict
     MemoryNeed n;

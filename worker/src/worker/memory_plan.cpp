@@ -26,6 +26,9 @@ constexpr double kMiB = 1048576.0;
 // threads, the scheduler, allocator arenas. Measured on the CPU build (SmolLM2 and synthetic
 // models, 1-16 sessions): 4-8 MiB; docs/memory.md.
 constexpr uint64_t kServeAllowance = 8ull << 20;
+// The kernel's default fault_around_bytes: a fault on a mapped file maps up to this much of the
+// page cache around it.
+constexpr uint64_t kFaultAround = 64ull << 10;
 
 std::string mib(uint64_t b) {
     char s[32];
@@ -69,8 +72,20 @@ uint64_t self_status_bytes(const char * field) {
     return 0;
 }
 
-bool range_weight_bytes(const std::string & model, uint32_t layer_start, uint32_t layer_end, uint64_t * bytes,
-                        uint32_t * n_layer, uint32_t * n_parts, std::string * model_path, std::string * error) {
+uint64_t embedding_rows_bytes(const GgufTensor & t, uint64_t rows, uint64_t page) {
+    const uint64_t n_rows = t.dims.size() >= 2 ? t.dims[1] : 1;
+    const uint64_t whole = ((t.offset + t.n_bytes + page - 1) / page - t.offset / page) * page;
+    if (n_rows == 0) return whole;
+    const uint64_t row = (t.n_bytes + n_rows - 1) / n_rows;
+    // a row faults in the pages it spans, and the kernel maps the cached pages around a fault
+    // with it (fault-around: 64 KiB by default)
+    const uint64_t per_row = std::max(kFaultAround, (row + page - 1) / page * page + page);
+    return std::min(whole, std::min(rows, n_rows) * per_row);
+}
+
+bool range_weight_bytes(const std::string & model, uint32_t layer_start, uint32_t layer_end, uint64_t embd_rows,
+                        uint64_t * bytes, uint32_t * n_layer, uint32_t * n_parts, std::string * model_path,
+                        std::string * error) {
     GgufSet set;
     if (!set.open(model, error)) return false;
     if (model_path) *model_path = set.path();
@@ -96,6 +111,9 @@ bool range_weight_bytes(const std::string & model, uint32_t layer_start, uint32_
     for (const TensorRef & t : set.tensors()) {
         if (t.tensor->name == "output.weight") tied = false;
     }
+    // the token embedding is read row by row (get_rows) unless this range also multiplies by it
+    // (a tied output on the tail): its resident part is the rows a batch touches, not the tensor
+    const bool embd_by_rows = start == 0 && !(end == nl && tied) && embd_rows > 0;
     // the pages the held tensors occupy, per part (a page shared by two held tensors counts once)
     const uint64_t page = (uint64_t) ::sysconf(_SC_PAGESIZE);
     uint64_t total = 0;
@@ -103,6 +121,10 @@ bool range_weight_bytes(const std::string & model, uint32_t layer_start, uint32_
         std::vector<std::pair<uint64_t, uint64_t>> spans;
         for (const TensorRef & t : set.tensors()) {
             if (t.part_index != p || !held_by_range(t.tensor->name, start, end, nl, tied)) continue;
+            if (embd_by_rows && t.tensor->name.rfind("token_embd.", 0) == 0) {
+                total += embedding_rows_bytes(*t.tensor, embd_rows, page);
+                continue;
+            }
             spans.emplace_back(t.tensor->offset / page, (t.tensor->offset + t.tensor->n_bytes + page - 1) / page);
         }
         std::sort(spans.begin(), spans.end());
@@ -128,8 +150,10 @@ bool plan_memory(const MemoryPlanRequest & req, MemoryNeed * need, std::string *
     *need = MemoryNeed{};
     MemoryNeed & n = *need;
     std::string path;
-    if (!range_weight_bytes(req.model, req.layer_start, req.layer_end, &n.weights, &n.n_layer, &n.n_parts, &path,
-                            error)) {
+    // the embedding rows resident at once: one batch's tokens plus every session's next token
+    const uint64_t embd_rows = (uint64_t) req.max_batch_tokens + req.max_sessions;
+    if (!range_weight_bytes(req.model, req.layer_start, req.layer_end, embd_rows, &n.weights, &n.n_layer, &n.n_parts,
+                            &path, error)) {
         return false;
     }
     kv_shape(req, &n.kv_cells, &n.ctx_per_session);

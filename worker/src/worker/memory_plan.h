@@ -1,7 +1,9 @@
 // What a Shard needs in host memory, computed before anything is loaded (docs/memory.md):
 //   weights  the pages of the tensors its range holds, read from the GGUF header(s) of the file
 //            or of every part of a split set (mapped: resident once touched; a decode touches
-//            every layer's, the head's token embedding row by row as tokens are seen)
+//            every layer's). The head's token embedding is read row by row as tokens are seen:
+//            it counts one batch's rows, since rows touched before are clean file pages the
+//            kernel reclaims under a limit rather than a need (unless the tail multiplies by it)
 //   copied   of the weights, those llama.cpp repacks (CPU_REPACK) into a buffer of its own:
 //            the copy is anonymous memory of the same size, and the loader releases the file
 //            pages it read them from (patch 0009), so they count once
@@ -15,6 +17,8 @@
 
 #include <cstdint>
 #include <string>
+
+#include "common/identity.h"
 
 namespace dgr::worker {
 
@@ -46,10 +50,17 @@ struct MemoryNeed {
 bool plan_memory(const MemoryPlanRequest & req, MemoryNeed * need, std::string * error);
 
 // Bytes of the pages that the tensors of [layer_start, layer_end) of `model` occupy (every part
-// of a split set); the same rule as the patched loader (docs/identity.md "Slices").
+// of a split set); the same rule as the patched loader (docs/identity.md "Slices"). A token
+// embedding that the range only reads row by row (the head, unless it is also the tied output)
+// counts embd_rows rows' pages (embedding_rows_bytes); embd_rows 0 counts it whole.
 // *model_path: what llama.cpp is given (the file, or part 1 of a set when `model` names another part).
-bool range_weight_bytes(const std::string & model, uint32_t layer_start, uint32_t layer_end, uint64_t * bytes,
-                        uint32_t * n_layer, uint32_t * n_parts, std::string * model_path, std::string * error);
+bool range_weight_bytes(const std::string & model, uint32_t layer_start, uint32_t layer_end, uint64_t embd_rows,
+                        uint64_t * bytes, uint32_t * n_layer, uint32_t * n_parts, std::string * model_path,
+                        std::string * error);
+
+// The resident pages of `rows` rows of an embedding read row by row through the mapping: each
+// row's pages plus the kernel's fault-around, at most the whole tensor.
+uint64_t embedding_rows_bytes(const GgufTensor & t, uint64_t rows, uint64_t page);
 
 // Where the budget comes from: --memory-budget-mb, the cgroup's memory.max, or both (smaller wins).
 struct MemoryBudget {
