@@ -114,7 +114,8 @@ def test_bad_preset_requests_are_one_line_errors(tmp_path: Path) -> None:
 @pytest.mark.native
 def test_presets_are_numerically_sane_in_llama_cpp(tmp_path: Path, native_bin: Path) -> None:
     """Whole-model llama.cpp scores 512 random tokens with finite log-likelihood at every position
-    (2 layers of each dense family; `dgr accept` runs the full depth over 2,048 tokens)."""
+    (2 layers of each dense family; `dgr bench numerics --model synthetic:PRESET` runs the full
+    depth over 2,048 tokens)."""
     from dgr.bench.numerics import check_numerics
 
     for name in ("llama-3.2-1b", "qwen3-8b"):
@@ -122,3 +123,24 @@ def test_presets_are_numerically_sane_in_llama_cpp(tmp_path: Path, native_bin: P
         r = check_numerics(path, n_tokens=512, work=tmp_path)
         assert r.finite and r.n_scored == 511, r
         path.unlink()
+
+
+@pytest.mark.real
+@pytest.mark.native
+def test_bench_numerics_writes_json_for_each_model(tmp_path: Path, native_bin: Path) -> None:
+    """`dgr bench numerics` scores each --model and writes one JSON row per model, labelled
+    synthetic from the file's own metadata; a model it cannot read is a one-line error."""
+    import json
+
+    path = synthesize(spec_from_preset("llama-3.2-1b", n_layer=1), tmp_path / "one.gguf")
+    out = tmp_path / "n.json"
+    r = subprocess.run([sys.executable, "-m", "dgr.main", "bench", "numerics", "--model", str(path), "--tokens", "96",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    (row,) = doc["results"]
+    assert doc["all_finite"] and row["finite"] and row["n_scored"] == 95 and row["synthetic"], doc
+    assert "finite, 95 positions scored" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "dgr.main", "bench", "numerics", "--model", str(tmp_path / "none.gguf"),
+                        "--out", str(tmp_path / "m.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "none.gguf" in r.stderr

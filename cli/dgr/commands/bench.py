@@ -205,6 +205,52 @@ def gate(
     typer.echo(f"measurements written to {out}")
 
 
+@app.command("numerics")
+def numerics(
+    model: list[str] = typer.Option(..., "--model", help="GGUF file, packaged model or synthetic:PRESET[:DTYPE] "
+                                    "(repeat for several)."),
+    tokens: int = typer.Option(2048, "--tokens", min=2, max=131072, help="Random token ids scored in one chunk."),
+    threads: int = typer.Option(2, "--threads", min=1),
+    seed: int = typer.Option(0, "--seed", min=0),
+    out: Path = typer.Option(Path("numerics.json"), "--out", help="Where to write the results JSON."),
+) -> None:
+    """Are a model's activations finite over a long prompt? Whole-model llama.cpp scores --tokens
+    seeded random ids in one chunk; any NaN or infinity reaches a position's log-likelihood.
+    Meant for synthetic (random-weight) models, whose residual stream can overflow where trained
+    weights do not. Exit 1 when any model is not finite."""
+    _check_out(out)
+    import os
+    import tempfile
+    import time
+
+    from ..bench.numerics import check_numerics
+    from ..gguf.inspect import open_gguf
+    from ..gguf.models import resolve_model
+
+    rows = []
+    load_before = list(os.getloadavg())
+    for name in model:
+        path = resolve_model(name)
+        with open_gguf(path) as gf:
+            desc = str(gf.get("general.description", ""))
+            n_layer = gf.n_layer
+        typer.echo(f"scoring {tokens} random tokens with {path.name} ({n_layer} layers) ...", err=True)
+        t = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="dgr-numerics-") as work:
+            r = check_numerics(path, n_tokens=tokens, threads=threads, seed=seed, work=Path(work))
+        rows.append({**r.to_json(), "path": str(path), "bytes": path.stat().st_size, "n_layer": n_layer,
+                     "synthetic": "synthetic" in desc.lower(), "seconds": round(time.monotonic() - t, 1)})
+    doc = {"bench": "numerics", "tokens": tokens, "threads": threads, "seed": seed, "results": rows,
+           "all_finite": all(r["finite"] for r in rows),
+           "host": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": list(os.getloadavg())}}
+    lines = [f"{r['model']}: {'finite' if r['finite'] else 'NOT FINITE'}, {r['n_scored']} positions scored, "
+             f"{r['nll_per_token'] if r['finite'] else float('nan'):.3f} nats/token ({r['seconds']} s)"
+             for r in rows]
+    _write(out, doc, "\n".join(lines))
+    if not doc["all_finite"]:
+        raise typer.Exit(1)
+
+
 @app.command("worker")
 def worker(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
