@@ -44,25 +44,53 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 
 
 def _files_and_io(pid: int, names: set[str]) -> dict[str, Any]:
-    """Which model files a worker has mapped, the bytes of each it has faulted in (resident), and
-    its read() bytes (rchar) and storage reads (read_bytes: zero when the file was in the page cache)."""
+    """Which model files a worker has mapped (bytes of address space), the bytes of each it has
+    faulted in (resident), and its read() bytes (rchar) and storage reads (read_bytes: zero when
+    the file was in the page cache)."""
+    resident: dict[str, int] = {}
     mapped: dict[str, int] = {}
     try:
         cur = None
         for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
             head = line.split()
-            if len(head) >= 6 and "-" in head[0] and not line.startswith(("Rss", "Size")):
-                path = head[5] if len(head) >= 6 else ""
-                cur = path if Path(path).name in names else None
+            if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's first line
+                cur = Path(head[5]).name if len(head) >= 6 and Path(head[5]).name in names else None
                 if cur:
-                    mapped.setdefault(cur, 0)
-            elif cur and line.startswith("Rss:"):
-                mapped[cur] += int(line.split()[1]) * 1024
+                    lo, hi = (int(x, 16) for x in head[0].split("-"))
+                    mapped[cur] = mapped.get(cur, 0) + hi - lo
+                    resident.setdefault(cur, 0)
+            elif cur and head and head[0] == "Rss:":
+                resident[cur] += int(head[1]) * 1024
         io = dict(x.split(": ") for x in Path(f"/proc/{pid}/io").read_text().splitlines())
-        return {"mapped_model_files": {Path(k).name: v for k, v in sorted(mapped.items())},
+        return {"mapped_model_files": dict(sorted(resident.items())), "mapped_bytes": dict(sorted(mapped.items())),
                 "read_bytes": int(io["read_bytes"]), "rchar": int(io["rchar"])}
     except (OSError, ValueError, KeyError) as exc:
         return {"error": str(exc)}
+
+
+def _parts_of_range(parts: list[Path], start: int, end: int, n_layer: int) -> set[str]:
+    """The names of the parts of a split set that hold a tensor of layers [start, end) (the
+    token embedding for the head, the output matrix and norm for the tail, and the embedding for
+    a tail whose output is tied to it)."""
+    from ...gguf.inspect import open_gguf
+
+    names: dict[str, list[str]] = {}
+    for p in parts:
+        with open_gguf(p) as gf:
+            names[p.name] = [t.name for t in gf.tensors]
+    tied = not any(n == "output.weight" for ns in names.values() for n in ns)
+    head, tail = start == 0, end == n_layer
+
+    def held(n: str) -> bool:
+        if n.startswith("blk."):
+            return start <= int(n.split(".")[1]) < end
+        if n.startswith("token_embd."):
+            return head or (tail and tied)
+        if n.startswith(("output.", "output_norm.")):
+            return tail
+        return False
+
+    return {p for p, ns in names.items() if any(held(n) for n in ns)}
 
 
 async def _generate(endpoints, toks, *, n, tls):
@@ -322,14 +350,18 @@ def _split_set_lane(ctx: StoryContext, lab, model: Path, artifact_id: str, split
     import asyncio as _asyncio
 
     from ...gguf.identity import identify
+    from ...gguf.inspect import open_gguf
     from ...lab.route import LabRoute
     from ...upstream import build
 
     tool = build.tool_binary("llama-gguf-split", ctx.backend)
     out = ctx.tmp / "set" / model.stem
     out.parent.mkdir(parents=True, exist_ok=True)
-    size_max = f"{(model.stat().st_size // 3 + (64 << 20)) >> 20}M"
-    ctx.command([str(tool), "--split", "--split-max-size", size_max, str(model), str(out)], timeout=1200)
+    # exactly 3 parts: by tensor count (a size cap lands on tensor boundaries and can make 4)
+    with open_gguf(model) as gf:
+        n_tensors = len(gf.tensors)
+    per_part = -(-n_tensors // 3)
+    ctx.command([str(tool), "--split", "--split-max-tensors", str(per_part), str(model), str(out)], timeout=1200)
     parts = sorted(out.parent.glob(f"{model.stem}-*-of-*.gguf"))
     sid = identify(parts[0], progress=True).artifact_id if parts else ""
     ctx.results["split_set"] = {"parts": {p.name: p.stat().st_size for p in parts}, "artifact_id": sid}
@@ -340,10 +372,26 @@ def _split_set_lane(ctx: StoryContext, lab, model: Path, artifact_id: str, split
     names = {p.name for p in parts}
     with LabRoute(lab, parts[0], split, placement=["h1", "h2"], slices=False, max_sessions=4, ctx_per_session=CTX,
                   extra_args=PARITY_ARGS) as lr:
-        io = {p.host.name: _files_and_io(p.worker.pid, names) for p in lr.placed}
         (r,), mode = _asyncio.run(_generate(lr.endpoints, ptoks, n=N_PREDICT, tls=lr.tls))
+        io = {p.host.name: _files_and_io(p.worker.pid, names) for p in lr.placed}
     ctx.results["split_set"].update({"route_tokens": r.tokens, "mode": mode, "io": io})
     ctx.check("a 2-host route loading its ranges from the split set reproduces the whole model's greedy tokens",
               r.error is None and r.tokens == whole_tokens,
-              f"{mode}; {sum(a == b for a, b in zip(r.tokens, whole_tokens))}/{N_PREDICT} identical; parts mapped "
-              f"{json.dumps({k: v.get('mapped_model_files') for k, v in io.items()})}")
+              f"{mode}; {sum(a == b for a, b in zip(r.tokens, whole_tokens))}/{N_PREDICT} identical")
+    # after the run: a part that holds none of a host's tensors keeps at most the one partial page
+    # llama_mmap::unmap_fragment rounds away, never touched; a part it needs is resident
+    n_layer = split[-1][1]
+    page = os.sysconf("SC_PAGE_SIZE")
+    verdict = {}
+    for (host, v), (a, b) in zip(io.items(), split):
+        need = _parts_of_range(parts, a, b, n_layer)
+        res, mp = v.get("mapped_model_files", {}), v.get("mapped_bytes", {})
+        verdict[host] = {"range": f"{a}:{b}", "needs": sorted(need),
+                         "ok": "error" not in v and all(res.get(n, 0) > 0 for n in need)
+                         and all(mp.get(n, 0) <= page and res.get(n, 0) == 0 for n in names - need)}
+    ctx.results["split_set"]["parts_per_host"] = verdict
+    ctx.check("each host of the split-set route maps and touches only the parts that hold its range's tensors",
+              all(x["ok"] for x in verdict.values()),
+              "; ".join(f"{h} [{x['range']}) needs {', '.join(n.split('-0000')[-1] for n in x['needs'])}: resident "
+                        f"{ {n.split('-0000')[-1]: round(b / 2**20, 1) for n, b in io[h].get('mapped_model_files', {}).items()} } MiB"
+                        for h, x in verdict.items()))
