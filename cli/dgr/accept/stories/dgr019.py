@@ -71,7 +71,7 @@ def _files_and_io(pid: int, names: set[str]) -> dict[str, Any]:
 def _parts_of_range(parts: list[Path], start: int, end: int, n_layer: int) -> set[str]:
     """The names of the parts of a split set that hold a tensor of layers [start, end) (the
     token embedding for the head, the output matrix and norm for the tail, and the embedding for
-    a tail whose output is tied to it)."""
+    a tail whose output is tied to it, and the shared tensors every range creates)."""
     from ...gguf.inspect import open_gguf
 
     names: dict[str, list[str]] = {}
@@ -88,7 +88,7 @@ def _parts_of_range(parts: list[Path], start: int, end: int, n_layer: int) -> se
             return head or (tail and tied)
         if n.startswith(("output.", "output_norm.")):
             return tail
-        return False
+        return True  # shared tensors (llama: rope_freqs.weight) are created by every range
 
     return {p for p, ns in names.items() if any(held(n) for n in ns)}
 
@@ -390,8 +390,9 @@ def _split_set_lane(ctx: StoryContext, lab, model: Path, artifact_id: str, split
                          "ok": "error" not in v and all(res.get(n, 0) > 0 for n in need)
                          and all(mp.get(n, 0) <= page and res.get(n, 0) == 0 for n in names - need)}
     ctx.results["split_set"]["parts_per_host"] = verdict
+    order = {p.name: i + 1 for i, p in enumerate(parts)}
     ctx.check("each host of the split-set route maps and touches only the parts that hold its range's tensors",
               all(x["ok"] for x in verdict.values()),
-              "; ".join(f"{h} [{x['range']}) needs {', '.join(n.split('-0000')[-1] for n in x['needs'])}: resident "
-                        f"{ {n.split('-0000')[-1]: round(b / 2**20, 1) for n, b in io[h].get('mapped_model_files', {}).items()} } MiB"
+              "; ".join(f"{h} [{x['range']}) needs parts {[order[n] for n in x['needs']]}: resident "
+                        f"{ {order[n]: round(b / 2**20, 1) for n, b in io[h].get('mapped_model_files', {}).items()} } MiB"
                         for h, x in verdict.items()))
