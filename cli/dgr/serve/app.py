@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -278,6 +279,14 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             metrics.refused(400)
         return _error(GatewayError(400, f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid request')}",
                                    param=loc[0] if loc else None, code="invalid_value"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # the framework's own refusals (a body it cannot parse, an unknown path or method)
+        if req.url.path in GENERATION_PATHS:
+            metrics.refused(exc.status_code)
+        return _error(GatewayError(exc.status_code, str(exc.detail), kind="invalid_request_error" if
+                                   exc.status_code < 500 else "server_error"))
 
     @app.exception_handler(Exception)
     async def _unexpected(_req: Request, exc: Exception) -> JSONResponse:
