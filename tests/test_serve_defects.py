@@ -414,9 +414,28 @@ def test_serve_leaves_no_worker_behind(native_bin, sig):
         r = httpx.post(f"http://127.0.0.1:{s.port}/v1/completions", timeout=30,
                        json={"model": "fake", "prompt": "x", "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text
+        # an answer in progress when the signal comes: it ends (finished, or cancelled after the
+        # drain bound), it does not hold the shutdown
+        streaming, ended = threading.Event(), threading.Event()
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", f"http://127.0.0.1:{s.port}/v1/completions", timeout=60,
+                                  json={"model": "fake", "prompt": "x", "max_tokens": 2000, "temperature": 0,
+                                        "ignore_eos": True, "stream": True}) as resp:
+                    for _ in resp.iter_lines():
+                        streaming.set()
+            except httpx.HTTPError:
+                pass
+            finally:
+                streaming.set()
+                ended.set()
+        threading.Thread(target=stream, daemon=True).start()
+        assert streaming.wait(30)
         s.proc.send_signal(sig)
         code = s.proc.wait(30)
         s.wait_gone(workers)
+        assert ended.wait(30), "the answer in progress never ended"
         if sig == signal.SIGTERM:
             assert code == 0, s.lines
             assert not any("Traceback" in ln for ln in s.lines), s.lines
