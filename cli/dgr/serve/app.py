@@ -84,7 +84,7 @@ def _refuse_extras(extra: dict[str, Any] | None, where: str = "") -> None:
             continue      # an unknown field that asks for nothing
         field = f"{where}{name}"
         raise GatewayError(400, f"{field} is not supported by this gateway"
-                           + (f" (only its default is accepted)" if name in _UNSUPPORTED and not where else ""),
+                           + (" (only its default is accepted)" if name in _UNSUPPORTED and not where else ""),
                            param=field, code="unsupported_parameter")
 
 
