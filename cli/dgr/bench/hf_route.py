@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .. import childproc
 from ..errors import DgrError
 from ..procfs import status_bytes
 
@@ -29,7 +30,7 @@ class HfWorkerProcess:
 
     def __init__(self, cmd: list[str], *, ready_timeout: float = READY_TIMEOUT_S) -> None:
         self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.proc = childproc.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.endpoint = ""
         self.stderr_lines: list[str] = []
         self._ready = threading.Event()

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from dgr import childproc
 from dgr.errors import DgrError
 from dgr.procfs import status_bytes
 
@@ -256,7 +257,7 @@ class LlamaServer:
         return self.proc.pid if self.proc else 0
 
     def start(self) -> "LlamaServer":
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        self.proc = childproc.popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)
 
         def output() -> str:
             self._log.seek(0)

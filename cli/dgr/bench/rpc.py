@@ -21,7 +21,6 @@ import json
 import logging
 import re
 import shlex
-import signal
 import socket
 import struct
 import subprocess
@@ -29,8 +28,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
+from .. import childproc
 from ..errors import DgrError
 from .llama_tools import parse_llama_bench, run_measured
 
@@ -221,25 +221,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """Linux: a preexec_fn that makes a server get SIGTERM when this process dies without running
-    its finally blocks. libc's prctl is resolved here, in the parent: the child of a threaded
-    process (gRPC) must not dlopen."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:
-        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-
-    return preexec
-
-
 def _accepting(port: int) -> bool:
     try:
         with socket.create_connection((HOST, port), timeout=0.5):
@@ -264,10 +245,9 @@ class _Server:
         for _ in range(attempts):
             self.port = _free_port()
             with open(self.log, "wb") as out:
-                self.proc = subprocess.Popen(
+                self.proc = childproc.popen(
                     server_command(self.exe, self.port, self.threads), stdin=subprocess.DEVNULL,
-                    stdout=out, stderr=subprocess.STDOUT,
-                    preexec_fn=_pdeathsig_preexec())
+                    stdout=out, stderr=subprocess.STDOUT)
             t_end = time.monotonic() + deadline_s
             while time.monotonic() < t_end:
                 if self.proc.poll() is not None:

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from dgr import childproc
 from dgr.errors import DgrError
 
 from .loadgen import LevelResult, LlamaServer, RequestResult, proc_cpu_s, run_level, wait_healthy
@@ -103,7 +104,7 @@ class _ServeProcess:
                "--model-name", model_id]
         for ep in endpoints:
             cmd += ["--shard", ep]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = childproc.popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     @property
     def url(self) -> str:

@@ -50,8 +50,25 @@ def serve(
 ) -> None:
     """Serve a route over HTTP: OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), a web
     console at /, /health and /metrics. Starts local workers for --model/--split, or serves running
-    workers given with --shard, or starts them on a lab's simulated hosts with --lab. Ctrl-C stops it
-    (and the workers it started)."""
+    workers given with --shard, or starts them on a lab's simulated hosts with --lab. Ctrl-C or SIGTERM
+    stops it: it stops admitting, gives answers in progress a few seconds, then stops the workers it
+    started (which also stop if this process is killed)."""
+    from ..serve.server import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():
+        try:
+            _serve(model, split, shard, host, port, api_key, tls_cert, tls_key, model_name, max_concurrent, queue,
+                   max_sessions, ctx_per_session, threads, slices, lab, lab_hosts, shard_ca, shard_cert, shard_key,
+                   fake)
+        except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the workers were stopped on the way out
+            pass
+
+
+def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str]], host: str, port: int,
+           api_key: Optional[str], tls_cert: Optional[Path], tls_key: Optional[Path], model_name: Optional[str],
+           max_concurrent: Optional[int], queue: int, max_sessions: int, ctx_per_session: int,
+           threads: Optional[int], slices: bool, lab: Optional[str], lab_hosts: Optional[str],
+           shard_ca: Optional[Path], shard_cert: Optional[Path], shard_key: Optional[Path], fake: bool) -> None:
     from ..gguf.gguf_set import model_stem
     from ..gguf.models import resolve_model
     from ..route import local as rt
@@ -62,8 +79,8 @@ def serve(
                         model_id=model_name, slots=max_concurrent, queue=queue)
     opts.check()
 
-    def ready(u: str) -> None:
-        log(f"serving {opts.model_id} at {u}/v1 (console: {u}/)")
+    def ready(u: str, model_id: str) -> None:
+        log(f"serving {model_id} at {u}/v1 (console: {u}/)")
 
     if (shard_cert or shard_key or shard_ca) and not shard:
         raise DgrError("--shard-tls-ca/--shard-tls-cert/--shard-tls-key go with --shard (a --lab route has its own CA)")
@@ -95,10 +112,7 @@ def serve(
     with rt.LocalRoute(src, rng, fake=fake, slices=slices, threads=threads or os.cpu_count() or 1,
                        max_sessions=max_sessions, ctx_per_session=ctx_per_session) as lr:
         log(f"route {','.join(f'{a}:{b}' for a, b in rng)} on {len(rng)} local worker(s)")
-        try:
-            asyncio.run(serve_route(lr.endpoints, opts, on_ready=ready))
-        except KeyboardInterrupt:
-            pass
+        asyncio.run(serve_route(lr.endpoints, opts, on_ready=ready))
 
 
 def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Optional[str], opts, max_sessions: int,
@@ -134,7 +148,4 @@ def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Op
         opts.route_tls = lr.tls
         where = ", ".join(f"{p.host.name} {a}:{b}" for p, (a, b) in zip(lr.placed, rng))
         log(f"route on lab {name!r}: {where}")
-        try:
-            asyncio.run(serve_route(lr.endpoints, opts, on_ready=ready))
-        except KeyboardInterrupt:
-            pass
+        asyncio.run(serve_route(lr.endpoints, opts, on_ready=ready))

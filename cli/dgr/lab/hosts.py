@@ -37,6 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
+from .. import childproc
 from ..errors import DgrError
 from . import system as sx
 from .config import LAB_NET, NAME_RE, STATE_SCHEMA, Host, LabConfig, lab_dir, parse_cpus  # noqa: F401
@@ -282,7 +283,7 @@ class Lab:
         if out is None:
             out = open(d / f"{log_name or Path(argv[0]).name}.log", "ab")
         try:
-            p = subprocess.Popen([*self.prefix(h), *argv], stdin=subprocess.DEVNULL, stdout=out,
+            p = childproc.popen([*self.prefix(h), *argv], stdin=subprocess.DEVNULL, stdout=out,
                                  stderr=subprocess.STDOUT if stdout is None else subprocess.PIPE,
                                  env={**os.environ, **(env or {})})
         finally:

@@ -144,10 +144,12 @@ class LabRoute:
     def _start_relay(self, h: Host, worker: str) -> str:
         import subprocess
 
+        from .. import childproc
+
         t = host_tls(self.lab, h)
         argv = [*self.lab.prefix(h), sys.executable, "-m", "dgr.lab.relayhost", "--worker", worker,
                 "--listen", f"{h.ip}:0", "--ca", str(t.ca), "--cert", str(t.cert), "--key", str(t.key)]
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p = childproc.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self._relays.append(p)
         self.lab.record(h, p.pid, argv[5:])
         line = sx.readline(p, 30.0) or ""

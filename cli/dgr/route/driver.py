@@ -211,6 +211,12 @@ class RouteDriver:
         chained = self.chained
         if forced_tokens is not None and chained:
             raise RouteError("forced tokens need the stepwise mode (RouteDriver(chain=False))")
+        if sid in self._cancelled:   # cancelled before it began: nothing is opened on any shard
+            self._cancelled.discard(sid)
+            err = RouteSessionError(self.head, "ERROR_REASON_CANCELLED", "cancelled by the driver before it began",
+                                    grpc_code=1)
+            tel.status, tel.error = "cancelled", str(err)
+            return GenerationResult(sid, list(prompt_tokens), [], "error", tel, error=err)
         if chained:   # one stream, to the head; the opening frame names the chain and the sampling
             shards = [self.head]
             streams = [await self.open_stream(self.head, sid, epoch, sampling=sampling, downstream=self.chain_hops())]
@@ -221,6 +227,13 @@ class RouteDriver:
         self._active[sid] = epoch
         g = Collector(max_tokens, stop_on_eog, bool(sampling.top_logprobs), on_token)
         g.forced = list(forced_tokens) if forced_tokens is not None else None
+
+        def check_cancelled() -> None:
+            # a cancel may reach the shards before this session exists there (CancelSession then
+            # finds nothing): the driver remembers it and ends the session at its next step
+            if sid in self._cancelled:
+                raise RouteSessionError(self.head, "ERROR_REASON_CANCELLED", "cancelled by the driver", grpc_code=1)
+        g.check = check_cancelled
         t0 = time.perf_counter()
         try:
             if not prompt_tokens:

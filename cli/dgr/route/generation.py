@@ -50,9 +50,14 @@ class Collector:
         self.top: list[list[tuple[int, float]]] = []
         self.forced: list[int] | None = None   # teacher forcing (stepwise): the tokens fed back
         self.finish = "length"
+        # raises RouteSessionError (CANCELLED) once the session was cancelled through the driver:
+        # checked before each prefill chunk and each token, so that a cancel that reached the
+        # workers before the session existed there (and so found nothing) still ends it
+        self.check: Callable[[], None] = lambda: None
 
     async def emit(self, tok: pb.SampledToken) -> bool:
         """Records one sampled token; True when the generation is complete."""
+        self.check()
         self.out.append(tok.token_id)
         if self.want_top:
             self.top.append([(t.token_id, t.logprob) for t in tok.top_logprobs])
@@ -110,6 +115,7 @@ async def run_stepwise(route: list[tuple[ShardHandle, AsyncSessionStream]], prom
     for ci, a in enumerate(range(0, n, chunk)):
         b = min(n, a + chunk)
         last = b == n
+        g.check()
         step_id = f"{tel.request_id}/p{ci}"   # work id of this route step, same on every seam
 
         def prefill(st: AsyncSessionStream, boundary: pb.TensorBundle | None) -> pb.SessionRequest:
@@ -168,6 +174,7 @@ async def run_chained(head: ShardHandle, tail: ShardHandle, st: AsyncSessionStre
     for ci, a in enumerate(range(0, n, chunk)):   # the head forwards each chunk as is: it fits every Shard
         b = min(n, a + chunk)
         last = b == n
+        g.check()
         req = st.input_frame(pb.PHASE_PREFILL, prompt_tokens[a:b], sample=last, start=a, end=b,
                              request_id=f"{tel.request_id}/p{ci}")
         if last:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from .. import childproc
 from ..procfs import status_bytes
 from ..protocol.client import WorkerClient
 from ..protocol.errors import WorkerUnavailable
@@ -160,8 +161,8 @@ class WorkerProcess:
             listen = args.listen or listen
             args = replace(args, listen=None).argv()
         cmd = [str(binary), "serve", "--listen", listen, *args]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={**os.environ, **(env or {})})
+        # a worker never outlives this process (dgr.childproc: SIGTERM when it dies)
+        proc = childproc.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
         w = cls(proc, binary)
         w.credentials = credentials
         end = time.monotonic() + ready_timeout

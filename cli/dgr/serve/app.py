@@ -14,14 +14,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from importlib import resources
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,18 +31,85 @@ from .engine import Engine, GatewayError, Generation, Params
 from .metrics import GatewayMetrics
 from .routeview import RouteView
 
+_log = logging.getLogger(__name__)
+
 MAX_STOP = 4
+SEED_MAX = 2**64 - 1          # the sampling contract's seed is a uint64
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+# Request fields that would change the answer and that this gateway does not implement: refused
+# with a 400 naming the field unless the value asks for nothing (its default). Nothing a client
+# asks for is silently ignored (docs/serve.md, "Request fields").
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "logprobs": lambda v: v is None or v is False or v == 0,
+    "top_logprobs": lambda v: v is None or v == 0,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "presence_penalty": lambda v: v is None or v == 0,
+    "repeat_penalty": lambda v: v is None or v == 1,
+    "top_k": lambda v: v is None or v == 0,
+    "min_p": lambda v: v is None or v == 0,
+    "logit_bias": lambda v: v is None or v == {},
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None or v == "none",
+    "suffix": lambda v: v is None or v == "",
+    "best_of": lambda v: v is None or v == 1,
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "store": lambda v: v is None or v is False,
+    "reasoning_effort": lambda v: v is None,
+}
+# Fields that ask nothing of the answer (metadata, hints): accepted and not used.
+_HINTS = frozenset({"user", "metadata", "service_tier", "parallel_tool_calls", "cache_prompt",
+                    "safety_identifier", "prompt_cache_key"})
+
+
+def _refuse_extras(extra: dict[str, Any] | None, where: str = "") -> None:
+    """A 400 naming the first field that asks for something this gateway does not do."""
+    for name, value in (extra or {}).items():
+        if not where and name in _HINTS:
+            continue
+        is_default = _UNSUPPORTED.get(name) if not where else None
+        if is_default is not None:
+            try:
+                ok = bool(is_default(value))
+            except Exception:  # noqa: BLE001 - an odd value is not the default
+                ok = False
+            if ok:
+                continue
+        elif value is None or value == [] or value == {} or value == "":
+            continue      # an unknown field that asks for nothing
+        field = f"{where}{name}"
+        raise GatewayError(400, f"{field} is not supported by this gateway"
+                           + (" (only its default is accepted)" if name in _UNSUPPORTED and not where else ""),
+                           param=field, code="unsupported_parameter")
+
+
+def _text(value: str, param: str) -> str:
+    """``value``, refused with a 400 when it is not valid Unicode text (a lone surrogate such as
+    ``"\\ud800"``, which JSON can carry but UTF-8 cannot)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise GatewayError(400, f"{param}: not valid Unicode text (lone surrogate {ascii(value[exc.start])[1:-1]} "
+                           f"at character {exc.start})", param=param, code="invalid_value") from None
+    return value
 
 
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="allow")   # unknown OpenAI fields are accepted and ignored
+    # unknown fields are accepted by the parser and then refused unless they ask for nothing
+    # (_refuse_extras); NaN and infinities are no numbers a request may carry
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
     stop: Optional[Union[str, list[str]]] = None
     n: Optional[int] = Field(None, ge=1, le=1)
     stream: bool = False
@@ -48,7 +117,8 @@ class _Req(BaseModel):
     ignore_eos: bool = False       # llama-server's extension: generate through end-of-generation tokens
 
     def params(self) -> Params:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        _refuse_extras(self.model_extra)
+        stop = [_text(x, "stop") for x in ([self.stop] if isinstance(self.stop, str) else list(self.stop or []))]
         if len(stop) > MAX_STOP:
             raise GatewayError(400, f"at most {MAX_STOP} stop sequences, got {len(stop)}", param="stop")
         return Params(max_tokens=self.max_completion_tokens or self.max_tokens,
@@ -66,15 +136,18 @@ class _Message(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
 
-    def text(self) -> str:
+    def text(self, i: int) -> str:
+        # what a client echoes back from an answer (tool_calls: null, refusal: null, ...) asks
+        # for nothing; a field with a value (a name, tool calls) is refused, not dropped
+        _refuse_extras(self.model_extra, where=f"messages[{i}].")
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+            return _text(self.content or "", "messages")
         parts = []
         for p in self.content:
             if p.get("type") != "text":
-                raise GatewayError(400, f"content part type {p.get('type')!r} is not supported (text only)",
+                raise GatewayError(400, f"content part type {ascii(p.get('type'))} is not supported (text only)",
                                    param="messages")
-            parts.append(str(p.get("text", "")))
+            parts.append(_text(str(p.get("text", "")), "messages"))
         return "".join(parts)
 
 
@@ -105,14 +178,34 @@ class _EventStream(StreamingResponse):
             try:
                 await self.body_iterator.aclose()   # type: ignore[attr-defined]
             finally:
-                await self.gen.close()
-                self.on_end()
+                try:
+                    await self.gen.close()
+                finally:
+                    self.on_end()
+
+
+class _Json(JSONResponse):
+    """JSON in ASCII (``\\uXXXX`` escapes): an error message that quotes a client's text stays
+    encodable whatever that text holds (Starlette's own JSONResponse encodes UTF-8, which a lone
+    surrogate cannot be)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _error_body(exc: GatewayError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}}
 
 
 def _error(exc: GatewayError) -> JSONResponse:
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
-    return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}},
-                        status_code=exc.status, headers=headers)
+    return _Json(_error_body(exc), status_code=exc.status, headers=headers)
+
+
+def _internal(exc: BaseException) -> GatewayError:
+    """An unexpected failure on a request path, as the API's error (the traceback is logged)."""
+    return GatewayError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error",
+                        code="internal_error")
 
 
 def _server_timing(gen: Generation) -> dict[str, str]:
@@ -151,6 +244,22 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+class _Outcome:
+    """One generation request's account in the metrics: in flight from its start, then counted
+    once by its final status (whichever path ends it: an answer, an error, a disconnect)."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.gen: Generation | None = None
+        self.done = False
+        metrics.started()
+
+    def end(self, status: int) -> None:
+        if not self.done:
+            self.done = True
+            self.metrics.finished(self.gen, status)
+
+
 def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteView | None = None) -> FastAPI:
     """The gateway application over a connected :class:`Engine`."""
     app = FastAPI(title="dgr gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -163,19 +272,35 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
         return _error(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(req: Request, exc: RequestValidationError) -> JSONResponse:
         e = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if req.url.path in GENERATION_PATHS:
+            metrics.refused(400)
         return _error(GatewayError(400, f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid request')}",
                                    param=loc[0] if loc else None, code="invalid_value"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # the framework's own refusals (a body it cannot parse, an unknown path or method)
+        if req.url.path in GENERATION_PATHS:
+            metrics.refused(exc.status_code)
+        return _error(GatewayError(exc.status_code, str(exc.detail), kind="invalid_request_error" if
+                                   exc.status_code < 500 else "server_error"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, exc: Exception) -> JSONResponse:
+        # the last resort (a request path below answers its own failures): still OpenAI-shaped
+        _log.error("unexpected error answering %s: %s", _req.url.path, exc, exc_info=exc)
+        return _error(_internal(exc))
 
     if api_key:
         app.add_middleware(_BearerAuth, api_key=api_key)
 
     def check_model(name: str) -> None:
         if name != engine.model_id:
-            raise GatewayError(404, f"the model {name!r} does not exist; this gateway serves {engine.model_id!r}",
-                               code="model_not_found", param="model")
+            raise GatewayError(404, f"the model {ascii(name)} does not exist; this gateway serves "
+                               f"{engine.model_id!r}", code="model_not_found", param="model")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -202,19 +327,19 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
-        t0 = time.perf_counter()
-        check_model(req.model)
-        params = req.params()
-        ids = await engine.chat_prompt([(m.role if m.role != "developer" else "system", m.text())
-                                        for m in req.messages])
-        gen = engine.generation(ids, params, t0)
-        return await _respond(request, gen, req, chat=True)
+        return await _answer(request, req, chat=True)
 
     @app.post("/v1/completions")
     async def complete(req: CompletionRequest, request: Request) -> Any:
-        t0 = time.perf_counter()
-        check_model(req.model)
-        params = req.params()
+        return await _answer(request, req, chat=False)
+
+    async def _prompt(req: _Req, chat: bool) -> tuple[list[int], str]:
+        """The request's prompt token ids, and the text a completion echoes."""
+        if chat:
+            assert isinstance(req, ChatRequest)
+            return await engine.chat_prompt([(m.role if m.role != "developer" else "system", m.text(i))
+                                             for i, m in enumerate(req.messages)]), ""
+        assert isinstance(req, CompletionRequest)
         p = req.prompt
         if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
             ids = [int(x) for x in p]
@@ -226,39 +351,65 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             if len(p) != 1:
                 raise GatewayError(400, "one prompt per request (a list of several prompts is not supported)",
                                    param="prompt")
-            ids = await engine.tokenize(str(p[0]))
+            ids = await engine.tokenize(_text(str(p[0]), "prompt"))
         else:
-            ids = await engine.tokenize(p)
+            ids = await engine.tokenize(_text(p, "prompt"))
         if not ids:
             raise GatewayError(400, "the prompt is empty", param="prompt")
-        gen = engine.generation(ids, params, t0)
-        return await _respond(request, gen, req, chat=False, echo=p if req.echo and isinstance(p, str) else "")
+        return ids, p if req.echo and isinstance(p, str) else ""
 
-    async def _respond(request: Request, gen: Generation, req: _Req, *, chat: bool, echo: str = "") -> Any:
+    async def _answer(request: Request, req: _Req, *, chat: bool) -> Any:
+        """One generation request, start to end. Whatever happens on the way (a refusal, a route
+        failure, an unexpected exception, the client leaving) ends as an OpenAI-shaped answer,
+        the request counted once by its final status and its session closed."""
+        t0 = time.perf_counter()
+        out = _Outcome(metrics)
+        try:
+            check_model(req.model)
+            params = req.params()
+            ids, echo = await _prompt(req, chat)
+            out.gen = engine.generation(ids, params, t0)
+            return await _respond(request, out, req, chat=chat, echo=echo)
+        except GatewayError as exc:
+            out.end(exc.status)
+            return _error(exc)
+        except Exception as exc:  # noqa: BLE001 - any failure is an answer, never a dropped request
+            _log.error("request failed: %s", exc, exc_info=exc)
+            if out.gen is not None:
+                await out.gen.close()
+            out.end(500)
+            return _error(_internal(exc))
+        except BaseException:       # cancelled (the server is stopping): the session must not outlive it
+            if out.gen is not None:
+                await out.gen.close()
+            out.end(499)
+            raise
+
+    async def _respond(request: Request, out: _Outcome, req: _Req, *, chat: bool, echo: str = "") -> Any:
+        gen = out.gen
+        assert gen is not None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        metrics.started()
         if req.stream:
             # The prompt's checks and the admission slot come before the 200, so they stay HTTP
             # errors (400, 429 with Retry-After); the headers and the opening event then go out
             # while the route prefills, and the first token is one event away from the client
             # (measured: about 1.3 ms less time to first token than answering at the first token).
-            # A route failure from here on is an error event in the stream.
-            try:
-                await gen.start()
-            except GatewayError as exc:
-                metrics.finished(gen, exc.status)
-                raise
+            # A failure from here on is an error event in the stream, followed by [DONE].
+            await gen.start()
             status = [499]   # the stream's final status (499 unless it completes); counted once it ends
             return _EventStream(_stream(gen, status, rid, created, obj + ".chunk" if chat else obj, chat,
-                                        req.include_usage, echo), gen, lambda: metrics.finished(gen, status[0]),
+                                        req.include_usage, echo), gen, lambda: out.end(status[0]),
                                 media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         collect = asyncio.ensure_future(gen.collect())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            collect.cancel()
+            raise
         finally:
             gone.cancel()
         if not collect.done():   # the client went away: cancel its session
@@ -267,21 +418,18 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
                 await collect
             except BaseException:  # noqa: BLE001
                 pass
-            metrics.finished(gen, 499)
+            await gen.close()      # also when collect was cancelled before it began
+            out.end(499)
             return PlainTextResponse("", status_code=499)
-        try:
-            text = collect.result()
-        except GatewayError as exc:
-            metrics.finished(gen, exc.status)
-            raise
-        metrics.finished(gen, 200)
+        text = collect.result()    # a GatewayError or any other failure: answered by _answer
+        out.end(200)
         choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = echo + text
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": engine.model_id,
-                             "choices": [choice], "usage": gen.usage.to_json()}, headers=_server_timing(gen))
+        return _Json({"id": rid, "object": obj, "created": created, "model": engine.model_id,
+                      "choices": [choice], "usage": gen.usage.to_json()}, headers=_server_timing(gen))
 
     async def _stream(gen: Generation, status: list[int], rid: str, created: int, obj: str, chat: bool,
                       include_usage: bool, echo: str) -> AsyncIterator[bytes]:
@@ -315,9 +463,13 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
                             "usage": gen.usage.to_json()})
             yield b"data: [DONE]\n\n"
             status[0] = 200
-        except GatewayError as exc:   # after the 200: the error travels as an event
+        except Exception as exc:   # noqa: BLE001 - after the 200: the error travels as an event, then [DONE]
+            if not isinstance(exc, GatewayError):
+                _log.error("stream failed: %s", exc, exc_info=exc)
+                exc = _internal(exc)
             status[0] = exc.status
-            yield _sse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}})
+            yield _sse(_error_body(exc))
+            yield b"data: [DONE]\n\n"
         finally:
             await it.aclose()
 

@@ -27,6 +27,7 @@ import grpc
 
 from dgr.errors import DgrError
 
+from dgr.protocol.errors import WorkerError
 from dgr.route.driver import RouteDriver, RouteSessionError, Sampling
 from dgr.route.text import PieceCache, TextDecoder, chat_prompt_text
 
@@ -204,6 +205,11 @@ class Generation:
             raise GatewayError(400, f"max_tokens {max_tokens} + {len(self.prompt_ids)} prompt tokens exceed the "
                                f"{eng.max_positions} positions a session may hold", code="context_length_exceeded",
                                param="max_tokens")
+        try:   # checked here, before anything runs: the route would fail on it later
+            sampling = self.params.sampling()
+            sampling.to_proto()
+        except ValueError as exc:
+            raise GatewayError(400, f"invalid sampling parameters: {exc}", code="invalid_value") from None
         q = self._q
 
         def on_token(tok: int) -> None:
@@ -214,7 +220,7 @@ class Generation:
         await eng.admission.acquire()
         try:
             task = asyncio.create_task(eng.driver.generate(
-                self.prompt_ids, max_tokens=max_tokens, sampling=self.params.sampling(),
+                self.prompt_ids, max_tokens=max_tokens, sampling=sampling,
                 session_id=self.session_id, on_token=on_token))
         except BaseException:
             eng.admission.release()
@@ -255,7 +261,10 @@ class Generation:
                     return
                 if out:
                     yield Delta(out)
-            res = task.result()
+            try:
+                res = task.result()
+            except (WorkerError, DgrError, grpc.aio.AioRpcError) as exc:   # e.g. the head refused the stream
+                raise GatewayError(502, f"route failure: {exc}", kind="server_error", code="route_error") from None
             if res.error is not None:
                 raise _session_error(res.error)
             out = text.push(b"", final=True)
@@ -321,6 +330,9 @@ class Engine:
             text = await chat_prompt_text(self.head, messages, timeout=self.driver.timeout)
         except grpc.aio.AioRpcError as exc:
             raise GatewayError(400, f"cannot format the messages: {exc.details()}", param="messages") from None
+        except UnicodeEncodeError as exc:   # a lone surrogate: JSON carries it, protobuf strings cannot
+            raise GatewayError(400, f"the messages are not valid Unicode text: {exc.reason}", param="messages",
+                               code="invalid_value") from None
         return await self.tokenize(text, special=True)
 
     async def tokenize(self, text: str, *, special: bool = False) -> list[int]:
@@ -328,6 +340,9 @@ class Engine:
             return await self.driver.tokenize(text, add_special=True, parse_special=special)
         except grpc.aio.AioRpcError as exc:
             raise GatewayError(400, f"cannot tokenize the prompt: {exc.details()}", param="prompt") from None
+        except UnicodeEncodeError as exc:
+            raise GatewayError(400, f"the prompt is not valid Unicode text: {exc.reason}", param="prompt",
+                               code="invalid_value") from None
 
     def generation(self, prompt_ids: list[int], params: Params, t0: float | None = None) -> Generation:
         return Generation(self, prompt_ids, params, t0)

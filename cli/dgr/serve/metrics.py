@@ -33,12 +33,19 @@ class GatewayMetrics:
         self.in_flight.inc()
 
     def finished(self, gen: Any, status: int) -> None:
+        """A started request's end (``gen``: its generation, None when it was refused before one)."""
         self.in_flight.dec()
         self.requests.labels(status=str(status)).inc()
+        if gen is None:
+            return
         self.prompt_tokens.inc(gen.usage.prompt_tokens)
         self.completion_tokens.inc(gen.usage.completion_tokens)
         if gen.ttft_s is not None:
             self.ttft.observe(gen.ttft_s)
+
+    def refused(self, status: int) -> None:
+        """A request refused before it started (its body did not parse or validate)."""
+        self.requests.labels(status=str(status)).inc()
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

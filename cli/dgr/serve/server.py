@@ -7,16 +7,24 @@ port in a background thread with its own event loop, and stops it cleanly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import signal
 import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from dgr.errors import DgrError
 from dgr.netaddr import is_loopback_host
 
 LOOPBACK = "127.0.0.1"
+# SIGTERM or Ctrl-C: answers in progress get this long to finish (uvicorn's graceful shutdown;
+# new connections are refused meanwhile), then they are cancelled (each session on every shard)
+DRAIN_TIMEOUT_S = 5
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,12 +77,43 @@ def _config(app: Any, opts: ServeOptions, log_level: str) -> Any:
     return uvicorn.Config(app, host=opts.host, port=opts.port, log_level=log_level, access_log=False,
                           ssl_certfile=str(opts.tls_cert) if opts.tls_cert else None,
                           ssl_keyfile=str(opts.tls_key) if opts.tls_key else None,
-                          timeout_graceful_shutdown=5, lifespan="off")
+                          timeout_graceful_shutdown=DRAIN_TIMEOUT_S, lifespan="off")
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt (see :func:`sigterm_as_interrupt`)."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within: SIGTERM (how systemd, Docker and Kubernetes stop a service) stops ``dgr serve`` as
+    Ctrl-C does. While uvicorn serves, it takes both signals itself and drains (stops accepting,
+    gives answers in progress :data:`DRAIN_TIMEOUT_S`, cancels the rest), then raises the signal
+    again on its way out; outside that, and on that second raise, SIGTERM raises
+    :class:`Stopped` (a KeyboardInterrupt), so that every ``finally``/``with`` on the way out
+    runs: the workers this process started are stopped, none is left behind. Main thread only
+    (elsewhere a no-op: signals reach the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(_sig: int, _frame: Any) -> None:
+        # once: a second SIGTERM must not cut short the cleanup the first one started (a
+        # supervisor's SIGKILL still ends it; the workers then stop by their parent-death signal)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Stopped("SIGTERM")
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 async def serve_route(endpoints: Sequence[str], opts: ServeOptions, *, log_level: str = "warning",
-                      on_ready: Callable[[str], None] | None = None) -> None:
-    """Connects to the route and serves until interrupted."""
+                      on_ready: Callable[[str, str], None] | None = None) -> None:
+    """Connects to the route and serves until interrupted; ``on_ready(url, model id)`` once
+    listening."""
     import uvicorn
 
     from .app import create_app
@@ -92,7 +131,7 @@ async def serve_route(endpoints: Sequence[str], opts: ServeOptions, *, log_level
                     if server.should_exit:
                         return
                     await asyncio.sleep(0.05)
-                on_ready(url(opts))
+                on_ready(url(opts), engine.model_id)
             asyncio.ensure_future(announce())
         await server.serve()
         if not server.started:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ... import childproc
 from ..evidence import StoryContext, story
 from .dgr011 import _tokenize  # one prompt tokenizer for the route stories
 
@@ -118,7 +119,7 @@ def _gateway(ctx: StoryContext, endpoints: list[str], tls, name: str) -> tuple[s
     if tls is not None:
         argv += ["--shard-tls-ca", str(tls.ca), "--shard-tls-cert", str(tls.cert), "--shard-tls-key", str(tls.key)]
     ctx.commands.append("$ " + " ".join(argv[2:]).replace("dgr.main", "dgr"))
-    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = childproc.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     import urllib.request
 
