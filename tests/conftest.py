@@ -8,7 +8,10 @@
 - ``@pytest.mark.baseline`` tests need the ``baseline`` extra (torch, transformers) and skip
   without it (CI does not install it).
 - ``@pytest.mark.native`` tests need the built tree under build/cpu (``dgr build --tests``);
-  they skip when it is absent, except in CI (CI=true), where a missing build is a failure.
+  they skip when it is absent, except in CI (CI=true), where a missing build is a failure. A test
+  that needs one more binary (a CTest program, dgr-seam-floor, llama-simple, llama-bench, …)
+  asks ``built.built(name, how)``, which follows the same rule: CI builds them all
+  (``./quickstart.sh test``: ``dgr build --tests --tools``).
 - ``@pytest.mark.vulkan`` tests need build/vulkan (``dgr build --backend vulkan``) and a Vulkan
   device (Mesa's llvmpipe on a machine without a GPU); they skip with the reason otherwise,
   except when DGR_REQUIRE_VULKAN=1 (CI on a machine that can build it), where that is a failure.

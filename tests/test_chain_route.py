@@ -271,8 +271,11 @@ def test_downstream_by_v4_mapped_loopback_is_allowed(fake_workers):
         hop = pb.ChainHop(endpoint=f"[::ffff:127.0.0.1]:{port}", range=pb.ShardRange(start=4, end=8),
                           compatibility_fingerprint=fp)
         with c.open_session(downstream=[hop]) as s:
-            assert s.prefill([256, 104, 105]) is not None
+            got = s.prefill([256, 104, 105])
             s.release()
+    with fake_workers["whole"].client() as w, w.open_session() as s:
+        assert got == s.prefill([256, 104, 105])   # the whole fake model's token
+        s.release()
 
 
 def test_mode_selection_relay_and_requirement(fake_workers):

@@ -1,6 +1,7 @@
 """dgr.bench.llama_tools: the one wrapper for llama-bench / llama-batched-bench. Parsing is
 checked on outputs recorded from the pinned tools; running on stand-in executables (exit codes,
-deadline, peak RSS, the command line each caller gets)."""
+deadline, peak RSS, the command line each caller gets); and once on the real tools of this
+build, which must print what the parsers and the recorded outputs expect."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from built import built
 
 from dgr.bench import llama_tools as lt
 from dgr.errors import DgrError
@@ -101,3 +103,31 @@ def test_recorded_fixtures_are_what_the_tools_print():
     # the llama-bench fixture is one JSON array; the batched-bench one has a log line first
     assert isinstance(json.loads(LB), list)
     assert not BB.splitlines()[0].startswith("{")
+
+
+@pytest.mark.native
+def test_the_pinned_tools_through_the_wrapper(tmp_path):
+    """The real llama-bench and llama-batched-bench of this build on a tiny synthetic model,
+    through the wrapper: the commands it renders are accepted, the parsers read the rows the
+    tools print, and every field the recorded fixtures above carry is in the real output."""
+    from dgr.gguf.synth import SynthSpec, synthesize
+
+    model = synthesize(SynthSpec(n_layer=2, seed=3), tmp_path / "m.gguf")
+    rows, m = lt.llama_bench(built("llama-bench", "dgr build --tools"), model, threads=1, n_prompt=8, n_gen=4,
+                             reps=1, timeout=120)
+    assert m.returncode == 0 and m.peak_rss_bytes > 0
+    assert [(r.n_prompt, r.n_gen, r.is_prefill, r.is_decode) for r in rows] == [(8, 0, True, False), (0, 4, False, True)]
+    assert all(r.avg_ts > 0 for r in rows)
+    real = json.loads(m.stdout[m.stdout.index("["):])
+    assert set(json.loads(LB)[0]) <= set(real[0]), set(json.loads(LB)[0]) - set(real[0])
+
+    brows, m = lt.batched_bench(built("llama-batched-bench", "dgr build --tools"), model, threads=1, n_prompt=8,
+                                n_gen=4, npl=[1, 2], ctx=64, timeout=120)
+    assert m.returncode == 0 and sorted(brows) == [1, 2]
+    one, two = brows[1], brows[2]
+    assert (one.pp, one.tg, one.n_kv, two.n_kv) == (8, 4, 12, 24)
+    assert one.speed_tg > 0 and two.speed_pp > 0 and one.t_pp > 0
+    fixture_row = json.loads(next(line for line in BB.splitlines() if line.startswith("{")))
+    real_row = json.loads(next(line for line in (m.stdout + "\n" + m.stderr).splitlines()
+                               if line.startswith("{") and '"speed_tg"' in line))
+    assert set(fixture_row) <= set(real_row), set(fixture_row) - set(real_row)

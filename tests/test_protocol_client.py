@@ -14,6 +14,7 @@ from dgr.protocol.client import AsyncWorkerClient, StepTimeout, WorkerClient
 from dgr.protocol.stream import AsyncSessionStream, sampled
 from dgr.route.supervisor import WorkerProcess
 from dgr.shard.v1 import shard_runtime_pb2 as pb
+from fakeroute import run_alone
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,6 +28,7 @@ def test_channel_options_keepalive_and_limits():
     assert opts["grpc.keepalive_permit_without_calls"] == 1 and opts["grpc.http2.max_pings_without_data"] == 0
     assert opts["grpc.max_receive_message_length"] == opts["grpc.max_send_message_length"] == 64 << 20
     assert opts["grpc.enable_retries"] == 0
+    assert opts["grpc.use_local_subchannel_pool"] == 1   # every channel connects on its own
     assert dict(channel_options(1 << 20))["grpc.max_send_message_length"] == 1 << 20
 
 
@@ -76,7 +78,8 @@ def test_sync_recv_timeout_leaves_the_read_pending(slow_worker):
         with pytest.raises(StepTimeout):
             s.recv(timeout=0.05)
         resp = s.recv(timeout=10)
-        assert sampled(resp) is not None and resp.header.cached_positions == 3
+        assert resp.header.cached_positions == 3
+        assert sampled(resp) == run_alone(c, [1, 2, 3], n=0)[0]   # the deterministic model's token
 
 
 @native
@@ -117,3 +120,58 @@ def test_sync_client_loop_runs_only_while_a_sync_client_is_open(slow_worker):
         "print('ok')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+def _serve_on(binary: Path, listen: str):
+    """A fake worker on ``listen``, waited for by its stdout line only (no gRPC call: a health
+    check from this process would itself wait out a stale connection and hide it)."""
+    import subprocess
+
+    proc = subprocess.Popen([str(binary), "serve", "--fake-model", "--listen", listen],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "listening on" in line:
+            return proc
+    proc.wait(10)
+    raise AssertionError(f"worker on {listen} exited (exit {proc.returncode}) before listening")
+
+
+@native
+def test_new_route_to_a_restarted_worker_connects_at_once(native_bin: Path):
+    """In one process, a route that saw its worker die keeps its channel; a new stepwise route to
+    the worker restarted on the same port connects and generates at once, not failing with the
+    old connection's error while that one backs off (each channel connects on its own)."""
+    from dgr.protocol.errors import WorkerError
+    from dgr.route.driver import RouteDriver
+
+    binary = native_bin / "dgr-worker"
+    first = WorkerProcess.start(["--fake-model"], binary=binary)
+    target = first.target
+
+    async def main() -> None:
+        old = await RouteDriver([target], chain=False).connect()
+        try:
+            before = (await old.generate([1, 2, 3], max_tokens=4, stop_on_eog=False)).tokens
+            assert len(before) == 4
+            first.kill()
+            with pytest.raises(WorkerError):             # the old route sees the worker gone
+                await old.head.client.capability(refresh=True, timeout=10)
+            proc = _serve_on(binary, target)
+            try:
+                new = await RouteDriver([target], chain=False).connect()
+                try:
+                    after = await new.generate([1, 2, 3], max_tokens=4, stop_on_eog=False)
+                    assert after.error is None and after.tokens == before   # the same deterministic model
+                finally:
+                    await new.close()
+            finally:
+                proc.kill()
+                proc.wait(10)
+        finally:
+            await old.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        first.kill()

@@ -7,6 +7,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
+from built import built
 
 from dgr.gguf import recipe as R
 from dgr.errors import DgrError
@@ -167,9 +168,7 @@ def test_registry_refuses_certified_without_evidence_and_bad_status(tmp_path: Pa
 
 @pytest.mark.native
 def test_cpp_fingerprint_test_passes() -> None:
-    exe = REPO / "build" / "cpu" / "bin" / "fingerprint_test"
-    if not exe.is_file():
-        pytest.skip("build/cpu/bin/fingerprint_test missing: run `dgr build --target fingerprint_test`")
+    exe = built("fingerprint_test", "dgr build --tests")
     r = subprocess.run([str(exe)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 

@@ -7,6 +7,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from built import built
 
 from dgr.bench import route as route_bench
 from dgr.bench.route import _floor_summary, _median_profile, _profile, _rpc_summary, floor_lines, profile_lines
@@ -143,8 +144,8 @@ def test_bench_route_runs_end_to_end(native_bin: Path, smollm2_path: Path, tmp_p
     """The whole local route bench at a tiny size: every measurement runs and the JSON carries
     the route, its yardsticks and the targets (the split of route.py into measurement and
     report once passed a keyword the report did not take)."""
-    if not (native_bin / "llama-batched-bench").is_file() or not (native_bin / "llama-bench").is_file():
-        pytest.skip("llama-bench / llama-batched-bench not built")
+    built("llama-bench", "dgr build --tools")
+    built("llama-batched-bench", "dgr build --tools")
     cfg = route_bench.RouteBenchConfig(n_prompt=16, n_gen=8, concurrency=(1, 2), repeats=1, rpc=False,
                                        threads=1, driver_overhead=False)
     doc = route_bench.run_route_bench(smollm2_path, cfg)

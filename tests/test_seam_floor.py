@@ -8,16 +8,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from built import built
 
 pytestmark = pytest.mark.native
 
 
 @pytest.fixture(scope="module")
 def floor_bin(native_bin: Path) -> Path:
-    exe = native_bin / "dgr-seam-floor"
-    if not exe.is_file():
-        pytest.skip("dgr-seam-floor not built: run `dgr build --tests`")
-    return exe
+    return built("dgr-seam-floor", "dgr build --tests", native_bin)
 
 
 def _run(exe: Path, *args: str) -> subprocess.CompletedProcess:

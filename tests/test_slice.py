@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+from built import built
 
 from dgr.gguf import identity
 from dgr.errors import DgrError
@@ -231,9 +232,7 @@ def test_whole_range_slice_runs_like_its_source(untied: Path, tmp_path: Path) ->
     """A 0:n_layer slice is a complete model: stock llama.cpp loads it and greedy output is identical."""
     import subprocess
 
-    exe = Path(__file__).resolve().parent.parent / "build" / "cpu" / "bin" / "llama-simple"
-    if not exe.is_file():
-        pytest.skip("build/cpu/bin/llama-simple missing: run `dgr build --target llama-simple`")
+    exe = built("llama-simple", "dgr build --tools")
     whole = _cut(untied, f"0:{N}", tmp_path / "whole.gguf")
     outs = []
     for model in (untied, whole):

@@ -6,12 +6,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from built import built
 
 from dgr.errors import DgrError
 from dgr.gguf.inspect import open_gguf
 from dgr.gguf.synth import SynthSpec, spm_vocab, synthesize
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:
@@ -72,10 +71,7 @@ def test_bad_spec_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def _llama_simple() -> Path:
-    exe = REPO / "build" / "cpu" / "bin" / "llama-simple"
-    if not exe.is_file():
-        pytest.skip("build/cpu/bin/llama-simple missing: run `dgr build --target llama-simple`")
-    return exe
+    return built("llama-simple", "dgr build --tools")
 
 
 @pytest.mark.native

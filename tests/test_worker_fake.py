@@ -298,23 +298,9 @@ def test_range_split_matches_whole_model(worker_bin, worker):
             rows = boundary_rows(r, 8)
             out.append(sampled(ts._applied(ts.exchange(ts._input_frame(pb.PHASE_DECODE, None, rows, True)))))
         assert out == whole
-        # malformed / oversized bundles to the tail: structured errors, the session continues
-        good = ts._input_frame(pb.PHASE_DECODE, None, rows, True)
-        bad = pb.SessionRequest()
-        bad.CopyFrom(good)
-        bad.step.bundle.tensors[0].shape[1] = 9
-        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_BAD_BUNDLE)
-        bad.CopyFrom(good)
-        bad.step.bundle.tensors[0].checksum.value ^= 1
-        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_BAD_BUNDLE)
-        bad.CopyFrom(good)
-        bad.step.bundle.tensors[0].byte_size = 1 << 40
-        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_MESSAGE_TOO_LARGE)
-        bad = ts._input_frame(pb.PHASE_DECODE, [1], None, True)
-        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_ROLE_MISMATCH)
-        ts._applied(ts.exchange(good))  # still fine
-        # a step spread over two frames (fragments 0 and 1): one answer, after the second frame
-        r = hs.exchange(hs._input_frame(pb.PHASE_DECODE, [5], None, False))
+        # a step spread over two frames (fragments 0 and 1): one answer, after the second frame,
+        # with the token the whole model gives next
+        r = hs.exchange(hs._input_frame(pb.PHASE_DECODE, [out[-1]], None, False))
         hs._applied(r)
         rows = boundary_rows(r, 8)
         full = ts._input_frame(pb.PHASE_DECODE, None, rows, True)
@@ -332,7 +318,23 @@ def test_range_split_matches_whole_model(worker_bin, worker):
             parts.append(f)
         ts.send(parts[0])
         r = ts.exchange(parts[1])
-        assert sampled(r) is not None and r.header.cached_positions == ts.positions + 1
+        assert r.header.cached_positions == ts.positions + 1
+        assert sampled(ts._applied(r)) == run_alone(worker.client(), PROMPTS[2], n=9)[-1]
+        # malformed / oversized bundles to the tail: structured errors, the session continues
+        good = ts._input_frame(pb.PHASE_DECODE, None, rows, True)
+        bad = pb.SessionRequest()
+        bad.CopyFrom(good)
+        bad.step.bundle.tensors[0].shape[1] = 9
+        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_BAD_BUNDLE)
+        bad.CopyFrom(good)
+        bad.step.bundle.tensors[0].checksum.value ^= 1
+        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_BAD_BUNDLE)
+        bad.CopyFrom(good)
+        bad.step.bundle.tensors[0].byte_size = 1 << 40
+        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_MESSAGE_TOO_LARGE)
+        bad = ts._input_frame(pb.PHASE_DECODE, [1], None, True)
+        _expect(lambda: ts.exchange(bad), pb.ERROR_REASON_ROLE_MISMATCH)
+        ts._applied(ts.exchange(good))  # still fine
         hs.close()
         ts.close()
 

@@ -49,9 +49,12 @@ def test_budgets_reject_with_resource_exhausted(worker_bin):
         # both sessions still work; after a release the third is admitted
         a.decode(1)
         a.release()
-        assert third.prefill([3]) is not None
+        admitted = third.prefill([3])
+        b.release()
+        third.release()
         for s in (a, b, third):
             s.close()
+        assert admitted == run_alone(c, [3], n=0)[0]   # what the deterministic model gives alone
 
 
 def test_queue_limit_rejects_and_memory_stays_bounded(worker_bin):

@@ -81,6 +81,39 @@ def _refused(native_bin: Path, model: Path, *extra: str) -> str:
     return errs[0]
 
 
+def _cli_slice(src: Path, rng: str, out: Path) -> Path:
+    from typer.testing import CliRunner
+
+    from dgr.main import app
+
+    r = CliRunner().invoke(app, ["gguf", "slice", str(src), "--layers", rng, "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.mark.parametrize("rng", ["2:4", "1:3"])  # a tail slice and a middle slice
+def test_slice_without_layers_serves_its_own_range(native_bin: Path, tmp_path: Path, rng: str) -> None:
+    """A slice serves as it is: without --layers it plans, loads and serves the range it carries
+    (dgr.slice.layer_start/layer_end) under its source's identity; --layers that name another
+    range refuse startup with both ranges."""
+    from dgr.route.memory_plan import plan_memory
+
+    start, end = (int(x) for x in rng.split(":"))
+    src = synthesize(SynthSpec(n_layer=4, dtype="q8_0", seed=7), tmp_path / "src.gguf")
+    sl = _cli_slice(src, rng, tmp_path / "slice.gguf")
+    ident, stderr = served_identity(native_bin, sl)
+    assert (ident.range.start, ident.range.end, ident.n_layer) == (start, end, 4), stderr
+    assert (ident.head, ident.tail) == (start == 0, end == 4)
+    check(native_bin, sl, source=src)
+    same, _ = served_identity(native_bin, sl, "--layers", rng)
+    assert (same.range.start, same.range.end, same.compatibility_fingerprint) == \
+        (start, end, ident.compatibility_fingerprint)
+    err = _refused(native_bin, sl, "--layers", "0:2")
+    assert f"is a slice of layers {rng}" in err and "--layers 0:2 names another range" in err, err
+    plan = plan_memory(sl, None, max_sessions=2, ctx_per_session=256, binary=native_bin / "dgr-worker")
+    assert (plan.layer_start, plan.layer_end) == (start, end)
+
+
 def test_identity_flags_that_disagree_with_the_file_refuse_startup(native_bin: Path, tmp_path: Path) -> None:
     m = synthesize(SynthSpec(n_layer=2, seed=9), tmp_path / "m.gguf")
     other = synthesize(SynthSpec(n_layer=2, seed=10), tmp_path / "other.gguf")

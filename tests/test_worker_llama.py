@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from built import built
 
 from dgr.gguf.synth import SynthSpec, synthesize
 from dgr.shard.v1 import shard_runtime_pb2 as pb
@@ -87,16 +88,15 @@ def concurrent(c: WorkerClient, prompts: list[str], n: int) -> list[list[int]]:
     return [res[i] for i in range(len(prompts))]
 
 
-def llama_simple(native_bin: Path, model: Path, prompt: str, n: int) -> bytes:
-    exe = native_bin / "llama-simple"
-    if not exe.is_file():
-        pytest.skip("build/cpu/bin/llama-simple missing: run `dgr build --target llama-simple`")
+def llama_simple(exe: Path, model: Path, prompt: str, n: int) -> bytes:
     r = subprocess.run([str(exe), "-m", str(model), "-n", str(n), prompt], capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
 
-def check_model(worker_bin: Path, native_bin: Path, model: Path, n: int, *, exact: bool) -> None:
+def check_model(worker_bin: Path, model: Path, n: int, *, exact: bool) -> None:
+    # the whole-model reference, found before anything runs: the test runs whole or not at all
+    simple = built("llama-simple", "dgr build --tools")
     with WorkerProcess.start(["--model", str(model), "--max-sessions", "8", "--ctx-per-session", "256",
                               "--threads", "1"], binary=worker_bin, ready_timeout=120) as w:
         c = w.client(timeout=120)
@@ -108,7 +108,7 @@ def check_model(worker_bin: Path, native_bin: Path, model: Path, n: int, *, exac
         assert c.metric("dgr_batch_occupancy_sessions_sum") > c.metric("dgr_batch_occupancy_sessions_count")
         # whole-model llama.cpp (llama-simple, greedy) gives the same continuation
         for i in (0, 3):
-            out = llama_simple(native_bin, model, PROMPTS[i], n)
+            out = llama_simple(simple, model, PROMPTS[i], n)
             head = b"<s> " + PROMPTS[i].encode()
             if not out.startswith(head):  # tokenizers that print no BOS text
                 head = PROMPTS[i].encode()
@@ -162,8 +162,8 @@ def poll_until(fn, deadline_s: float) -> bool:
     return False
 
 
-def test_synthetic_model_eight_sessions(worker_bin, native_bin, synth_model):
-    check_model(worker_bin, native_bin, synth_model, 16, exact=True)
+def test_synthetic_model_eight_sessions(worker_bin, synth_model):
+    check_model(worker_bin, synth_model, 16, exact=True)
 
 
 def test_two_shard_route_matches_whole_model(worker_bin, synth_model):
@@ -219,8 +219,8 @@ def check_two_shards(worker_bin: Path, model: Path, mid: int, n_layer: int, n: i
 
 
 @pytest.mark.real
-def test_smollm2_eight_sessions(worker_bin, native_bin, smollm2_path):
-    check_model(worker_bin, native_bin, smollm2_path, 32, exact=True)
+def test_smollm2_eight_sessions(worker_bin, smollm2_path):
+    check_model(worker_bin, smollm2_path, 32, exact=True)
 
 
 def test_memory_budget_admits_weights_kv_and_scratch_before_loading(worker_bin, synth_model):

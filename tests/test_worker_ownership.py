@@ -162,3 +162,40 @@ def test_undecodable_frame_ends_the_stream_invalid_argument(worker, payload):
     assert answers and answers[0].WhichOneof("result") == "tail"          # the opening frame was served
     assert poll(lambda: c.load().active_sessions == sessions, what="the bound session released")
     assert _alone(c, f"after-undecodable-{len(payload)}")                  # the worker serves on
+
+
+UNARY_METHODS = ["GetCapability", "ReleaseSession", "CancelSession", "GetMetrics", "Tokenize", "Detokenize",
+                 "ApplyChatTemplate"]
+
+
+@pytest.mark.parametrize("method", UNARY_METHODS)
+def test_undecodable_unary_request_is_invalid_argument(worker, method):
+    """Bytes that are not the method's request answer INVALID_ARGUMENT with a BAD_REQUEST
+    ShardError that names the expected message, for every unary RPC (never UNIMPLEMENTED: the
+    method exists); the same RPC with a well-formed request still works."""
+    from test_worker_fake import _rpc_status_class
+
+    from dgr.protocol.channel import open_channel
+
+    c = worker.client()
+    with open_channel(c.target) as ch:
+        raw = ch.unary_unary(f"/dgr.shard.v1.ShardRuntimeService/{method}",
+                             request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        for payload in (b"\xff\xff\xff\xff\x0f", b"\x0a\x10\x0a", b"\x12\x05\x0a\x03abc\xff"):
+            with pytest.raises(grpc.RpcError) as ei:
+                raw(payload, timeout=10)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, payload, ei.value)
+            assert f"undecodable request: {len(payload)} bytes that are not a dgr.shard.v1.{method}Request" \
+                in ei.value.details()
+            md = dict(ei.value.trailing_metadata())
+            err = pb.ShardError()
+            _rpc_status_class().FromString(md["grpc-status-details-bin"]).details[0].Unpack(err)
+            assert err.reason == pb.ERROR_REASON_BAD_REQUEST
+            assert pb.ShardError.FromString(md["dgr-error-bin"]) == err
+        # the empty message is a valid request of every unary method: it is decoded and answered
+        if method == "GetCapability":
+            cap = pb.GetCapabilityResponse.FromString(raw(b"", timeout=10))
+            assert cap.identity.n_layer == 8
+        elif method == "Tokenize":
+            ok = pb.TokenizeRequest(text="hi").SerializeToString()
+            assert list(pb.TokenizeResponse.FromString(raw(ok, timeout=10)).token_ids) == [104, 105]

@@ -41,13 +41,19 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     - messages up to ``max_message_bytes`` both ways (boundary bundles of a whole prefill chunk
       are several MiB: rows x n_embd x 4 bytes);
     - no transparent retries: what to retry (another Shard, a new epoch) is the caller's decision,
-      a hidden retry would only delay the failure it must see.
+      a hidden retry would only delay the failure it must see;
+    - connections of its own (a local subchannel pool): gRPC otherwise shares one connection
+      among every channel of the process with the same target and options, so a new channel to
+      a worker restarted on the same port got the old connection's failure (``Connection
+      refused``) for as long as that one waited to reconnect (about 1 s of backoff) instead of
+      dialling the new worker.
     """
     return [
         *keepalive_options(),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.enable_retries", 0),
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 

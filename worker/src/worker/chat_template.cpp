@@ -46,20 +46,16 @@ std::string LlamaBackend::chat_template() const {
     return t ? std::string(t) : std::string();
 }
 
-grpc::ServerUnaryReactor * ShardService::ApplyChatTemplate(grpc::CallbackServerContext * ctx,
-                                                           const pb::ApplyChatTemplateRequest * req,
-                                                           pb::ApplyChatTemplateResponse * resp) {
-    auto * reactor = ctx->DefaultReactor();
-    if (refuse_unauthenticated(ctx, reactor)) return reactor;
+void ShardService::on_apply_chat_template(grpc::CallbackServerContext * ctx, const pb::ApplyChatTemplateRequest & req,
+                                          pb::ApplyChatTemplateResponse * resp, UnaryDone done) {
     auto fail = [&](pb::ErrorReason reason, const std::string & msg) {
         pb::ShardError e = make_error(reason, msg);
         ctx->AddTrailingMetadata("dgr-error-bin", e.SerializeAsString());
-        reactor->Finish(status_for(e));
-        return reactor;
+        done(status_for(e));
     };
     std::vector<ChatTurn> turns;
     size_t total = 0;
-    for (const auto & m : req->messages()) {
+    for (const auto & m : req.messages()) {
         turns.push_back({m.role(), m.content()});
         total += m.role().size() + m.content().size();
     }
@@ -67,13 +63,12 @@ grpc::ServerUnaryReactor * ShardService::ApplyChatTemplate(grpc::CallbackServerC
     if (total > (1u << 20)) return fail(pb::ERROR_REASON_MESSAGE_TOO_LARGE, "messages above 1 MiB");
     const std::string tmpl = backend_.chat_template();
     std::string text, err;
-    if (!apply_chat_template(tmpl, turns, req->add_assistant(), &text, &err)) {
+    if (!apply_chat_template(tmpl, turns, req.add_assistant(), &text, &err)) {
         return fail(pb::ERROR_REASON_BAD_REQUEST, err);
     }
     resp->set_text(text);
     resp->set_template_source(tmpl);
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
+    done(grpc::Status::OK);
 }
 
 }  // namespace dgr::worker

@@ -60,6 +60,31 @@ std::string missing_device(const char * backend) {
     return why + " (`dgr doctor --backend " + backend + "`; the CPU build: build/cpu/bin/dgr-worker)";
 }
 
+// A dgr slice serves its own range (its dgr.slice.layer_start/layer_end pairs): without --layers
+// that range is the one planned and loaded; --layers that name another range are refused (a
+// slice holds only its own layers' tensors). A whole file is left as the flags say.
+bool take_slice_range(ServeOptions * o, std::string * err) {
+    GgufHeader g;
+    if (!g.open(o->model, err)) return false;
+    if (!g.is_slice()) return true;
+    uint32_t start = 0, end = 0;
+    if (!g.get_u32("dgr.slice.layer_start", &start) || !g.get_u32("dgr.slice.layer_end", &end) || start >= end) {
+        *err = o->model + " is a dgr slice without a valid dgr.slice.layer_start/layer_end range";
+        return false;
+    }
+    if (o->has_layers && (o->layer_start != start || o->layer_end != end)) {
+        const std::string own = std::to_string(start) + ":" + std::to_string(end);
+        *err = o->model + " is a slice of layers " + own +
+               " (dgr.slice.layer_start/layer_end) and serves only those; --layers " + std::to_string(o->layer_start) +
+               ":" + std::to_string(o->layer_end) + " names another range: drop --layers or give --layers " + own;
+        return false;
+    }
+    o->has_layers = true;
+    o->layer_start = start;
+    o->layer_end = end;
+    return true;
+}
+
 // The KV cells serve gives the context (--kv-cells / --kv-budget-mb / per-session streams; may
 // shorten o->ctx_per_session) and the memory plan for them. llama_backend_init() first.
 bool plan_for_options(ServeOptions * o, uint64_t * kv_cells, MemoryNeed * need, std::string * err) {
@@ -118,10 +143,14 @@ int plan_memory_main(int argc, char ** argv) {
         std::fprintf(stderr, "dgr-worker: error: plan-memory needs --model FILE\n");
         return 2;
     }
-    llama_backend_init();
     uint64_t kv_cells = 0;
     MemoryNeed need;
     std::string err;
+    if (!take_slice_range(&o, &err)) {
+        std::fprintf(stderr, "dgr-worker: error: cannot plan the memory of %s: %s\n", o.model.c_str(), err.c_str());
+        return 1;
+    }
+    llama_backend_init();
     if (!plan_for_options(&o, &kv_cells, &need, &err)) {
         std::fprintf(stderr, "dgr-worker: error: cannot plan the memory of %s: %s\n", o.model.c_str(), err.c_str());
         llama_backend_free();
@@ -203,6 +232,10 @@ int serve_main(int argc, char ** argv) {
             o.artifact_id = proven.recipe.identity.artifact_id;
             o.fingerprint = proven.fingerprint;
             o.recipe_json = proven.recipe_json;
+            if (!take_slice_range(&o, &err)) {
+                std::fprintf(stderr, "dgr-worker: error: refusing to serve %s: %s\n", o.model.c_str(), err.c_str());
+                return 2;
+            }
         }
         llama_backend_init();
         if (const std::string why = missing_device(build_info().backend); !why.empty()) {

@@ -17,7 +17,7 @@ void usage() {
         "usage: dgr-worker serve (--fake-model | --model FILE) [options]\n"
         "  --fake-model              deterministic arithmetic model (tests; no GGUF)\n"
         "  --model FILE              GGUF file (whole model, or a slice with the range patches)\n"
-        "  --layers A:B              layer range served (default: all)\n"
+        "  --layers A:B              layer range served (default: all; a slice: its own)\n"
         "  --n-layer N --n-embd E --n-vocab V   fake model shape (default 8, 8, 320)\n"
         "  --fake-delay-ms N         fake model: sleep N ms per decode call (tests)\n"
         "  --fake-row-delay-us N     fake model: and N us per row of the call (a batch-size cost)\n"

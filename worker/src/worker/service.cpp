@@ -347,42 +347,94 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> * ShardService::Sess
     return new SessionReactor(scheduler_, scheduler_.options().queue_limit, deliverer_, std::move(who));
 }
 
-grpc::ServerUnaryReactor * ShardService::GetCapability(grpc::CallbackServerContext * ctx, const pb::GetCapabilityRequest *,
-                                                       pb::GetCapabilityResponse * resp) {
+template <class Req, class Resp>
+grpc::ServerUnaryReactor * ShardService::unary(grpc::CallbackServerContext * ctx, const grpc::ByteBuffer * in,
+                                               grpc::ByteBuffer * out, UnaryHandler<Req, Resp> handler) {
     auto * reactor = ctx->DefaultReactor();
     if (refuse_unauthenticated(ctx, reactor)) return reactor;
+    auto call = std::make_shared<std::pair<Req, Resp>>();
+    grpc::ByteBuffer bytes(*in);  // shares the slices; decoding consumes the copy
+    const size_t n_bytes = bytes.Length();
+    if (!grpc::SerializationTraits<Req>::Deserialize(&bytes, &call->first).ok()) {
+        pb::ShardError e = make_error(pb::ERROR_REASON_BAD_REQUEST,
+                                      "undecodable request: " + std::to_string(n_bytes) + " bytes that are not a " +
+                                          call->first.GetTypeName());
+        ctx->AddTrailingMetadata("dgr-error-bin", e.SerializeAsString());
+        reactor->Finish(status_for(e));
+        return reactor;
+    }
+    (this->*handler)(ctx, call->first, &call->second, [reactor, out, call](grpc::Status status) {
+        if (status.ok()) {
+            bool own = false;
+            status = grpc::SerializationTraits<Resp>::Serialize(call->second, out, &own);
+        }
+        reactor->Finish(status);
+    });
+    return reactor;
+}
+
+grpc::ServerUnaryReactor * ShardService::GetCapability(grpc::CallbackServerContext * ctx, const grpc::ByteBuffer * in,
+                                                       grpc::ByteBuffer * out) {
+    return unary<pb::GetCapabilityRequest, pb::GetCapabilityResponse>(ctx, in, out, &ShardService::on_get_capability);
+}
+
+grpc::ServerUnaryReactor * ShardService::ReleaseSession(grpc::CallbackServerContext * ctx, const grpc::ByteBuffer * in,
+                                                        grpc::ByteBuffer * out) {
+    return unary<pb::ReleaseSessionRequest, pb::ReleaseSessionResponse>(ctx, in, out,
+                                                                         &ShardService::on_release_session);
+}
+
+grpc::ServerUnaryReactor * ShardService::CancelSession(grpc::CallbackServerContext * ctx, const grpc::ByteBuffer * in,
+                                                       grpc::ByteBuffer * out) {
+    return unary<pb::CancelSessionRequest, pb::CancelSessionResponse>(ctx, in, out, &ShardService::on_cancel_session);
+}
+
+grpc::ServerUnaryReactor * ShardService::GetMetrics(grpc::CallbackServerContext * ctx, const grpc::ByteBuffer * in,
+                                                    grpc::ByteBuffer * out) {
+    return unary<pb::GetMetricsRequest, pb::GetMetricsResponse>(ctx, in, out, &ShardService::on_get_metrics);
+}
+
+grpc::ServerUnaryReactor * ShardService::Tokenize(grpc::CallbackServerContext * ctx, const grpc::ByteBuffer * in,
+                                                  grpc::ByteBuffer * out) {
+    return unary<pb::TokenizeRequest, pb::TokenizeResponse>(ctx, in, out, &ShardService::on_tokenize);
+}
+
+grpc::ServerUnaryReactor * ShardService::Detokenize(grpc::CallbackServerContext * ctx, const grpc::ByteBuffer * in,
+                                                    grpc::ByteBuffer * out) {
+    return unary<pb::DetokenizeRequest, pb::DetokenizeResponse>(ctx, in, out, &ShardService::on_detokenize);
+}
+
+grpc::ServerUnaryReactor * ShardService::ApplyChatTemplate(grpc::CallbackServerContext * ctx, const grpc::ByteBuffer * in,
+                                                           grpc::ByteBuffer * out) {
+    return unary<pb::ApplyChatTemplateRequest, pb::ApplyChatTemplateResponse>(ctx, in, out,
+                                                                               &ShardService::on_apply_chat_template);
+}
+
+void ShardService::on_get_capability(grpc::CallbackServerContext *, const pb::GetCapabilityRequest &,
+                                     pb::GetCapabilityResponse * resp, UnaryDone done) {
     *resp = scheduler_.capability();
     auto * r = resp->mutable_runtime();
     r->set_dgr_version(rt_.dgr_version);
     r->set_llama_commit(rt_.llama_commit);
     r->set_patch_digest(rt_.patch_digest);
     r->set_backend(rt_.backend);
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
+    done(grpc::Status::OK);
 }
 
-grpc::ServerUnaryReactor * ShardService::ReleaseSession(grpc::CallbackServerContext * ctx,
-                                                        const pb::ReleaseSessionRequest * req,
-                                                        pb::ReleaseSessionResponse * resp) {
-    auto * reactor = ctx->DefaultReactor();
-    if (refuse_unauthenticated(ctx, reactor)) return reactor;
-    scheduler_.post_release(*req, [reactor, resp](pb::ReleaseSessionResponse r) {
+void ShardService::on_release_session(grpc::CallbackServerContext *, const pb::ReleaseSessionRequest & req,
+                                      pb::ReleaseSessionResponse * resp, UnaryDone done) {
+    scheduler_.post_release(req, [resp, done](pb::ReleaseSessionResponse r) {
         *resp = std::move(r);
-        reactor->Finish(grpc::Status::OK);
+        done(grpc::Status::OK);
     });
-    return reactor;
 }
 
-grpc::ServerUnaryReactor * ShardService::CancelSession(grpc::CallbackServerContext * ctx,
-                                                       const pb::CancelSessionRequest * req,
-                                                       pb::CancelSessionResponse * resp) {
-    auto * reactor = ctx->DefaultReactor();
-    if (refuse_unauthenticated(ctx, reactor)) return reactor;
-    scheduler_.post_cancel(*req, [reactor, resp](pb::CancelSessionResponse r) {
+void ShardService::on_cancel_session(grpc::CallbackServerContext *, const pb::CancelSessionRequest & req,
+                                     pb::CancelSessionResponse * resp, UnaryDone done) {
+    scheduler_.post_cancel(req, [resp, done](pb::CancelSessionResponse r) {
         *resp = std::move(r);
-        reactor->Finish(grpc::Status::OK);
+        done(grpc::Status::OK);
     });
-    return reactor;
 }
 
 std::vector<prometheus::MetricFamily> ShardService::metric_families() const {
@@ -390,10 +442,8 @@ std::vector<prometheus::MetricFamily> ShardService::metric_families() const {
     return metrics_.families(scheduler_.gauges());
 }
 
-grpc::ServerUnaryReactor * ShardService::GetMetrics(grpc::CallbackServerContext * ctx, const pb::GetMetricsRequest *,
-                                                    pb::GetMetricsResponse * resp) {
-    auto * reactor = ctx->DefaultReactor();
-    if (refuse_unauthenticated(ctx, reactor)) return reactor;
+void ShardService::on_get_metrics(grpc::CallbackServerContext *, const pb::GetMetricsRequest &,
+                                  pb::GetMetricsResponse * resp, UnaryDone done) {
     const Gauges g = scheduler_.gauges();
     auto * l = resp->mutable_load();
     l->set_active_sessions(g.active_sessions);
@@ -406,8 +456,7 @@ grpc::ServerUnaryReactor * ShardService::GetMetrics(grpc::CallbackServerContext 
         for (const auto & kv : s.labels) (*ms->mutable_labels())[kv.first] = kv.second;
         ms->set_value(s.value);
     }
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
+    done(grpc::Status::OK);
 }
 
 std::vector<prometheus::MetricFamily> ShardService::prometheus_families() const {
@@ -424,51 +473,45 @@ std::vector<prometheus::MetricFamily> ShardService::prometheus_families() const 
     return f;
 }
 
-grpc::ServerUnaryReactor * ShardService::Tokenize(grpc::CallbackServerContext * ctx, const pb::TokenizeRequest * req,
-                                                  pb::TokenizeResponse * resp) {
-    auto * reactor = ctx->DefaultReactor();
-    if (refuse_unauthenticated(ctx, reactor)) return reactor;
+void ShardService::on_tokenize(grpc::CallbackServerContext * ctx, const pb::TokenizeRequest & req,
+                               pb::TokenizeResponse * resp, UnaryDone done) {
     std::vector<int32_t> ids;
     std::string err;
-    if (req->text().size() > (1u << 20)) {
+    if (req.text().size() > (1u << 20)) {
         pb::ShardError e = make_error(pb::ERROR_REASON_MESSAGE_TOO_LARGE, "text above 1 MiB");
         e.set_limit(1u << 20);
         ctx->AddTrailingMetadata("dgr-error-bin", e.SerializeAsString());
-        reactor->Finish(status_for(e));
-        return reactor;
+        done(status_for(e));
+        return;
     }
-    if (!backend_.tokenize(req->text(), req->add_special(), req->parse_special(), &ids, &err)) {
+    if (!backend_.tokenize(req.text(), req.add_special(), req.parse_special(), &ids, &err)) {
         pb::ShardError e = make_error(pb::ERROR_REASON_BAD_REQUEST, "tokenize failed: " + err);
         ctx->AddTrailingMetadata("dgr-error-bin", e.SerializeAsString());
-        reactor->Finish(status_for(e));
-        return reactor;
+        done(status_for(e));
+        return;
     }
     for (int32_t t : ids) resp->add_token_ids(t);
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
+    done(grpc::Status::OK);
 }
 
-grpc::ServerUnaryReactor * ShardService::Detokenize(grpc::CallbackServerContext * ctx, const pb::DetokenizeRequest * req,
-                                                    pb::DetokenizeResponse * resp) {
-    auto * reactor = ctx->DefaultReactor();
-    if (refuse_unauthenticated(ctx, reactor)) return reactor;
+void ShardService::on_detokenize(grpc::CallbackServerContext * ctx, const pb::DetokenizeRequest & req,
+                                 pb::DetokenizeResponse * resp, UnaryDone done) {
     const uint32_t n_vocab = backend_.info().n_vocab;
-    std::vector<int32_t> ids(req->token_ids().begin(), req->token_ids().end());
+    std::vector<int32_t> ids(req.token_ids().begin(), req.token_ids().end());
     for (int32_t t : ids) {
         if (t < 0 || (uint32_t) t >= n_vocab) {
             pb::ShardError e = make_error(pb::ERROR_REASON_TOKEN_OUT_OF_VOCAB,
                                           "token id " + std::to_string(t) + " outside [0, " + std::to_string(n_vocab) + ")");
             ctx->AddTrailingMetadata("dgr-error-bin", e.SerializeAsString());
-            reactor->Finish(status_for(e));
-            return reactor;
+            done(status_for(e));
+            return;
         }
     }
-    resp->set_text(backend_.detokenize(ids, req->remove_special(), req->unparse_special()));
-    if (req->include_pieces()) {
-        for (int32_t t : ids) resp->add_pieces(backend_.piece(t, req->unparse_special()));
+    resp->set_text(backend_.detokenize(ids, req.remove_special(), req.unparse_special()));
+    if (req.include_pieces()) {
+        for (int32_t t : ids) resp->add_pieces(backend_.piece(t, req.unparse_special()));
     }
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
+    done(grpc::Status::OK);
 }
 
 }  // namespace dgr::worker
