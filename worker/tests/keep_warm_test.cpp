@@ -65,13 +65,22 @@ void test_spins_after_a_touch_and_sleeps_after_the_linger() {
         sleep_ms(150);
         const double idle = cpu_s() - c0;
         CHECK(idle < 0.03, "%.3f s of CPU in 150 ms without a touch", idle);
-        c0 = cpu_s();
-        for (int i = 0; i < 20; ++i) {  // busy for 200 ms
-            warm.touch();
-            sleep_ms(10);
+        // A SCHED_IDLE spinner runs only on a core that nothing else wants, so on a loaded host
+        // (other tests, a build) a 200 ms window can see none of it. Touch for up to 15 windows
+        // and pass on the first that shows spinning; failing needs 3 s with no idle core at all.
+        double busy = 0.0;
+        int windows = 0;
+        while (busy <= 0.02 && windows < 15) {
+            ++windows;
+            c0 = cpu_s();
+            for (int i = 0; i < 20; ++i) {  // busy for 200 ms
+                warm.touch();
+                sleep_ms(10);
+            }
+            busy = cpu_s() - c0;
         }
-        const double busy = cpu_s() - c0;
-        CHECK(busy > 0.02, "only %.3f s of CPU in 200 ms of touches: not spinning", busy);
+        CHECK(busy > 0.02, "only %.3f s of CPU in the last of %d windows of 200 ms of touches: not spinning",
+              busy, windows);
         sleep_ms(80);  // past the linger
         c0 = cpu_s();
         sleep_ms(150);
@@ -80,7 +89,7 @@ void test_spins_after_a_touch_and_sleeps_after_the_linger() {
         warm.touch();  // spinning when destroyed: the destructor stops it
     }
     const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-    CHECK(took < 5.0, "took %.1f s", took);
+    CHECK(took < 8.0, "took %.1f s", took);
 }
 
 }  // namespace
