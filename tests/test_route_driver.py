@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from dgr.protocol.errors import Reason
 from dgr.route.driver import RouteDriver, RouteError, Sampling
 from fakeroute import start_fake, start_fake_routes
 
@@ -240,7 +241,8 @@ def test_hung_worker_hits_the_step_deadline_and_names_the_shard(native_bin):
                 await d.close()
 
         r, dt = _run(main())
-        assert r.error is not None and r.error.reason in ("DEADLINE_EXCEEDED", "ERROR_REASON_UNAVAILABLE"), r.error
+        assert r.error is not None and r.error.reason in (Reason.DEADLINE_EXCEEDED, Reason.PEER_SILENT), r.error
+        assert r.error.reason.silent
         assert r.error.shard_range == (4, 8) and r.telemetry.status == "failed"
         assert dt < 10
     finally:

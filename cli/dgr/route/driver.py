@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import re
 import time
 import uuid
 from typing import Awaitable, Callable, Sequence
 
 from ..protocol.client import AsyncWorkerClient
-from ..protocol.errors import WorkerError
+from ..protocol.errors import Reason, WorkerError
 from ..protocol.stream import AsyncSessionStream
 from ..protocol.stream import Sampling  # re-exported: one Sampling class for the client and the route driver
 from ..protocol.tls import TlsFiles  # noqa: F401  (RouteDriver(tls=…))
@@ -51,6 +50,9 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_TOKENS_PER_ANSWER = 1
 RELEASE_TIMEOUT_S = 2.0
 PROBE_TIMEOUT_S = 2.0      # chained mode: capability probe that finds a silent shard after a failure
+# head-stream failures that name no shard and may come from any shard of the chain: probe them
+_UNEXPLAINED = frozenset({Reason.UNAVAILABLE, Reason.DEADLINE_EXCEEDED, Reason.STREAM_CLOSED, Reason.INTERNAL,
+                          Reason.UNKNOWN})
 
 
 def exc_shard(driver: "RouteDriver", exc: RouteSessionError) -> ShardHandle:
@@ -213,7 +215,7 @@ class RouteDriver:
             raise RouteError("forced tokens need the stepwise mode (RouteDriver(chain=False))")
         if sid in self._cancelled:   # cancelled before it began: nothing is opened on any shard
             self._cancelled.discard(sid)
-            err = RouteSessionError(self.head, "ERROR_REASON_CANCELLED", "cancelled by the driver before it began",
+            err = RouteSessionError(self.head, Reason.CANCELLED, "cancelled by the driver before it began",
                                     grpc_code=1)
             tel.status, tel.error = "cancelled", str(err)
             return GenerationResult(sid, list(prompt_tokens), [], "error", tel, error=err)
@@ -232,7 +234,7 @@ class RouteDriver:
             # a cancel may reach the shards before this session exists there (CancelSession then
             # finds nothing): the driver remembers it and ends the session at its next step
             if sid in self._cancelled:
-                raise RouteSessionError(self.head, "ERROR_REASON_CANCELLED", "cancelled by the driver", grpc_code=1)
+                raise RouteSessionError(self.head, Reason.CANCELLED, "cancelled by the driver", grpc_code=1)
         g.check = check_cancelled
         t0 = time.perf_counter()
         try:
@@ -247,13 +249,13 @@ class RouteDriver:
             tel.status = "completed"
             return GenerationResult(sid, list(prompt_tokens), g.out, g.finish, tel, top_logprobs=g.top)
         except RouteSessionError as exc:
-            if sid in self._cancelled and exc.reason not in ("CANCELLED", "ERROR_REASON_CANCELLED"):
+            if sid in self._cancelled and exc.reason != Reason.CANCELLED:
                 # the stream may end before the CANCELLED frame is read (write on a closed call)
-                exc = RouteSessionError(exc_shard(self, exc), "ERROR_REASON_CANCELLED",
+                exc = RouteSessionError(exc_shard(self, exc), Reason.CANCELLED,
                                         f"cancelled by the driver ({exc.reason})", grpc_code=1)
             elif chained and sid not in self._cancelled:
                 exc = await self._attribute(exc)
-            tel.status = "cancelled" if exc.reason in ("CANCELLED", "ERROR_REASON_CANCELLED") else "failed"
+            tel.status = "cancelled" if exc.reason == Reason.CANCELLED else "failed"
             tel.error = str(exc)
             return GenerationResult(sid, list(prompt_tokens), g.out, "error", tel, error=exc, top_logprobs=g.top)
         except asyncio.CancelledError:
@@ -292,13 +294,13 @@ class RouteDriver:
                 except asyncio.TimeoutError:
                     pass
 
-    def _named_shard(self, message: str) -> ShardHandle | None:
-        """The downstream shard an error message names (the farthest along the route)."""
-        named = None
-        for s in self.shards[1:]:
-            if re.search(re.escape(s.endpoint) + r"(?![0-9])", message):
-                named = s
-        return named
+    def _named_shard(self, exc: RouteSessionError) -> ShardHandle | None:
+        """The downstream shard the head named as the one that failed (ShardError's
+        ``failed_endpoint`` and range), None when it named none or one not on this route."""
+        if exc.failed_endpoint is None:
+            return None
+        return next((s for s in self.shards[1:]
+                     if s.endpoint == exc.failed_endpoint and (s.start, s.end) == exc.failed_range), None)
 
     async def _silent_shard(self) -> ShardHandle | None:
         """The first shard (route order) that does not answer a capability probe."""
@@ -313,14 +315,14 @@ class RouteDriver:
 
     async def _attribute(self, exc: RouteSessionError) -> RouteSessionError:
         """Chained mode: a failure reported by (or seen on) the head stream, attributed to the
-        shard it came from."""
+        shard it came from: the one the head named, else (when the head's own stream broke or
+        went silent without naming one) the first shard that does not answer a probe."""
         if len(self.shards) == 1 or exc.shard_endpoint != self.head.endpoint:
             return exc
-        shard = self._named_shard(exc.detail)
-        if shard is None and ("ping timeout" in exc.detail or "keepalive" in exc.detail):
+        shard = self._named_shard(exc)
+        if shard is None and exc.reason == Reason.KEEPALIVE:
             return exc      # the driver's own connection to the head went silent: the head it is
-        if shard is None and exc.reason.removeprefix("ERROR_REASON_") in (
-                "UNAVAILABLE", "DEADLINE_EXCEEDED", "STREAM_CLOSED", "INTERNAL", "UNKNOWN"):
+        if shard is None and exc.reason in _UNEXPLAINED:
             shard = await self._silent_shard()
         if shard is None or shard is self.head:
             return exc

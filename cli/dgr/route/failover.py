@@ -42,8 +42,9 @@ from typing import Awaitable, Callable, Protocol, Sequence
 
 from ..errors import DgrError
 from ..protocol.client import AsyncWorkerClient, WorkerError
+from ..protocol.errors import Reason
 from .driver import GenerationResult, RouteDriver, RouteSessionError, Sampling
-from .work_records import AttemptRecord, SessionWorkRecord, ShardWork, silent
+from .work_records import AttemptRecord, SessionWorkRecord, ShardWork
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,11 @@ DEFAULT_MAX_RESTARTS = 2
 PROBE_TIMEOUT_S = 1.0
 
 # the Shard is gone (or its link): exclude it and move the session to another route
-SHARD_LOST = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "STREAM_CLOSED", "INTERNAL", "UNKNOWN", "UNSPECIFIED",
-              "ABORTED", "CANCELLED")
+SHARD_LOST = frozenset({Reason.UNAVAILABLE, Reason.PEER_SILENT, Reason.KEEPALIVE, Reason.DEADLINE_EXCEEDED,
+                        Reason.STREAM_CLOSED, Reason.INTERNAL, Reason.UNKNOWN, Reason.ABORTED, Reason.CANCELLED})
 # the Shard is alive but lost the session's state: restart on the same route
-STATE_LOST = ("CACHE_MISS", "UNKNOWN_SESSION", "SESSION_RELEASED", "STALE_EPOCH", "POSITION_GAP",
-              "STEP_OUT_OF_ORDER")
+STATE_LOST = frozenset({Reason.CACHE_MISS, Reason.UNKNOWN_SESSION, Reason.SESSION_RELEASED, Reason.STALE_EPOCH,
+                        Reason.POSITION_GAP, Reason.STEP_OUT_OF_ORDER})
 
 
 class NoRouteError(DgrError):
@@ -76,10 +77,9 @@ class RouteFinder(Protocol):
 
 def classify(exc: RouteSessionError) -> str:
     """``shard_lost``, ``state_lost`` or ``fatal`` (never retried)."""
-    reason = exc.reason.removeprefix("ERROR_REASON_")
-    if reason in STATE_LOST:
+    if exc.reason in STATE_LOST:
         return "state_lost"
-    if reason in SHARD_LOST:
+    if exc.reason in SHARD_LOST:
         return "shard_lost"
     return "fatal"
 
@@ -255,7 +255,7 @@ class FailoverRouter:
         async with self._lock:
             if exc.shard_endpoint not in self.failed:
                 self.failed[exc.shard_endpoint] = f"{exc.reason}: {exc.detail}"
-                self.on_event("shard_failed", {"endpoint": exc.shard_endpoint, "reason": exc.reason})
+                self.on_event("shard_failed", {"endpoint": exc.shard_endpoint, "reason": str(exc.reason)})
             assert self.route is not None
             if not any(ep in self.failed for ep in self.route.endpoints):
                 return self.route          # another session formed a route without it already
@@ -372,7 +372,7 @@ class FailoverRouter:
             elif res.telemetry.status == "cancelled":
                 st = "cancelled"
             elif s.endpoint == exc.shard_endpoint:
-                st = "unverified" if silent(exc.reason, exc.detail) else "failed"
+                st = "unverified" if exc.reason.silent else "failed"
             elif classify(exc) == "fatal":
                 st = "failed"
             else:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
+from ..protocol.errors import Reason
 from ..protocol.stream import AsyncSessionStream
 from ..shard.v1 import shard_runtime_pb2 as pb
 from .shards import STREAM_ERRORS, RouteSessionError, ShardHandle, route_error
@@ -128,7 +129,7 @@ async def run_stepwise(route: list[tuple[ShardHandle, AsyncSessionStream]], prom
     tel.ttft_s = time.perf_counter() - t0
     tel.prefill_s = tel.ttft_s
     if not tok_out:
-        raise RouteSessionError(tail, "BAD_RESPONSE", "the tail returned no token after prefill")
+        raise RouteSessionError(tail, Reason.BAD_RESPONSE, "the tail returned no token after prefill")
     pos = n
     t_dec = time.perf_counter()
     try:
@@ -144,7 +145,7 @@ async def run_stepwise(route: list[tuple[ShardHandle, AsyncSessionStream]], prom
 
             tok_out = (await _through(route, decode)).tail.tokens
             if not tok_out:
-                raise RouteSessionError(tail, "BAD_RESPONSE", "the tail returned no token")
+                raise RouteSessionError(tail, Reason.BAD_RESPONSE, "the tail returned no token")
             pos += 1
     finally:
         tel.decode_s = time.perf_counter() - t_dec
@@ -158,7 +159,7 @@ def check_chained(head: ShardHandle, resp: pb.SessionResponse, step: int, phase:
     kind = resp.WhichOneof("result")
     if kind != "tail" or h.step != step or h.phase != phase or h.positions.start != start:
         raise RouteSessionError(
-            head, "BAD_RESPONSE",
+            head, Reason.BAD_RESPONSE,
             f"chained head answered {kind or 'no result'} for step {h.step} ({pb.Phase.Name(h.phase)}, "
             f"positions [{h.positions.start}:{h.positions.end})); expected a tail output for step {step} "
             f"({pb.Phase.Name(phase)}) at position {start}")
@@ -192,7 +193,7 @@ async def run_chained(head: ShardHandle, tail: ShardHandle, st: AsyncSessionStre
     tel.prefill_s = tel.ttft_s
     tok_out = resp.tail.tokens
     if not tok_out:
-        raise RouteSessionError(tail, "BAD_RESPONSE", "the tail returned no token after prefill")
+        raise RouteSessionError(tail, Reason.BAD_RESPONSE, "the tail returned no token after prefill")
     pos = n
     t_dec = time.perf_counter()
     try:
@@ -206,10 +207,10 @@ async def run_chained(head: ShardHandle, tail: ShardHandle, st: AsyncSessionStre
             pending = list(resp.tail.tokens)
             check_chained(head, resp, st.step + max(0, len(pending) - 1), pb.PHASE_DECODE, pos)
             if not pending:
-                raise RouteSessionError(tail, "BAD_RESPONSE", "the tail returned no token")
+                raise RouteSessionError(tail, Reason.BAD_RESPONSE, "the tail returned no token")
             if resp.header.positions.end != pos + len(pending):
                 raise RouteSessionError(
-                    head, "BAD_RESPONSE",
+                    head, Reason.BAD_RESPONSE,
                     f"chained head answered {len(pending)} token(s) for positions "
                     f"[{resp.header.positions.start}:{resp.header.positions.end})")
             st.step += len(pending)

@@ -12,7 +12,7 @@ import grpc
 
 from ..errors import DgrError
 from ..protocol.client import AsyncWorkerClient
-from ..protocol.errors import BadResponse, ShardError, StepTimeout, StreamClosed, WorkerError
+from ..protocol.errors import BadResponse, Reason, ShardError, StepTimeout, StreamClosed, WorkerError
 from ..shard.v1 import shard_runtime_pb2 as pb
 
 
@@ -21,15 +21,30 @@ class RouteError(DgrError):
 
 
 class RouteSessionError(DgrError):
-    """One route session failed; names the Shard and the structured reason."""
+    """One route session failed: ``reason`` (a :class:`~dgr.protocol.errors.Reason`), the Shard
+    it is attributed to (``shard_endpoint``, ``shard_range``) and the worker's words
+    (``detail``, for people only). ``failed_endpoint``/``failed_range``: the Shard further down
+    the chain that the answering Shard named as the one that failed (ShardError's
+    ``failed_endpoint``), None when it named none."""
 
-    def __init__(self, shard: "ShardHandle", reason: str, message: str, *, grpc_code: int | None = None) -> None:
+    def __init__(self, shard: "ShardHandle", reason: Reason | str, message: str, *, grpc_code: int | None = None,
+                 failed_endpoint: str | None = None, failed_range: tuple[int, int] | None = None) -> None:
         self.shard_endpoint = shard.endpoint
         self.shard_range = (shard.start, shard.end)
-        self.reason = reason
+        self.reason = as_reason(reason)
         self.detail = message
         self.grpc_code = grpc_code
-        super().__init__(f"shard {shard.endpoint} [{shard.start}:{shard.end}) failed: {reason}: {message}")
+        self.failed_endpoint = failed_endpoint or None
+        self.failed_range = failed_range if self.failed_endpoint else None
+        super().__init__(f"shard {shard.endpoint} [{shard.start}:{shard.end}) failed: {self.reason}: {message}")
+
+
+def as_reason(reason: Reason | str) -> Reason:
+    """A :class:`Reason` from a member or its name (an ``ERROR_REASON_`` prefix is dropped)."""
+    if isinstance(reason, Reason):
+        return reason
+    name = reason.removeprefix("ERROR_REASON_")
+    return Reason.UNKNOWN if name == "UNSPECIFIED" else Reason(name)
 
 
 @dataclass
@@ -61,14 +76,18 @@ STREAM_ERRORS = (WorkerError, ShardError, StepTimeout, BadResponse)
 def route_error(shard: ShardHandle, exc: Exception) -> RouteSessionError:
     """A failure of one shard's session stream (protocol.errors types) as RouteSessionError."""
     if isinstance(exc, ShardError):
-        return RouteSessionError(shard, exc.reason_name, exc.proto.message, grpc_code=exc.grpc_code)
+        p = exc.proto
+        return RouteSessionError(shard, exc.kind, p.message, grpc_code=exc.grpc_code,
+                                 failed_endpoint=p.failed_endpoint, failed_range=(p.failed_start, p.failed_end))
     if isinstance(exc, StepTimeout):
-        return RouteSessionError(shard, "DEADLINE_EXCEEDED", f"no answer within {exc.timeout:.0f}s")
+        return RouteSessionError(shard, Reason.DEADLINE_EXCEEDED, f"no answer within {exc.timeout:.0f}s")
     if isinstance(exc, StreamClosed):
         known = exc.status_known and exc.code != grpc.StatusCode.OK
-        return RouteSessionError(shard, exc.code.name if known else "STREAM_CLOSED", exc.details)
+        return RouteSessionError(shard, Reason.of_status(exc.code, exc.details) if known else Reason.STREAM_CLOSED,
+                                 exc.details)
     if isinstance(exc, WorkerError):
-        return RouteSessionError(shard, exc.code.name, exc.details, grpc_code=exc.code.value[0])
+        return RouteSessionError(shard, Reason.of_status(exc.code, exc.details), exc.details,
+                                 grpc_code=exc.code.value[0])
     if isinstance(exc, BadResponse):
-        return RouteSessionError(shard, exc.reason, exc.message)
+        return RouteSessionError(shard, Reason.__members__.get(exc.reason, Reason.BAD_RESPONSE), exc.message)
     raise TypeError(f"not a stream error: {exc!r}")

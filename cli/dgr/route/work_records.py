@@ -13,7 +13,7 @@ produced the answer from the work that was lost, so every record carries one sta
   them), the session moved to a new route. On the surviving Shards of that attempt the work up
   to the last delivered token is verified;
 - ``unverified``: the failed Shard of an attempt whose failure was **silent** (deadline or
-  keepalive: the process froze or its link went dark). Whatever it computed after its last
+  keepalive: the process froze or its link went dark; ``Reason.silent``). Whatever it computed after its last
   answer is unknown; it is neither billed as verified nor ever imported (KV is recomputed on
   the new route, never copied).
 
@@ -31,8 +31,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 WORK_STATUSES = ("completed", "cancelled", "failed", "restarted", "unverified")
-# reasons of a silent failure (nothing came back): the failed Shard's work is unverified
-SILENT_REASONS = ("DEADLINE_EXCEEDED", "keepalive", "ping timeout")
 
 
 @dataclass
@@ -90,11 +88,6 @@ class SessionWorkRecord:
                 t["decode_tokens"] += w.decode_tokens
                 t["busy_s"] += w.busy_s
         return out
-
-
-def silent(reason: str, detail: str) -> bool:
-    text = f"{reason} {detail}"
-    return any(s in text for s in SILENT_REASONS)
 
 
 def summarize(records: list[SessionWorkRecord]) -> dict[str, Any]:

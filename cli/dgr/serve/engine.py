@@ -27,7 +27,7 @@ import grpc
 
 from dgr.errors import DgrError
 
-from dgr.protocol.errors import WorkerError
+from dgr.protocol.errors import Reason, WorkerError
 from dgr.route.driver import RouteDriver, RouteSessionError, Sampling
 from dgr.route.text import PieceCache, TextDecoder, chat_prompt_text
 
@@ -279,13 +279,13 @@ class Generation:
 
 
 def _session_error(exc: RouteSessionError) -> GatewayError:
-    reason = exc.reason.removeprefix("ERROR_REASON_")
-    if reason in ("OVER_BUDGET", "RESOURCE_EXHAUSTED"):
+    reason = exc.reason
+    if reason in (Reason.OVER_BUDGET, Reason.RESOURCE_EXHAUSTED):
         return GatewayError(429, f"over capacity on shard {exc.shard_endpoint}: {exc.detail}",
                             kind="rate_limit_exceeded", code="over_capacity", retry_after=RETRY_AFTER_S)
-    if reason in ("TOKEN_OUT_OF_VOCAB", "BAD_REQUEST", "CHUNK_TOO_LARGE", "INVALID_ARGUMENT"):
+    if reason in (Reason.TOKEN_OUT_OF_VOCAB, Reason.BAD_REQUEST, Reason.CHUNK_TOO_LARGE, Reason.INVALID_ARGUMENT):
         return GatewayError(400, f"the route refused the prompt: {exc.detail}", param="prompt", code="invalid_value")
-    if reason == "CANCELLED":
+    if reason == Reason.CANCELLED:
         return GatewayError(499, "the request was cancelled", kind="cancelled", code="cancelled")
     return GatewayError(502, f"route failure: {exc}", kind="server_error", code="route_error")
 

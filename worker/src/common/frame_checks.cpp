@@ -47,6 +47,7 @@ int grpc_code_for(pb::ErrorReason reason) {
         case pb::ERROR_REASON_INTERNAL:
             return kInternal;
         case pb::ERROR_REASON_UNAVAILABLE:
+        case pb::ERROR_REASON_PEER_SILENT:
             return kUnavailable;
         case pb::ERROR_REASON_SESSION_NOT_OWNED:
             return kPermissionDenied;

@@ -27,6 +27,16 @@ std::string code_name(grpc::StatusCode c) {
     }
 }
 
+// Whether a downstream stream ended because its peer went silent rather than because it failed
+// or closed. gRPC reports an expired keepalive only as UNAVAILABLE with gRPC core's own text, so
+// that text is read here, once; the reason then travels typed (ERROR_REASON_PEER_SILENT).
+bool went_silent(const grpc::Status & st) {
+    if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) return true;
+    if (st.error_code() != grpc::StatusCode::UNAVAILABLE) return false;
+    const std::string & m = st.error_message();
+    return m.find("keepalive") != std::string::npos || m.find("ping timeout") != std::string::npos;
+}
+
 bundle::ProtocolError refusal(pb::ErrorReason r, std::string msg) { return bundle::protocol_error(r, std::move(msg)); }
 
 }  // namespace
@@ -34,6 +44,14 @@ bundle::ProtocolError refusal(pb::ErrorReason r, std::string msg) { return bundl
 std::string Scheduler::down_label(const Session & s) {
     return "downstream " + s.chain.hop.endpoint() + " [" + std::to_string(s.chain.hop.range().start()) + ", " +
            std::to_string(s.chain.hop.range().end()) + ")";
+}
+
+void Scheduler::blame_downstream(const Session & s, pb::ShardError & e) {
+    e.set_message(down_label(s) + ": " + e.message());  // for people; clients read the fields
+    if (!e.failed_endpoint().empty()) return;            // a Shard farther down failed: keep it
+    e.set_failed_endpoint(s.chain.hop.endpoint());
+    e.set_failed_start(s.chain.hop.range().start());
+    e.set_failed_end(s.chain.hop.range().end());
 }
 
 bundle::Result Scheduler::check_hops(const pb::StepFrame & sf) const {
@@ -234,7 +252,7 @@ void Scheduler::on(DownReplyEvent & ev) {
     if (d.result_case() != pb::SessionResponse::kTail) {
         pb::ShardError e = d.has_error() ? d.error()
                                          : make_error(pb::ERROR_REASON_INTERNAL, "answered without a TailOutput");
-        e.set_message(down_label(s) + ": " + e.message());
+        blame_downstream(s, e);
         e.set_session_terminated(true);
         s.gen.active = false;
         drop_session(ev.session_id, EndKind::released);  // also ends the downstream stream
@@ -283,12 +301,14 @@ void Scheduler::on(DownEndEvent & ev) {
     if (!s || s->generation != ev.generation || !s->chain.down) return;
     std::string why = "ended the session stream: " + code_name(ev.status.error_code());
     if (!ev.status.error_message().empty()) why += ": " + ev.status.error_message();
+    const pb::ErrorReason reason = went_silent(ev.status) ? pb::ERROR_REASON_PEER_SILENT : pb::ERROR_REASON_UNAVAILABLE;
     if (s->chain.awaiting || s->chain.pieces_in_flight > 0) {
         DownReplyEvent rep{ev.session_id, ev.generation, {}};
-        *rep.resp.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE, why, true);  // the endpoint is prefixed there
+        *rep.resp.mutable_error() = make_error(reason, why, true);  // blamed on the hop there
         return on(rep);
     }
     s->chain.failed = why;
+    s->chain.failed_reason = reason;
 }
 
 }  // namespace dgr::worker

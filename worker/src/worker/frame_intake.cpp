@@ -331,9 +331,10 @@ bool Scheduler::check_session_state(FrameEvent & ev, Intake & in, Session * s, b
     } else {
         // the same (session, epoch); on a second stream only replays make sense
         if (!s->chain.failed.empty()) {
-            const std::string why = down_label(*s) + ": " + s->chain.failed;
+            pb::ShardError e = make_error(s->chain.failed_reason, s->chain.failed, true);
+            blame_downstream(*s, e);
+            const std::string why = e.message();
             drop_session(in.sid, EndKind::released);
-            const pb::ShardError e = make_error(pb::ERROR_REASON_UNAVAILABLE, why, true);
             pb::SessionResponse r;
             *r.mutable_header() = in.hdr;
             *r.mutable_error() = e;

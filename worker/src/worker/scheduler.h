@@ -188,6 +188,9 @@ private:
     void on(DownEndEvent & ev);
     // "downstream HOST:PORT [A, B)": how errors of a chained session name the next Shard
     static std::string down_label(const Session & s);
+    // a failure from the session's downstream stream: names the hop in the message and, unless
+    // a Shard farther down is named already, in ShardError.failed_endpoint/start/end
+    static void blame_downstream(const Session & s, pb::ShardError & e);
 
     // ---- generation.cpp: server-side generation ----
     // whether this answer is held to go out with the next ones (GenerateParams.tokens_per_answer)

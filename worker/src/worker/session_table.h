@@ -49,6 +49,7 @@ struct ChainState {
     uint32_t                        pieces_in_flight = 0;  // forwarded PREFILL pieces before the step's last
     pb::ResponseHeader              piece_header;          // their step's header (for errors)
     std::string                     failed;      // the link ended: the next frame gets this error
+    pb::ErrorReason                 failed_reason = pb::ERROR_REASON_UNAVAILABLE;  // ... with this reason
     std::unique_ptr<pb::SamplingParams> fwd_sampling;  // goes with the next forwarded StepFrame
     // a forwarded step waits for the route's answer, answered with this header
     bool                 awaiting = false;

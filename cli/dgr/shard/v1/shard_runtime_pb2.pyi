@@ -97,6 +97,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_BAD_REQUEST: _ClassVar[ErrorReason]
     ERROR_REASON_UNAVAILABLE: _ClassVar[ErrorReason]
     ERROR_REASON_SESSION_NOT_OWNED: _ClassVar[ErrorReason]
+    ERROR_REASON_PEER_SILENT: _ClassVar[ErrorReason]
 SCHEMA_VERSION_UNSPECIFIED: SchemaVersion
 SCHEMA_VERSION_V1: SchemaVersion
 CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
@@ -154,6 +155,7 @@ ERROR_REASON_UNSUPPORTED_COMPRESSION: ErrorReason
 ERROR_REASON_BAD_REQUEST: ErrorReason
 ERROR_REASON_UNAVAILABLE: ErrorReason
 ERROR_REASON_SESSION_NOT_OWNED: ErrorReason
+ERROR_REASON_PEER_SILENT: ErrorReason
 
 class ShardRange(_message.Message):
     __slots__ = ("start", "end")
@@ -504,7 +506,7 @@ class TailOutput(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
 
 class ShardError(_message.Message):
-    __slots__ = ("reason", "grpc_code", "message", "session_terminated", "current_epoch", "cached_positions", "last_step", "limit")
+    __slots__ = ("reason", "grpc_code", "message", "session_terminated", "current_epoch", "cached_positions", "last_step", "limit", "failed_endpoint", "failed_start", "failed_end")
     REASON_FIELD_NUMBER: _ClassVar[int]
     GRPC_CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -513,6 +515,9 @@ class ShardError(_message.Message):
     CACHED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    FAILED_START_FIELD_NUMBER: _ClassVar[int]
+    FAILED_END_FIELD_NUMBER: _ClassVar[int]
     reason: ErrorReason
     grpc_code: int
     message: str
@@ -521,7 +526,10 @@ class ShardError(_message.Message):
     cached_positions: int
     last_step: int
     limit: int
-    def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., grpc_code: _Optional[int] = ..., message: _Optional[str] = ..., session_terminated: _Optional[bool] = ..., current_epoch: _Optional[int] = ..., cached_positions: _Optional[int] = ..., last_step: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    failed_endpoint: str
+    failed_start: int
+    failed_end: int
+    def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., grpc_code: _Optional[int] = ..., message: _Optional[str] = ..., session_terminated: _Optional[bool] = ..., current_epoch: _Optional[int] = ..., cached_positions: _Optional[int] = ..., last_step: _Optional[int] = ..., limit: _Optional[int] = ..., failed_endpoint: _Optional[str] = ..., failed_start: _Optional[int] = ..., failed_end: _Optional[int] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("header", "boundary", "tail", "error")
