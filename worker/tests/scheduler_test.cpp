@@ -12,6 +12,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -154,7 +155,21 @@ struct Worker {
         : backend(m), sched(backend, metrics, o) {
         sched.start();
     }
-    ~Worker() { sched.stop(grpc::Status(grpc::StatusCode::UNAVAILABLE, "test over")); }
+    // Invariant after every scenario: every frame's ticket went back once its answer came (each
+    // scenario waits for its answers), and stopping leaves no session, KV cell or ticket.
+    ~Worker() {
+        const auto until = Clock::now() + std::chrono::seconds(5);
+        while (sched.gauges().queued_steps != 0 && Clock::now() < until) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        }
+        CHECK(sched.gauges().queued_steps == 0, "%u frame(s) still counted as queued after the scenario",
+              sched.gauges().queued_steps);
+        sched.stop(grpc::Status(grpc::StatusCode::UNAVAILABLE, "test over"));
+        const Gauges g = sched.gauges();
+        CHECK(g.queued_steps == 0 && g.active_sessions == 0 && g.kv_cells_used == 0,
+              "after stop: %u queued, %u sessions, %llu KV cells", g.queued_steps, g.active_sessions,
+              (unsigned long long) g.kv_cells_used);
+    }
     Frames frames(const std::string & sid) const {
         Frames f;
         f.sid = sid;
@@ -536,6 +551,33 @@ void test_sessions_are_owned_by_their_stream() {
 
 }  // namespace
 
+// A session released while its step waits behind a slow batch: the step is answered
+// SESSION_RELEASED, and its frame's ticket goes back exactly once (the queue depth returns to 0,
+// never below: an unsigned count that went below would read huge).
+void test_release_of_a_queued_step_returns_its_ticket_once() {
+    FakeModelOptions m = model();
+    m.decode_delay_ms = 150;
+    Worker w(m);
+    auto busy = std::make_shared<Sink>(), victim = std::make_shared<Sink>();
+    Frames a = w.frames("busy"), b = w.frames("victim");
+    w.post(busy, a.tokens({1, 2, 3}));
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));  // the busy prefill is computing
+    w.post(victim, b.tokens({4, 5}));
+    CHECK(w.sched.gauges().queued_steps >= 1, "the victim's step is not counted as queued");
+    std::promise<pb::ReleaseSessionResponse> done;
+    pb::ReleaseSessionRequest rel;
+    rel.set_session_id("victim");
+    w.sched.post_release(rel, [&done](pb::ReleaseSessionResponse r) { done.set_value(std::move(r)); });
+    auto fut = done.get_future();
+    CHECK(fut.wait_for(std::chrono::seconds(20)) == std::future_status::ready, "release not answered");
+    CHECK(fut.get().released(), "the queued session was not released");
+    const pb::SessionResponse r = victim->answer(1);
+    CHECK(r.has_error() && r.error().reason() == pb::ERROR_REASON_SESSION_RELEASED, "queued step: %s",
+          r.error().message().c_str());
+    CHECK(!busy->answer(1).has_error(), "the busy session's prefill failed");
+    // ~Worker checks that the depth is back to 0
+}
+
 int main() {
     test_status_details();
     test_prefill_and_decode_give_the_model_tokens();
@@ -546,6 +588,7 @@ int main() {
     test_rows_of_an_upstream_batch_are_computed_together();
     test_admission_over_budget();
     test_sessions_are_owned_by_their_stream();
+    test_release_of_a_queued_step_returns_its_ticket_once();
     if (g_failures) {
         std::fprintf(stderr, "scheduler_test: %d failure(s)\n", g_failures);
         return 1;

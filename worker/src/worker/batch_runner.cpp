@@ -181,7 +181,7 @@ void Scheduler::run_batch() {
         s.has_stored = true;
         metrics_.steps++;
         metrics_.step_latency.observe(seconds_since(w.t0));
-        if (!w.internal) queued_--;
+        w.ticket.release();
         if (s.sink) {
             if (holds_answer(s, w.internal, finished)) {
                 s.sink->hold(std::move(r), s.gen.per_answer);
@@ -264,14 +264,11 @@ void Scheduler::fail_batch(std::vector<std::unique_ptr<Work>> & items, std::vect
             backend_.seq_rm(s.seq, (int32_t) s.positions, -1);
             pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET, "no KV slot for the batch: " + err);
             e.set_limit(opts_.kv_cells);
-            if (sink) {
-                answer_error(*sink, w.header, e, w.t0, pb::CACHE_RESULT_UNSPECIFIED, w.internal);
-            } else if (!w.internal) {
-                queued_--;
-            }
+            w.ticket.release();
+            if (sink) answer_error(*sink, w.header, e, w.t0, pb::CACHE_RESULT_UNSPECIFIED, w.internal);
         } else {
             drop_session(w.session_id, EndKind::released);
-            if (!w.internal) queued_--;  // this popped item (drop_session counts only queued ones)
+            w.ticket.release();  // this popped step (drop_session purges only queued ones)
             if (sink) {
                 pb::SessionResponse r;
                 *r.mutable_header() = w.header;

@@ -127,6 +127,7 @@ void Scheduler::queue_prefill(Session & s, std::unique_ptr<Work> w) {
         p->t0 = w->t0;
         p->t_ready = w->t_ready;
         p->internal = last ? w->internal : true;
+        if (last) p->ticket = std::move(w->ticket);
         p->piece = true;
         p->piece_more = !last;
         prefill_q_.push_back(std::move(p));
@@ -138,7 +139,10 @@ void Scheduler::absorb_pieces(Work & w) {
     if (!w.piece || !w.piece_more) return;
     for (auto it = prefill_q_.begin(); it != prefill_q_.end();) {
         if ((*it)->session_id == w.session_id && (*it)->piece) {
-            if (!(*it)->internal) w.internal = false;  // this failure answers the client's frame
+            if (!(*it)->internal) {  // this failure answers the client's frame
+                w.internal = false;
+                w.ticket = std::move((*it)->ticket);
+            }
             it = prefill_q_.erase(it);
         } else {
             ++it;
@@ -147,7 +151,7 @@ void Scheduler::absorb_pieces(Work & w) {
     w.piece_more = false;
 }
 
-void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r, uint32_t hint_rows) {
+void Scheduler::forward(Session & s, Work & w, pb::SessionResponse & r, uint32_t hint_rows) {
     ChainState & c = s.chain;
     s.busy = true;
     if (w.piece_more) {
@@ -159,11 +163,11 @@ void Scheduler::forward(Session & s, const Work & w, pb::SessionResponse & r, ui
         c.pending_header = r.header();
         c.pending_internal = w.internal;
         c.pending_t0 = w.t0;
-        if (!w.internal) queued_--;  // in flight downstream, no longer queued here
+        w.ticket.release();  // in flight downstream, no longer queued here
     }
     if (!c.failed.empty()) {
         DownReplyEvent ev{s.id, s.generation, {}};
-        *ev.resp.mutable_error() = make_error(pb::ERROR_REASON_UNAVAILABLE, c.failed, true);
+        *ev.resp.mutable_error() = make_error(c.failed_reason, c.failed, true);
         c.failed.clear();  // the message is in the answer already
         return on(ev);
     }

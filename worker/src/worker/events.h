@@ -3,6 +3,7 @@
 #pragma once
 
 #include "dgr/shard/v1/shard_runtime.pb.h"
+#include "worker/frame_ticket.h"
 #include "worker/stream_sink.h"
 
 #include <grpcpp/support/status.h>
@@ -20,6 +21,7 @@ struct FrameEvent {
     std::shared_ptr<StreamSink> sink;
     std::unique_ptr<pb::SessionRequest> req;
     std::chrono::steady_clock::time_point t0;  // when it was read
+    FrameTicket ticket;                         // counted until it is answered
 };
 
 // The client half-closed (cancelled = false) or cancelled its stream.

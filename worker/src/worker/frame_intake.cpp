@@ -119,9 +119,9 @@ struct Scheduler::Intake {
 void Scheduler::on(FrameEvent & ev) {
     StreamSink & sink = *ev.sink;
     Intake in(*ev.req);
-    auto refuse = [&](const bundle::ProtocolError & pe) { answer_error(sink, in.hdr, make_error(pe), ev.t0); };
+    auto refuse = [&](const bundle::ProtocolError & pe) { answer_frame_error(ev, in.hdr, make_error(pe)); };
     auto fail = [&](pb::ErrorReason r, const std::string & msg, pb::CacheResult cache = pb::CACHE_RESULT_UNSPECIFIED) {
-        answer_error(sink, in.hdr, make_error(r, msg), ev.t0, cache);
+        answer_frame_error(ev, in.hdr, make_error(r, msg), cache);
     };
     if (auto e = bundle::check_header(in.req, &cap_, /*whole_range=*/true)) return refuse(*e);
     if (sink.bound_session.empty()) {
@@ -154,7 +154,7 @@ void Scheduler::on(FrameEvent & ev) {
     if (in.rows_phase() && in.p0 != held && !(opening && in.p0 == 0)) {
         pb::ShardError e = make_error(pb::ERROR_REASON_POSITION_GAP, "positions.start must equal the positions held");
         e.set_cached_positions(held);
-        return answer_error(sink, in.hdr, e, ev.t0, pb::CACHE_RESULT_STALE);
+        return answer_frame_error(ev, in.hdr, e, pb::CACHE_RESULT_STALE);
     }
     in.hdr.set_cache_result(pb::CACHE_RESULT_HIT);
     if (auto e = bundle::check_rows(in.req, &cap_)) return refuse(*e);
@@ -170,7 +170,7 @@ void Scheduler::on(FrameEvent & ev) {
         pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET, "the session would exceed max_session_positions");
         e.set_limit(opts_.max_session_positions);
         metrics_.rejected_kv++;
-        return answer_error(sink, in.hdr, e, ev.t0);
+        return answer_frame_error(ev, in.hdr, e);
     }
     const pb::StepFrame * sf = in.sf;
     // the sampling contract applies on the tail, and on a Shard that passes it downstream
@@ -185,6 +185,7 @@ void Scheduler::on(FrameEvent & ev) {
     w->n = n;
     w->sample = in.fast ? true : sf->sample();
     w->t0 = ev.t0;
+    w->ticket = std::move(ev.ticket);  // the step answers the frame now
     if (w->decode) {
         const pb::UpstreamBatch & ub = in.fast ? in.req.fast_decode().batch() : sf->batch();
         if (ub.rows() > 1) {
@@ -218,7 +219,7 @@ void Scheduler::on(FrameEvent & ev) {
                                                     : "KV cells budget exhausted; retry later or elsewhere");
         e.set_limit(sessions_full ? opts_.max_sessions : opts_.kv_cells);
         (sessions_full ? metrics_.rejected_sessions : metrics_.rejected_kv)++;
-        return answer_error(sink, in.hdr, e, ev.t0);
+        return answer_frame_error(ev, in.hdr, e);
     }
     if (opening) {
         if (s) {
@@ -288,11 +289,11 @@ void Scheduler::on(FrameEvent & ev) {
 bool Scheduler::check_session_state(FrameEvent & ev, Intake & in, Session * s, bool * opening) {
     StreamSink & sink = *ev.sink;
     auto fail = [&](pb::ErrorReason r, const std::string & msg, pb::CacheResult cache = pb::CACHE_RESULT_UNSPECIFIED) {
-        answer_error(sink, in.hdr, make_error(r, msg), ev.t0, cache);
+        answer_frame_error(ev, in.hdr, make_error(r, msg), cache);
         return false;
     };
     auto fail_with = [&](const pb::ShardError & e, pb::CacheResult cache = pb::CACHE_RESULT_UNSPECIFIED) {
-        answer_error(sink, in.hdr, e, ev.t0, cache);
+        answer_frame_error(ev, in.hdr, e, cache);
         return false;
     };
     if (s && in.epoch < s->epoch) {
@@ -339,7 +340,7 @@ bool Scheduler::check_session_state(FrameEvent & ev, Intake & in, Session * s, b
             *r.mutable_header() = in.hdr;
             *r.mutable_error() = e;
             metrics_.step_errors++;
-            queued_--;
+            ev.ticket.release();
             sink.deliver(std::move(r), true, status_with(grpc::StatusCode::UNAVAILABLE, why, e));
             return false;
         }
@@ -366,7 +367,7 @@ bool Scheduler::check_session_state(FrameEvent & ev, Intake & in, Session * s, b
             r.mutable_header()->set_replayed(true);
             metrics_.replayed_steps++;
             metrics_.step_latency.observe(seconds_since(ev.t0));
-            queued_--;
+            ev.ticket.release();
             s->last_used = Clock::now();
             sink.deliver(std::move(r));
             return false;
@@ -399,10 +400,9 @@ bool Scheduler::check_session_state(FrameEvent & ev, Intake & in, Session * s, b
 void Scheduler::phase_without_input(FrameEvent & ev, Intake & in, Session & s) {
     StreamSink & sink = *ev.sink;
     if (in.phase == pb::PHASE_TRUNCATE && s.chain.down) {
-        return answer_error(sink, in.hdr,
-                            make_error(pb::ERROR_REASON_BAD_REQUEST,
-                                       "TRUNCATE is not supported on a chained session; open a new epoch"),
-                            ev.t0);
+        return answer_frame_error(ev, in.hdr,
+                                  make_error(pb::ERROR_REASON_BAD_REQUEST,
+                                             "TRUNCATE is not supported on a chained session; open a new epoch"));
     }
     pb::SessionResponse r;
     if (in.phase == pb::PHASE_RELEASE) {
@@ -410,9 +410,8 @@ void Scheduler::phase_without_input(FrameEvent & ev, Intake & in, Session & s) {
         in.hdr.set_cached_positions(0);
     } else {
         if (in.p0 > s.positions) {
-            return answer_error(sink, in.hdr,
-                                make_error(pb::ERROR_REASON_BAD_REQUEST, "truncation point beyond the positions held"),
-                                ev.t0);
+            return answer_frame_error(ev, in.hdr,
+                                      make_error(pb::ERROR_REASON_BAD_REQUEST, "truncation point beyond the positions held"));
         }
         backend_.seq_rm(s.seq, (int32_t) in.p0, -1);
         table_.kv_used -= s.positions - in.p0;
@@ -431,7 +430,7 @@ void Scheduler::phase_without_input(FrameEvent & ev, Intake & in, Session & s) {
     }
     metrics_.steps++;
     metrics_.step_latency.observe(seconds_since(ev.t0));
-    queued_--;
+    ev.ticket.release();
     sink.deliver(std::move(r));
 }
 
@@ -459,19 +458,18 @@ bool Scheduler::take_input(FrameEvent & ev, Intake & in, Session * s, bool openi
     }
     if (auto e = part->assembler.add(b)) {
         if (s && !local) s->partial.reset();
-        answer_error(sink, in.hdr, make_error(*e), ev.t0);
+        answer_frame_error(ev, in.hdr, make_error(*e));
         return false;
     }
     if (!part->assembler.complete()) {
         if (opening) {
-            answer_error(sink, in.hdr,
-                         make_error(pb::ERROR_REASON_BAD_REQUEST, "the opening step's bundle must arrive in one frame"),
-                         ev.t0);
+            answer_frame_error(ev, in.hdr,
+                               make_error(pb::ERROR_REASON_BAD_REQUEST, "the opening step's bundle must arrive in one frame"));
             return false;
         }
         if (local) s->partial = std::move(local);
         note_digest(*s, in.step, in.digest);
-        queued_--;
+        ev.ticket.release();  // a fragment is answered by the step's last one
         sink.resume();
         return false;
     }
@@ -479,7 +477,7 @@ bool Scheduler::take_input(FrameEvent & ev, Intake & in, Session * s, bool openi
     auto e = part->assembler.finish(&tensors);
     if (s && !local) s->partial.reset();
     if (e) {
-        answer_error(sink, in.hdr, make_error(*e), ev.t0);
+        answer_frame_error(ev, in.hdr, make_error(*e));
         return false;
     }
     const std::vector<uint8_t> & bytes = tensors[0].data;

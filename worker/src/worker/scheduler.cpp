@@ -115,11 +115,10 @@ bool Scheduler::post(Event ev) {
 
 bool Scheduler::post_frame(std::shared_ptr<StreamSink> sink, std::unique_ptr<pb::SessionRequest> req,
                            Clock::time_point t0) {
-    if (queued_.load() >= opts_.queue_limit) return false;
-    queued_++;
+    FrameTicket ticket = FrameTicket::take(queued_, opts_.queue_limit);
+    if (!ticket.held()) return false;
     StreamSink * raw = sink.get();
-    if (!post(FrameEvent{std::move(sink), std::move(req), t0})) {
-        queued_--;
+    if (!post(FrameEvent{std::move(sink), std::move(req), t0, std::move(ticket)})) {  // (the ticket went with it)
         pb::ResponseHeader hdr;
         hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
         end_stream(*raw, hdr, make_error(pb::ERROR_REASON_UNAVAILABLE, "the worker is shutting down", true),
@@ -188,8 +187,7 @@ uint64_t Scheduler::drop_session(const std::string & id, EndKind kind) {
     auto purge = [&](std::deque<std::unique_ptr<Work>> & q) {
         for (auto w = q.begin(); w != q.end();) {
             if ((*w)->session_id == id) {
-                if (!(*w)->internal) queued_--;
-                w = q.erase(w);
+                w = q.erase(w);  // (its frame's ticket goes back)
             } else {
                 ++w;
             }
@@ -232,8 +230,13 @@ void Scheduler::answer_error(StreamSink & sink, const pb::ResponseHeader & hdr, 
     *r.mutable_error() = std::move(err);
     metrics_.step_errors++;
     metrics_.step_latency.observe(std::chrono::duration<double>(Clock::now() - t0).count());
-    if (!internal) queued_--;
     sink.deliver(std::move(r), false, grpc::Status::OK, !internal);
+}
+
+void Scheduler::answer_frame_error(FrameEvent & ev, const pb::ResponseHeader & hdr, pb::ShardError err,
+                                   pb::CacheResult cache) {
+    ev.ticket.release();
+    answer_error(*ev.sink, hdr, std::move(err), ev.t0, cache);
 }
 
 bool Scheduler::has_unanswered_frame(const Session & s) const {
@@ -266,8 +269,7 @@ void Scheduler::on(ReleaseEvent & ev) {
         resp.set_released(true);
         if (had_work && sink) {
             // the queued frame is answered, so its stream can go on reading; server-side
-            // generation is told why it stopped
-            if (unanswered) queued_++;
+            // generation is told why it stopped (the frame's ticket went back with its step)
             answer_error(*sink, hdr,
                          make_error(pb::ERROR_REASON_SESSION_RELEASED,
                                     unanswered ? "the session was released while this step was queued"
@@ -318,7 +320,7 @@ void Scheduler::stop_now(const StopEvent & ev, std::deque<Event> & evs, size_t n
     const pb::ShardError down = make_error(pb::ERROR_REASON_UNAVAILABLE, "the worker is shutting down", true);
     auto answer_late = [&](Event & e) {
         if (auto * f = std::get_if<FrameEvent>(&e)) {
-            queued_--;
+            f->ticket.release();
             pb::ResponseHeader hdr;
             hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
             end_stream(*f->sink, hdr, down, st);

@@ -113,6 +113,9 @@ private:
         // many rows that batch forwarded here (0: no hint)
         uint64_t up_batch = 0;
         uint32_t up_rows = 0;
+        // the client frame behind this step (none when internal, or for an early piece); it
+        // goes back when the step is answered or leaves this Shard (frame_ticket.h)
+        FrameTicket ticket;
     };
     struct Intake;  // frame_intake.cpp: one frame's fields and response header
 
@@ -150,6 +153,9 @@ private:
     void answer_error(StreamSink & sink, const pb::ResponseHeader & hdr, pb::ShardError err,
                       Clock::time_point t0, pb::CacheResult cache = pb::CACHE_RESULT_UNSPECIFIED,
                       bool internal = false);
+    // answers a frame at intake with an error (its ticket goes back)
+    void answer_frame_error(FrameEvent & ev, const pb::ResponseHeader & hdr, pb::ShardError err,
+                            pb::CacheResult cache = pb::CACHE_RESULT_UNSPECIFIED);
     // a client frame of the session is received and not answered yet
     bool has_unanswered_frame(const Session & s) const;
     // drops the session's state (queued work, KV, downstream link); returns freed KV cells
@@ -183,7 +189,7 @@ private:
     // sends a completed step's boundary rows to the session's downstream Shard
     // hint_rows > 1: a pipelined DECODE row, one of hint_rows forwarded to the same next Shard
     // from this batch (StepFrame.batch, id fwd_batch_seq_)
-    void forward(Session & s, const Work & w, pb::SessionResponse & r, uint32_t hint_rows = 0);
+    void forward(Session & s, Work & w, pb::SessionResponse & r, uint32_t hint_rows = 0);
     void on(DownReplyEvent & ev);
     void on(DownEndEvent & ev);
     // "downstream HOST:PORT [A, B)": how errors of a chained session name the next Shard
@@ -208,8 +214,10 @@ private:
     // inbox (guarded)
     mutable std::mutex mu_;
     std::condition_variable cv_;
+    // FrameTickets out (frame_ticket.h): changed only by tickets; declared before everything that
+    // holds one (inbox_, the queues), so that it outlives them
+    std::atomic<uint32_t> queued_{0};
     std::deque<Event> inbox_;
-    std::atomic<uint32_t> queued_{0};  // frames posted and not yet answered/queued for compute
     std::atomic<bool> draining_{false};
     bool stopped_ = false;  // guarded by mu_: events are then answered inline
 
