@@ -177,25 +177,8 @@ void Scheduler::run_batch() {
             forward(s, w, r, it == fwd_rows.end() ? 0 : it->second);
             continue;
         }
-        s.stored = r;
-        s.has_stored = true;
-        metrics_.steps++;
-        metrics_.step_latency.observe(seconds_since(w.t0));
         w.ticket.release();
-        if (s.sink) {
-            if (holds_answer(s, w.internal, finished)) {
-                s.sink->hold(std::move(r), s.gen.per_answer);
-            } else {
-                s.sink->deliver(std::move(r), false, grpc::Status::OK, !w.internal);
-            }
-        }
-        if (s.gen.active) {
-            if (sampled >= 0) {
-                continue_generation(s, w.header, sampled, finished);
-            } else {
-                s.gen.active = false;
-            }
-        }
+        complete_step(s, std::move(r), w.header, w.t0, w.internal, sampled, finished);
     }
 }
 

@@ -277,27 +277,10 @@ void Scheduler::on(DownReplyEvent & ev) {
     *r.mutable_header() = hdr;
     *r.mutable_header()->mutable_payload_checksum() = d.header().payload_checksum();
     *r.mutable_tail() = d.tail();
-    s.stored = r;
-    s.has_stored = true;
-    metrics_.steps++;
-    metrics_.step_latency.observe(std::chrono::duration<double>(Clock::now() - t0).count());
-    const bool finished = d.tail().tokens_size() > 0 &&
-                          d.tail().tokens(0).finish_reason() != pb::FINISH_REASON_UNSPECIFIED;
-    if (sink) {
-        if (holds_answer(s, internal, finished)) {
-            sink->hold(std::move(r), s.gen.per_answer);
-        } else {
-            sink->deliver(std::move(r), false, grpc::Status::OK, !internal);
-        }
-    }
-    if (s.gen.active) {
-        if (d.tail().tokens_size() > 0) {
-            const auto & t = d.tail().tokens(0);
-            continue_generation(s, hdr, t.token_id(), t.finish_reason() != pb::FINISH_REASON_UNSPECIFIED);
-        } else {
-            s.gen.active = false;
-        }
-    }
+    const bool has_token = d.tail().tokens_size() > 0;
+    const int32_t sampled = has_token ? d.tail().tokens(0).token_id() : -1;
+    const bool finished = has_token && d.tail().tokens(0).finish_reason() != pb::FINISH_REASON_UNSPECIFIED;
+    complete_step(s, std::move(r), hdr, t0, internal, sampled, finished);
 }
 
 void Scheduler::on(DownEndEvent & ev) {

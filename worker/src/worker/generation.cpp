@@ -1,10 +1,31 @@
-// Server-side generation (StepFrame.generate): each sampled token is fed back as the session's
-// next DECODE row (an internal step, batched with everything else) until max_tokens answers or
-// a finish reason; budgets apply to every internal step.
+// Step completion, and server-side generation (StepFrame.generate): each sampled token is fed
+// back as the session's next DECODE row (an internal step, batched with everything else) until
+// max_tokens answers or a finish reason; budgets apply to every internal step.
 #include "worker/errors.h"
 #include "worker/scheduler.h"
 
 namespace dgr::worker {
+
+void Scheduler::complete_step(Session & s, pb::SessionResponse r, const pb::ResponseHeader & hdr,
+                              Clock::time_point t0, bool internal, int32_t sampled, bool finished) {
+    s.stored = r;
+    s.has_stored = true;
+    metrics_.steps++;
+    metrics_.step_latency.observe(std::chrono::duration<double>(Clock::now() - t0).count());
+    if (s.sink) {
+        if (holds_answer(s, internal, finished)) {
+            s.sink->hold(std::move(r), s.gen.per_answer);
+        } else {
+            s.sink->deliver(std::move(r), false, grpc::Status::OK, !internal);
+        }
+    }
+    if (!s.gen.active) return;
+    if (sampled >= 0) {
+        continue_generation(s, hdr, sampled, finished);
+    } else {
+        s.gen.active = false;
+    }
+}
 
 bool Scheduler::holds_answer(const Session & s, bool internal, bool finished) {
     // a generated token (not the frame's own first one) that more tokens will follow

@@ -198,7 +198,12 @@ private:
     // a Shard farther down is named already, in ShardError.failed_endpoint/start/end
     static void blame_downstream(const Session & s, pb::ShardError & e);
 
-    // ---- generation.cpp: server-side generation ----
+    // ---- generation.cpp: step completion and server-side generation ----
+    // the one place a step completes, computed here or answered by the downstream Shard: `r`
+    // becomes the stored answer (replays), goes out (or is held, tokens_per_answer), and
+    // server-side generation queues its next row after `sampled` (-1: no token: it stops)
+    void complete_step(Session & s, pb::SessionResponse r, const pb::ResponseHeader & hdr, Clock::time_point t0,
+                       bool internal, int32_t sampled, bool finished);
     // whether this answer is held to go out with the next ones (GenerateParams.tokens_per_answer)
     static bool holds_answer(const Session & s, bool internal, bool finished);
     // after answering `token`, queue the next DECODE row (or stop)
