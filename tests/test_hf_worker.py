@@ -107,7 +107,7 @@ def test_protocol_faults_answer_documented_reasons(hf_route):
         d = await RouteDriver(hf_route.endpoints).connect()
         try:
             head = d.shards[0]
-            call = head.stub.Session()
+            call = head.client.stub.Session()
             # a decode step for a session this shard never saw: a cache miss
             await call.write(pb.SessionRequest(fast_decode=pb.FastDecodeFrame(
                 session_id="nope", route_epoch=1, step=0, position=3, token_id=5)))
@@ -128,9 +128,9 @@ def test_protocol_faults_answer_documented_reasons(hf_route):
                 await call.write(pb.SessionRequest(step=pb.StepFrame(header=h3, tokens=pb.TokenSpan(token_ids=[1]))))
                 opened.append(await call.read())
             call.cancel()
-            freed = [await head.stub.ReleaseSession(pb.ReleaseSessionRequest(session_id=sid, route_epoch=1))
+            freed = [await head.client.stub.ReleaseSession(pb.ReleaseSessionRequest(session_id=sid, route_epoch=1))
                      for sid in ("a", "b")]
-            left = (await head.stub.GetMetrics(pb.GetMetricsRequest())).load.active_sessions
+            left = (await head.client.stub.GetMetrics(pb.GetMetricsRequest())).load.active_sessions
             return miss, fp, vocab, opened, freed, left
         finally:
             await d.close()

@@ -169,8 +169,7 @@ def test_a_stream_of_n_tokens_is_n_text_events(gw, shards):
         d = await RouteDriver([w.target for w in shards]).connect()
         try:
             r = await d.generate(prompt, max_tokens=n, sampling=Sampling(ignore_eog=True))
-            got = await d.head.stub.Detokenize(pb.DetokenizeRequest(token_ids=r.tokens, include_pieces=True))
-            return r.tokens, list(got.pieces)
+            return r.tokens, await d.head.client.pieces(r.tokens)
         finally:
             await d.close()
     tokens, pieces = asyncio.run(direct())

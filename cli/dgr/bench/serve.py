@@ -124,8 +124,7 @@ class _ServeProcess:
 async def _driver_level(endpoints: Sequence[str], prompts: Sequence[str], max_tokens: int) -> LevelResult:
     """The same requests through the route driver itself (no HTTP)."""
     from dgr.route.driver import RouteDriver, Sampling
-
-    from dgr.shard.v1 import shard_runtime_pb2 as pb
+    from dgr.route.text import chat_prompt_text
 
     d = await RouteDriver(list(endpoints)).connect()
     try:
@@ -133,9 +132,8 @@ async def _driver_level(endpoints: Sequence[str], prompts: Sequence[str], max_to
 
         async def one(p: str) -> RequestResult:
             sent = time.perf_counter()
-            r = await d.head.stub.ApplyChatTemplate(pb.ApplyChatTemplateRequest(
-                messages=[pb.ChatMessage(role="user", content=p)], add_assistant=True), timeout=d.timeout)
-            ids = await d.tokenize(r.text, add_special=True, parse_special=True)
+            text = await chat_prompt_text(d.head.client, [("user", p)], timeout=d.timeout)
+            ids = await d.tokenize(text, add_special=True, parse_special=True)
             times: list[float] = []
             res = await d.generate(ids, max_tokens=max_tokens, sampling=Sampling(ignore_eog=True),
                                    on_token=lambda _t: times.append(time.perf_counter()))

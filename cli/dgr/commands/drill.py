@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Optional
 
@@ -47,7 +46,6 @@ def drill(
     from ..lab.drill import DrillConfig, run_drill
     from ..route.local import model_n_layer, parse_split
 
-    log = logging.getLogger("dgr.drill")
     if synthetic and model is not None:
         raise DgrError("give --synthetic or --model, not both")
     if model is not None:
@@ -64,7 +62,7 @@ def drill(
     cfg = DrillConfig(fault=fault, target=target, sessions=sessions, max_tokens=max_tokens, after_tokens=after_tokens,
                       split=rng, model=model, lab=lab, latency_ms=latency_ms, loss=loss, hold_s=hold_s,
                       max_restarts=max_restarts, fake_delay_ms=fake_delay_ms, threads=threads, timeout_s=timeout_s)
-    doc = run_drill(cfg, log=log.info)
+    doc = run_drill(cfg)   # progress lines: dgr.lab.drill's logger (dgr.console shows INFO on stderr)
     text = json.dumps(doc, indent=1)
     if out:
         out.write_text(text + "\n")

@@ -32,6 +32,7 @@ bounded; the drill ends only the processes it started.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from typing import Any, Callable, Sequence
 
 from ..errors import DgrError
 from .faults import LabLinks, LinkProxies, signal_worker as _signal
+
+_log = logging.getLogger(__name__)
 
 SCHEMA = "dgr.drill/1"
 FAULTS = ("kill", "stop", "term", "blackhole", "latency", "loss")
@@ -117,8 +120,8 @@ class DrillWorker:
 class Placement:
     """Starts the primary and standby workers (local or on lab hosts) and stops them."""
 
-    def __init__(self, cfg: DrillConfig, proxies: LinkProxies | None, log: Callable[[str], None]) -> None:
-        self.cfg, self.proxies, self.log = cfg, proxies, log
+    def __init__(self, cfg: DrillConfig, proxies: LinkProxies | None) -> None:
+        self.cfg, self.proxies = cfg, proxies
         self.workers: list[DrillWorker] = []
         self.tls = None
         self._lab_routes: list[Any] = []
@@ -155,7 +158,8 @@ class Placement:
                 if role == "primary" and self.proxies is not None:
                     ep = self.proxies.add(w.target)
                 self.workers.append(DrillWorker(role, (a, b), w, w.target, ep))
-                self.log(f"{role} worker [{a}:{b}) pid {w.pid} at {w.target}" + (f" via proxy {ep}" if ep != w.target else ""))
+                _log.info("%s worker [%s:%s) pid %s at %s%s", role, a, b, w.pid, w.target,
+                          f" via proxy {ep}" if ep != w.target else "")
 
     def _start_lab(self) -> None:
         from .hosts import Lab
@@ -270,7 +274,7 @@ async def _drained(ep: str, tls, wait_s: float) -> dict[str, Any]:
         await asyncio.sleep(0.1)
 
 
-async def _drill(cfg: DrillConfig, pl: Placement, proxies: LinkProxies | None, log: Callable[[str], None]) -> dict[str, Any]:
+async def _drill(cfg: DrillConfig, pl: Placement, proxies: LinkProxies | None) -> dict[str, Any]:
     from ..route.driver import RouteDriver
     from ..route.failover import FailoverRouter, PoolRouteFinder
     from ..route.work_records import summarize
@@ -285,7 +289,7 @@ async def _drill(cfg: DrillConfig, pl: Placement, proxies: LinkProxies | None, l
             prompts = [SYNTH_PROMPTS[i % len(SYNTH_PROMPTS)] for i in range(cfg.sessions)]
         else:
             prompts = [await ref_d.tokenize(TEXT_PROMPTS[i % len(TEXT_PROMPTS)]) for i in range(cfg.sessions)]
-        log(f"reference: {cfg.sessions} sessions x {n} tokens, uninterrupted, on the route")
+        _log.info("reference: %s sessions x %s tokens, uninterrupted, on the route", cfg.sessions, n)
         t_ref = time.monotonic()
         ref = await asyncio.wait_for(asyncio.gather(*(ref_d.generate(p, max_tokens=n, stop_on_eog=False)
                                                       for p in prompts)), cfg.timeout_s)
@@ -328,7 +332,7 @@ async def _drill(cfg: DrillConfig, pl: Placement, proxies: LinkProxies | None, l
         fault["injected_after_tokens"] = list(counts)
         t_fault = time.monotonic()
         fault["t_s"] = round(t_fault - t_origin, 4)
-        log(f"fault: {cfg.fault} on {victim.name}")
+        _log.info("fault: %s on %s", cfg.fault, victim.name)
         if cfg.fault in PROCESS_FAULTS:
             sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}[cfg.fault]
             if not _signal(victim.proc, sig):
@@ -441,10 +445,10 @@ def _record(d: dict) -> Any:
     return SessionWorkRecord(**{**d, "attempts": atts})
 
 
-def run_drill(cfg: DrillConfig, *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Runs one drill (see the module docstring) and returns its JSON document."""
+def run_drill(cfg: DrillConfig) -> dict[str, Any]:
+    """Runs one drill (see the module docstring) and returns its JSON document; its progress
+    (workers started, the reference run, the fault) goes to this module's logger at INFO."""
     cfg.validate()
-    log = log or (lambda _m: None)
     if cfg.fault in LINK_FAULTS and cfg.model is None and cfg.fake_delay_ms < 1:
         raise DgrError("a synthetic link drill needs --fake-delay-ms >= 1 (the sessions must still run)")
     proxies: Any = None
@@ -454,12 +458,12 @@ def run_drill(cfg: DrillConfig, *, log: Callable[[str], None] | None = None) -> 
             proxies = LabLinks(Lab.load(cfg.lab))
         else:
             proxies = LinkProxies()
-    pl = Placement(cfg, None if cfg.lab else proxies, log)
+    pl = Placement(cfg, None if cfg.lab else proxies)
     try:
         pl.start()
         if cfg.lab and proxies is not None:
             proxies = LabLinks(pl.lab)      # the lab as the placement left it (its proxies listed)
-        return asyncio.run(_drill(cfg, pl, proxies, log))
+        return asyncio.run(_drill(cfg, pl, proxies))
     finally:
         pl.stop()
         if proxies is not None:

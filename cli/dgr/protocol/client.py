@@ -157,6 +157,21 @@ class AsyncWorkerClient:
             token_ids=list(ids), remove_special=remove_special, unparse_special=unparse_special), timeout)
         return r.text
 
+    async def pieces(self, ids: Sequence[int], *, timeout: float | None = None) -> list[bytes]:
+        """Each token's own text bytes (``Detokenize`` with ``include_pieces``), in order."""
+        r = await self._call(self.stub.Detokenize, pb.DetokenizeRequest(token_ids=list(ids), include_pieces=True),
+                             timeout)
+        return list(r.pieces)
+
+    async def apply_chat_template(self, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True,
+                                  timeout: float | None = None) -> str:
+        """The prompt text of ``messages`` (role, content) by the model's own chat template;
+        ``add_assistant``: ending with the assistant's prefix. A model without a (usable)
+        template answers INVALID_ARGUMENT (an older worker: UNIMPLEMENTED), as WorkerError."""
+        req = pb.ApplyChatTemplateRequest(messages=[pb.ChatMessage(role=a, content=b) for a, b in messages],
+                                          add_assistant=add_assistant)
+        return (await self._call(self.stub.ApplyChatTemplate, req, timeout)).text
+
     # -- sessions ------------------------------------------------------------------------
     async def open_session(self, session_id: str | None = None, epoch: int = 1, *,
                            sampling: Sampling | None = None, step_timeout: float | None = None,
@@ -305,11 +320,21 @@ class WorkerClient:
     def cancel(self, session_id: str, epoch: int = 0, timeout: float | None = None) -> pb.CancelSessionResponse:
         return self._run(self.aio.cancel(session_id, epoch, timeout))
 
-    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = False) -> list[int]:
-        return self._run(self.aio.tokenize(text, add_special=add_special, parse_special=parse_special))
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = False,
+                 timeout: float | None = None) -> list[int]:
+        return self._run(self.aio.tokenize(text, add_special=add_special, parse_special=parse_special, timeout=timeout))
 
-    def detokenize(self, ids: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False) -> bytes:
-        return self._run(self.aio.detokenize(ids, remove_special=remove_special, unparse_special=unparse_special))
+    def detokenize(self, ids: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False,
+                   timeout: float | None = None) -> bytes:
+        return self._run(self.aio.detokenize(ids, remove_special=remove_special, unparse_special=unparse_special,
+                                             timeout=timeout))
+
+    def pieces(self, ids: Sequence[int], *, timeout: float | None = None) -> list[bytes]:
+        return self._run(self.aio.pieces(ids, timeout=timeout))
+
+    def apply_chat_template(self, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True,
+                            timeout: float | None = None) -> str:
+        return self._run(self.aio.apply_chat_template(messages, add_assistant=add_assistant, timeout=timeout))
 
     def open_session(self, session_id: str | None = None, epoch: int = 1, *,
                      sampling: Sampling | None = None, step_timeout: float | None = None,

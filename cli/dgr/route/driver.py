@@ -175,13 +175,13 @@ class RouteDriver:
             await s.client.close()
 
     async def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        r = await self.head.stub.Tokenize(pb.TokenizeRequest(text=text, add_special=add_special,
-                                                             parse_special=parse_special), timeout=self.timeout)
-        return list(r.token_ids)
+        """Token ids of ``text`` by the head's tokenizer (raises the client's WorkerError)."""
+        return await self.head.client.tokenize(text, add_special=add_special, parse_special=parse_special,
+                                               timeout=self.timeout)
 
     async def detokenize(self, ids: Sequence[int]) -> bytes:
-        r = await self.head.stub.Detokenize(pb.DetokenizeRequest(token_ids=list(ids)), timeout=self.timeout)
-        return r.text
+        """The text bytes of ``ids`` by the head's tokenizer (raises the client's WorkerError)."""
+        return await self.head.client.detokenize(ids, timeout=self.timeout)
 
     async def open_stream(self, shard: ShardHandle, sid: str, epoch: int, *, sampling: Sampling | None = None,
                           downstream: Sequence[pb.ChainHop] = ()) -> AsyncSessionStream:
@@ -306,9 +306,9 @@ class RouteDriver:
         """The first shard (route order) that does not answer a capability probe."""
         async def alive(s: ShardHandle) -> bool:
             try:
-                await s.stub.GetCapability(pb.GetCapabilityRequest(), timeout=min(PROBE_TIMEOUT_S, self.timeout))
+                await s.client.capability(refresh=True, timeout=min(PROBE_TIMEOUT_S, self.timeout))
                 return True
-            except Exception:
+            except WorkerError:
                 return False
         res = await asyncio.gather(*(alive(s) for s in self.shards))
         return next((s for s, ok in zip(self.shards, res) if not ok), None)

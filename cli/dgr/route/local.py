@@ -246,8 +246,7 @@ class LocalRoute:
                             [w.pid for w in self.workers])
 
 
-def cached_slice(model: Path, rng: "LayerRange", path: Path, artifact_id: str, *,
-                 log: Callable[[str], None] | None = None) -> Path:
+def cached_slice(model: Path, rng: "LayerRange", path: Path, artifact_id: str) -> Path:
     """The slice of ``rng`` at ``path``: a cached file is reused only when it verifies against
     the manifest it carries, is a slice of ``artifact_id`` and covers ``rng`` (every tensor's
     bytes hashed: `dgr gguf verify-slice`); never on its path, size or mtime. Anything else
@@ -255,7 +254,6 @@ def cached_slice(model: Path, rng: "LayerRange", path: Path, artifact_id: str, *
     naming what failed."""
     from ..gguf.slice import SliceError, slice_gguf, verify_slice
 
-    say = log or _log.info
     if path.is_file():
         try:
             rep = verify_slice(path, expect_range=rng, progress=False)
@@ -265,9 +263,8 @@ def cached_slice(model: Path, rng: "LayerRange", path: Path, artifact_id: str, *
         except (SliceError, DgrError) as exc:
             problem = str(exc)
         _log.warning("cached slice %s refused: %s; cutting it again", path, problem)
-        say(f"cached slice {path} refused ({problem}); cutting it again")
         path.unlink()
-    say(f"slicing layers {rng.start}:{rng.end} -> {path}")
+    _log.info("slicing layers %s:%s -> %s", rng.start, rng.end, path)
     slice_gguf(model, rng, path, progress=False)
     return path
 

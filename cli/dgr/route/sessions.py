@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..procfs import status_bytes
+from ..protocol.errors import WorkerError
 from .text import PieceCache, TextDecoder, chat_prompt_text
 
 DEFAULT_PROMPTS = (
@@ -193,13 +194,11 @@ class _Sampler:
         self._task: asyncio.Task | None = None
 
     async def _poll_once(self) -> list[dict[str, float]]:
-        from ..shard.v1 import shard_runtime_pb2 as pb
-
         maps = []
         for sh, st, pid in zip(self.driver.shards, self.stats, self.pids):
             try:
-                r = await sh.stub.GetMetrics(pb.GetMetricsRequest(), timeout=5)
-            except Exception:
+                r = await sh.client.metrics(timeout=5)
+            except WorkerError:
                 maps.append({})
                 continue
             st.kv_cells_total = r.load.kv_cells_total
@@ -250,14 +249,12 @@ CHAIN_FRAMES = "dgr_chain_frames_sent_total"
 async def _chain_counter_pairs(driver: Any, phase: str, total: str, count: str) -> list[tuple[float, float]]:
     """Per non-tail shard of the route: the sums of the ``total`` and ``count`` worker metrics
     labelled ``phase`` ((0, 0) for a shard that does not answer)."""
-    from ..shard.v1 import shard_runtime_pb2 as pb
-
     out = []
     for sh in driver.shards[:-1]:
         tot = n = 0.0
         try:
-            r = await sh.stub.GetMetrics(pb.GetMetricsRequest(), timeout=5)
-        except Exception:
+            r = await sh.client.metrics(timeout=5)
+        except WorkerError:
             out.append((0.0, 0.0))
             continue
         for m in r.samples:
@@ -309,9 +306,9 @@ async def prompt_tokens(driver: Any, prompts: Sequence[str], *, chat: bool) -> l
         text, special = p, False
         if chat:
             try:
-                text, special = await chat_prompt_text(driver.head.stub, [("user", p)], timeout=driver.timeout), True
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
+                text, special = await chat_prompt_text(driver.head.client, [("user", p)], timeout=driver.timeout), True
+            except WorkerError as exc:
+                if exc.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
                     raise
                 chat = False   # no template (or an older worker): every prompt as is
         out.append(await driver.tokenize(text, add_special=True, parse_special=special))
@@ -357,7 +354,7 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
         got: list[list[int]] = [[] for _ in toks]
         sent = [0] * len(toks)                     # tokens already turned into text
         decoders = [TextDecoder() for _ in toks]
-        pieces = PieceCache(driver.head.stub, timeout=driver.timeout)
+        pieces = PieceCache(driver.head.client, timeout=driver.timeout)
         done = asyncio.Event()
 
         async def streamer() -> None:

@@ -58,10 +58,6 @@ class ShardHandle:
         return self.client.channel
 
     @property
-    def stub(self) -> Any:
-        return self.client.stub
-
-    @property
     def start(self) -> int:
         return self.capability.identity.range.start
 

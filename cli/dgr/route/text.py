@@ -11,22 +11,26 @@
 from __future__ import annotations
 
 import codecs
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from dgr.shard.v1 import shard_runtime_pb2 as pb
+if TYPE_CHECKING:
+    from dgr.protocol.client import AsyncWorkerClient
 
 
-async def chat_prompt_text(stub: Any, messages: Sequence[tuple[str, str]], *, timeout: float) -> str:
+async def chat_prompt_text(client: "AsyncWorkerClient", messages: Sequence[tuple[str, str]], *,
+                           timeout: float) -> str:
     """The prompt text for ``messages`` (role, content), ending with the assistant's prefix.
-    Raises the RPC's error when the model has no (usable) chat template."""
-    r = await stub.ApplyChatTemplate(pb.ApplyChatTemplateRequest(
-        messages=[pb.ChatMessage(role=a, content=b) for a, b in messages], add_assistant=True), timeout=timeout)
-    return r.text
+    Raises the client's WorkerError when the model has no (usable) chat template
+    (INVALID_ARGUMENT; UNIMPLEMENTED from an older worker)."""
+    return await client.apply_chat_template(messages, add_assistant=True, timeout=timeout)
 
 
 class PieceCache:
-    def __init__(self, stub: Any, *, timeout: float) -> None:
-        self.stub, self.timeout = stub, timeout
+    """Token id -> its text bytes, asked of ``client`` (the head's protocol client) once per id;
+    a failed lookup raises the client's WorkerError."""
+
+    def __init__(self, client: "AsyncWorkerClient", *, timeout: float) -> None:
+        self.client, self.timeout = client, timeout
         self._pieces: dict[int, bytes] = {}
 
     async def prefetch(self, n_vocab: int, chunk: int = 65536) -> None:
@@ -38,9 +42,7 @@ class PieceCache:
     async def pieces(self, toks: Sequence[int]) -> list[bytes]:
         unknown = sorted({t for t in toks if t not in self._pieces})
         if unknown:
-            r = await self.stub.Detokenize(pb.DetokenizeRequest(token_ids=unknown, include_pieces=True),
-                                           timeout=self.timeout)
-            self._pieces.update(zip(unknown, r.pieces))
+            self._pieces.update(zip(unknown, await self.client.pieces(unknown, timeout=self.timeout)))
         return [self._pieces[t] for t in toks]
 
 

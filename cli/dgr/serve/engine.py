@@ -23,11 +23,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-import grpc
-
 from dgr.errors import DgrError
 
-from dgr.protocol.errors import Reason, WorkerError
+from dgr.protocol.client import AsyncWorkerClient
+from dgr.protocol.errors import Reason, WorkerError, WorkerUnavailable
 from dgr.route.driver import RouteDriver, RouteSessionError, Sampling
 from dgr.route.text import PieceCache, TextDecoder, chat_prompt_text
 
@@ -263,7 +262,7 @@ class Generation:
                     yield Delta(out)
             try:
                 res = task.result()
-            except (WorkerError, DgrError, grpc.aio.AioRpcError) as exc:   # e.g. the head refused the stream
+            except (WorkerError, DgrError) as exc:   # e.g. the head refused the stream
                 raise GatewayError(502, f"route failure: {exc}", kind="server_error", code="route_error") from None
             if res.error is not None:
                 raise _session_error(res.error)
@@ -290,6 +289,12 @@ def _session_error(exc: RouteSessionError) -> GatewayError:
     return GatewayError(502, f"route failure: {exc}", kind="server_error", code="route_error")
 
 
+def _head_unavailable(endpoint: str, exc: WorkerUnavailable) -> GatewayError:
+    """The head shard did not answer (gone, or not serving): the route failed, not the request."""
+    return GatewayError(502, f"route failure: the head shard {endpoint} is unavailable: {exc.details}",
+                        kind="server_error", code="route_error")
+
+
 class Engine:
     """The gateway's view of one route: a connected driver plus what requests need of it."""
 
@@ -303,7 +308,7 @@ class Engine:
         self.admission = Admission(slots or self.worker_slots, queue)
         self.created = int(time.time())
         self.active: dict[str, Generation] = {}
-        self._pieces = PieceCache(driver.head.stub, timeout=driver.timeout)
+        self._pieces = PieceCache(driver.head.client, timeout=driver.timeout)
 
     @classmethod
     async def connect(cls, endpoints: Sequence[str], *, model_id: str | None = None, slots: int | None = None,
@@ -318,8 +323,9 @@ class Engine:
         await self.driver.close()
 
     @property
-    def head(self) -> Any:
-        return self.driver.head.stub
+    def head(self) -> AsyncWorkerClient:
+        """The head shard's protocol client (tokenizer, chat template, token pieces)."""
+        return self.driver.head.client
 
     async def pieces(self, toks: Sequence[int]) -> list[bytes]:
         """Each token's text bytes (a token id's piece never changes: looked up once)."""
@@ -328,8 +334,10 @@ class Engine:
     async def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         try:
             text = await chat_prompt_text(self.head, messages, timeout=self.driver.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise GatewayError(400, f"cannot format the messages: {exc.details()}", param="messages") from None
+        except WorkerUnavailable as exc:
+            raise _head_unavailable(self.driver.head.endpoint, exc) from None
+        except WorkerError as exc:
+            raise GatewayError(400, f"cannot format the messages: {exc.details}", param="messages") from None
         except UnicodeEncodeError as exc:   # a lone surrogate: JSON carries it, protobuf strings cannot
             raise GatewayError(400, f"the messages are not valid Unicode text: {exc.reason}", param="messages",
                                code="invalid_value") from None
@@ -338,8 +346,10 @@ class Engine:
     async def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         try:
             return await self.driver.tokenize(text, add_special=True, parse_special=special)
-        except grpc.aio.AioRpcError as exc:
-            raise GatewayError(400, f"cannot tokenize the prompt: {exc.details()}", param="prompt") from None
+        except WorkerUnavailable as exc:
+            raise _head_unavailable(self.driver.head.endpoint, exc) from None
+        except WorkerError as exc:
+            raise GatewayError(400, f"cannot tokenize the prompt: {exc.details}", param="prompt") from None
         except UnicodeEncodeError as exc:
             raise GatewayError(400, f"the prompt is not valid Unicode text: {exc.reason}", param="prompt",
                                code="invalid_value") from None

@@ -12,8 +12,7 @@ import asyncio
 import time
 from typing import Any
 
-import grpc
-
+from dgr.protocol.errors import WorkerError
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 
 COUNTERS = ("dgr_decode_tokens_total", "dgr_prefill_tokens_total", "dgr_batches_total", "dgr_batch_rows_total")
@@ -41,9 +40,9 @@ class RouteView:
             "slots": cap.capacity.max_sessions, "ok": False,
         }
         try:
-            r = await sh.stub.GetMetrics(pb.GetMetricsRequest(), timeout=self.timeout)
+            r = await sh.client.metrics(timeout=self.timeout)
         except Exception as exc:   # noqa: BLE001 - shown in the view, never raised
-            details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else None
+            details = exc.details if isinstance(exc, WorkerError) else None
             row["error"] = details or str(exc) or type(exc).__name__
             return row
         now, cur = time.monotonic(), _counters(r)
