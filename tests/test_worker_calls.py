@@ -98,3 +98,28 @@ def test_gateway_answers_502_when_its_head_is_gone(native_bin):
     finally:
         for w in ws:
             w.kill()
+
+
+
+@pytest.mark.parametrize("code,status", [(grpc.StatusCode.DEADLINE_EXCEEDED, 502), (grpc.StatusCode.INTERNAL, 502),
+                                         (grpc.StatusCode.UNKNOWN, 502), (grpc.StatusCode.CANCELLED, 502),
+                                         (grpc.StatusCode.INVALID_ARGUMENT, 400),
+                                         (grpc.StatusCode.FAILED_PRECONDITION, 400)])
+def test_a_head_failure_is_the_routes_and_a_refusal_is_the_requests(code, status):
+    """The head's tokenizer or chat template failing for any reason but refusing the text (a
+    deadline run out, an internal fault) is the route's failure: 502 route_error naming the head.
+    Only a refusal of the text itself (INVALID_ARGUMENT, FAILED_PRECONDITION) is the request's: 400."""
+    from types import SimpleNamespace
+
+    from dgr.serve.engine import Engine, GatewayError
+
+    async def fail(*_a, **_k):
+        raise WorkerError(code, "boom")
+
+    eng = Engine.__new__(Engine)
+    eng.driver = SimpleNamespace(head=SimpleNamespace(endpoint="127.0.0.1:9"), timeout=1.0, tokenize=fail)
+    with pytest.raises(GatewayError) as ei:
+        asyncio.run(eng.tokenize("hi"))
+    assert ei.value.status == status, ei.value
+    if status == 502:
+        assert "127.0.0.1:9" in str(ei.value) and code.name in str(ei.value), ei.value

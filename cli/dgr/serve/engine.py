@@ -23,8 +23,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from dgr.errors import DgrError
+import grpc
 
+from dgr.errors import DgrError
 from dgr.protocol.client import AsyncWorkerClient
 from dgr.protocol.errors import Reason, WorkerError, WorkerUnavailable
 from dgr.route.driver import RouteDriver, RouteSessionError, Sampling
@@ -289,10 +290,16 @@ def _session_error(exc: RouteSessionError) -> GatewayError:
     return GatewayError(502, f"route failure: {exc}", kind="server_error", code="route_error")
 
 
-def _head_unavailable(endpoint: str, exc: WorkerUnavailable) -> GatewayError:
-    """The head shard did not answer (gone, or not serving): the route failed, not the request."""
-    return GatewayError(502, f"route failure: the head shard {endpoint} is unavailable: {exc.details}",
-                        kind="server_error", code="route_error")
+def _head_unavailable(endpoint: str, exc: WorkerError) -> GatewayError:
+    """The head shard did not answer (gone, not serving, silent, failed): the route failed, not
+    the request."""
+    return GatewayError(502, f"route failure: the head shard {endpoint} is unavailable: {exc.code.name}: "
+                             f"{exc.details}", kind="server_error", code="route_error")
+
+
+# what a head answers to text it refuses: the request's fault (400); any other failure is the route's
+_REQUEST_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                             grpc.StatusCode.OUT_OF_RANGE})
 
 
 class Engine:
@@ -334,9 +341,9 @@ class Engine:
     async def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         try:
             text = await chat_prompt_text(self.head, messages, timeout=self.driver.timeout)
-        except WorkerUnavailable as exc:
-            raise _head_unavailable(self.driver.head.endpoint, exc) from None
         except WorkerError as exc:
+            if isinstance(exc, WorkerUnavailable) or exc.code not in _REQUEST_FAULTS:
+                raise _head_unavailable(self.driver.head.endpoint, exc) from None
             raise GatewayError(400, f"cannot format the messages: {exc.details}", param="messages") from None
         except UnicodeEncodeError as exc:   # a lone surrogate: JSON carries it, protobuf strings cannot
             raise GatewayError(400, f"the messages are not valid Unicode text: {exc.reason}", param="messages",
@@ -346,9 +353,9 @@ class Engine:
     async def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         try:
             return await self.driver.tokenize(text, add_special=True, parse_special=special)
-        except WorkerUnavailable as exc:
-            raise _head_unavailable(self.driver.head.endpoint, exc) from None
         except WorkerError as exc:
+            if isinstance(exc, WorkerUnavailable) or exc.code not in _REQUEST_FAULTS:
+                raise _head_unavailable(self.driver.head.endpoint, exc) from None
             raise GatewayError(400, f"cannot tokenize the prompt: {exc.details}", param="prompt") from None
         except UnicodeEncodeError as exc:
             raise GatewayError(400, f"the prompt is not valid Unicode text: {exc.reason}", param="prompt",
