@@ -169,6 +169,8 @@ struct Worker {
         CHECK(g.queued_steps == 0 && g.active_sessions == 0 && g.kv_cells_used == 0,
               "after stop: %u queued, %u sessions, %llu KV cells", g.queued_steps, g.active_sessions,
               (unsigned long long) g.kv_cells_used);
+        const std::string drift = sched.audit();
+        CHECK(drift.empty(), "after stop: %s", drift.c_str());
     }
     Frames frames(const std::string & sid) const {
         Frames f;

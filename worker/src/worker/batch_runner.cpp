@@ -150,11 +150,7 @@ void Scheduler::run_batch() {
     for (size_t k = 0; k < items.size(); ++k) {
         Work & w = *items[k];
         Session & s = *sess[k];
-        s.positions += w.n;
-        table_.kv_used += w.n;
-        const uint32_t freed = w.piece_more ? std::min(s.reserved, w.n) : s.reserved;  // a piece: its rows only
-        table_.kv_reserved -= freed;
-        s.reserved -= freed;
+        table_.commit(s, w.n, w.piece_more ? w.n : s.reserved);  // a piece frees its rows only
         s.busy = false;
         s.decoding = w.decode;
         s.last_step = (int64_t) w.header.step();
@@ -242,8 +238,7 @@ void Scheduler::fail_batch(std::vector<std::unique_ptr<Work>> & items, std::vect
         if (st == BackendStatus::resource_exhausted && !w.piece) {  // a piece: the route is ahead; drop
             s.busy = false;
             s.gen.active = false;
-            table_.kv_reserved -= s.reserved;
-            s.reserved = 0;
+            table_.unreserve(s);
             backend_.seq_rm(s.seq, (int32_t) s.positions, -1);
             pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET, "no KV slot for the batch: " + err);
             e.set_limit(opts_.kv_cells);

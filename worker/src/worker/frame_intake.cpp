@@ -270,9 +270,8 @@ void Scheduler::on(FrameEvent & ev) {
     }
     note_digest(*s, in.step, in.digest);
     s->busy = true;
-    s->reserved = n;
     s->last_used = Clock::now();
-    table_.kv_reserved += n;
+    table_.reserve(*s, n);
     w->generation = s->generation;
     w->header = in.hdr;
     w->header.mutable_computed_range()->set_start(s->effective_start);
@@ -414,8 +413,7 @@ void Scheduler::phase_without_input(FrameEvent & ev, Intake & in, Session & s) {
                                       make_error(pb::ERROR_REASON_BAD_REQUEST, "truncation point beyond the positions held"));
         }
         backend_.seq_rm(s.seq, (int32_t) in.p0, -1);
-        table_.kv_used -= s.positions - in.p0;
-        s.positions = in.p0;
+        table_.truncate(s, in.p0);
         s.last_step = (int64_t) in.step;
         in.hdr.set_cached_positions(in.p0);
     }

@@ -84,8 +84,7 @@ void Scheduler::continue_generation(Session & s, const pb::ResponseHeader & last
     w->t0 = Clock::now();
     w->t_ready = w->t0;
     s.busy = true;
-    s.reserved = 1;
-    table_.kv_reserved += 1;
+    table_.reserve(s, 1);
     metrics_.generated_tokens++;
     note_decode_arrival(s);
     decode_q_.push_back(std::move(w));

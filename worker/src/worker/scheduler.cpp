@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 
 namespace dgr::worker {
 
@@ -177,9 +178,26 @@ Gauges Scheduler::gauges() const {
     return g;
 }
 
+std::string Scheduler::audit() const {
+    std::string out = table_.check();
+    if (thread_.joinable()) return out;
+    auto add = [&out](const std::string & what) { out += (out.empty() ? "" : "; ") + what; };
+    bool stopped;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        stopped = stopped_;
+    }
+    if (stopped) {
+        if (queued_.load() != 0) add(std::to_string(queued_.load()) + " frame ticket(s) still out");
+        if (table_.size() != 0) add(std::to_string(table_.size()) + " session(s) left");
+        if (!decode_q_.empty() || !prefill_q_.empty()) add("steps left in the queues");
+    }
+    return out;
+}
+
 void Scheduler::publish_gauges() {
     active_ = (uint32_t) table_.size();
-    kv_used_pub_ = table_.kv_used;
+    kv_used_pub_ = table_.kv_used();
 }
 
 uint64_t Scheduler::drop_session(const std::string & id, EndKind kind) {
@@ -209,7 +227,7 @@ bool Scheduler::make_room(uint64_t cells, bool need_session, const std::string &
     const auto now = Clock::now();
     for (;;) {
         const bool sessions_full = need_session && table_.full();
-        const bool kv_full = table_.kv_used + table_.kv_reserved + cells > opts_.kv_cells;
+        const bool kv_full = table_.kv_used() + table_.kv_reserved() + cells > opts_.kv_cells;
         if (!sessions_full && !kv_full) return true;
         Session * lru = table_.lru_idle(now, opts_.evict_idle_s, requester);
         if (!lru) return false;
@@ -364,6 +382,12 @@ void Scheduler::loop() {
             evs.swap(inbox_);
         }
         if (!dispatch(evs)) return;
+#ifndef NDEBUG
+        if (const std::string drift = table_.check(); !drift.empty()) {
+            std::fprintf(stderr, "dgr-worker: internal error: %s\n", drift.c_str());
+            std::abort();
+        }
+#endif
         // Gather: sessions that just got a decode answer usually send their next step within
         // a client round trip; waiting a little (<= 25% of the last decode call, <= 5 ms) for
         // them turns staggered arrivals into one batch instead of several small ones. A session

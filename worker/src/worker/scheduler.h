@@ -86,6 +86,11 @@ public:
     uint32_t active_sessions() const { return active_.load(); }
 
     Gauges gauges() const;
+    // The accounting invariants (KV totals equal the sessions' sums; once stopped, no ticket,
+    // session or queued step is left): an empty string when they hold, else what drifted. Call it
+    // only while the scheduler thread is not running (before start, after stop); debug builds
+    // also check the KV part on the thread after every round of events.
+    std::string audit() const;
     const SchedulerOptions & options() const { return opts_; }
     const pb::GetCapabilityResponse & capability() const { return cap_; }
 

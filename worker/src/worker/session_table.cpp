@@ -48,8 +48,8 @@ std::unique_ptr<Session> SessionTable::remove(const std::string & id, EndKind ki
     if (it == sessions_.end()) return nullptr;
     std::unique_ptr<Session> s = std::move(it->second);
     sessions_.erase(it);
-    kv_used -= s->positions;
-    kv_reserved -= s->reserved;
+    kv_used_ -= s->positions;
+    kv_reserved_ -= s->reserved;
     free_seqs_.push_back(s->seq);
     // lowest id first (back of a descending list): active sessions stay on consecutive ids
     std::sort(free_seqs_.begin(), free_seqs_.end(), std::greater<int32_t>());
@@ -82,6 +82,42 @@ std::vector<std::string> SessionTable::expired(Clock::time_point now, double ttl
         if (!kv.second->busy && idle_s(now, *kv.second) >= ttl_s) out.push_back(kv.first);
     }
     return out;
+}
+
+void SessionTable::reserve(Session & s, uint32_t cells) {
+    s.reserved += cells;
+    kv_reserved_ += cells;
+}
+
+void SessionTable::commit(Session & s, uint32_t rows, uint32_t freed) {
+    freed = std::min(freed, s.reserved);
+    s.positions += rows;
+    kv_used_ += rows;
+    s.reserved -= freed;
+    kv_reserved_ -= freed;
+}
+
+void SessionTable::unreserve(Session & s) {
+    kv_reserved_ -= s.reserved;
+    s.reserved = 0;
+}
+
+void SessionTable::truncate(Session & s, uint32_t positions) {
+    if (positions >= s.positions) return;
+    kv_used_ -= s.positions - positions;
+    s.positions = positions;
+}
+
+std::string SessionTable::check() const {
+    uint64_t used = 0, reserved = 0;
+    for (const auto & kv : sessions_) {
+        used += kv.second->positions;
+        reserved += kv.second->reserved;
+    }
+    if (used == kv_used_ && reserved == kv_reserved_) return {};
+    return "KV accounting drifted: " + std::to_string(kv_used_) + " cells used (sessions hold " +
+           std::to_string(used) + "), " + std::to_string(kv_reserved_) + " reserved (sessions reserve " +
+           std::to_string(reserved) + ")";
 }
 
 std::vector<std::string> SessionTable::ids() const {

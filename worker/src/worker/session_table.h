@@ -73,7 +73,7 @@ struct Session {
     uint64_t    epoch = 0;
     uint64_t    generation = 0;  // unique per opened session: late downstream events are matched by it
     int32_t     seq = -1;
-    uint32_t    positions = 0;
+    uint32_t    positions = 0;  // changed by SessionTable only (commit, truncate)
     uint32_t    effective_start = 0;
     int64_t     last_step = -1;
     // the last completed step's answer (replayed when the step is resent by the owner with the
@@ -88,7 +88,7 @@ struct Session {
     Clock::time_point   last_used;
     bool     busy = false;      // a step is queued or in the batch
     bool     decoding = false;  // its last completed step was a DECODE (a next one is likely)
-    uint32_t reserved = 0;      // KV cells reserved by the queued step
+    uint32_t reserved = 0;      // KV cells reserved by the queued step (SessionTable only)
     Clock::time_point answered_at{};  // its last step was answered (or forwarded downstream)
     double   gap_s = 0.0;       // EWMA: answered -> its next DECODE row queued here (pipeline.h)
     bool     pipelined = false; // opened by a Shard forwarding in pipeline groups (StepFrame.pipelined)
@@ -125,9 +125,20 @@ public:
     }
     std::vector<std::string> ids() const;
 
-    // KV cells: held by all sessions' positions, and reserved by queued steps.
-    uint64_t kv_used = 0;
-    uint64_t kv_reserved = 0;
+    // ---- KV cell accounting: the only code that changes positions, reservations and the totals.
+    // A queued step reserves its rows; computing them commits them (they become positions and
+    // leave the reservation); a refused or failed step gives its reservation back; TRUNCATE
+    // drops positions; remove() frees both.
+    void reserve(Session & s, uint32_t cells);
+    // `rows` computed: positions grow by `rows`; `freed` cells (at most the reservation) leave it
+    void commit(Session & s, uint32_t rows, uint32_t freed);
+    void unreserve(Session & s);
+    void truncate(Session & s, uint32_t positions);
+    // cells held by all sessions' positions, and reserved by queued steps
+    uint64_t kv_used() const { return kv_used_; }
+    uint64_t kv_reserved() const { return kv_reserved_; }
+    // the totals equal the sums over the sessions; an empty message when they do
+    std::string check() const;
 
 private:
     void remember(const std::string & id, uint64_t epoch, EndKind kind);
@@ -139,6 +150,8 @@ private:
     std::deque<std::string> tomb_order_;
     std::vector<int32_t> free_seqs_;  // descending: the lowest id at the back
     uint64_t next_generation_ = 1;
+    uint64_t kv_used_ = 0;
+    uint64_t kv_reserved_ = 0;
 };
 
 }  // namespace dgr::worker
