@@ -42,6 +42,10 @@ def test_options_json_agrees_with_the_capability_of_a_worker_started_without_fla
     assert cap.identity.n_layer == t["n-layer"]["default"] and cap.identity.n_embd == t["n-embd"]["default"]
     assert cap.identity.n_vocab == t["n-vocab"]["default"]
     check_capacity(cap)   # every limit reported
+    # the client's own sizes (before it knows a worker) fit what a default worker takes
+    from dgr.protocol.bundle import DEFAULT_FRAGMENT_BYTES
+    from dgr.protocol.channel import DEFAULT_MAX_MESSAGE_BYTES
+    assert DEFAULT_MAX_MESSAGE_BYTES >= c.max_message_bytes and DEFAULT_FRAGMENT_BYTES <= c.max_fragment_bytes
 
 
 @pytest.mark.native

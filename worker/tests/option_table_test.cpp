@@ -129,7 +129,9 @@ void check_bounds() {
     CHECK(refusal(option_spec(Opt::kSessionTtlS), "nan") == "--session-ttl-s wants a non-negative number, got 'nan'",
           "nan");
     CHECK(refusal(option_spec(Opt::kLayers), "4:2") == "--layers wants A:B with A < B, got '4:2'", "layers");
-    CHECK(refusal(option_spec(Opt::kLayers), "2:4x") != "", "layers with a tail");
+    for (const char * bad : {"2:4x", "2:-1", "-1:4", " 2:4", "2:", ":4", "2:3:4", "+2:4"}) {
+        CHECK(refusal(option_spec(Opt::kLayers), bad) != "", "--layers %s taken", bad);
+    }
     ServeOptions o;
     CHECK(parse({"--layers", "2:4"}, &o) == -1 && o.has_layers && o.layer_start == 2 && o.layer_end == 4, "layers");
     CHECK(parse({"--max-sessions"}, &o) == 2, "a missing value");

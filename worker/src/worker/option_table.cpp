@@ -115,7 +115,10 @@ bool parse_option_value(const OptionSpec & s, const char * v, OptionValue * out,
         case OptionKind::kRange: {
             unsigned a = 0, b = 0;
             char tail = 0;
-            if (std::sscanf(v, "%u:%u%c", &a, &b, &tail) != 2 || v[0] == '-' || a >= b) {
+            const std::string t = v;
+            const bool digits = t.find_first_not_of("0123456789:") == std::string::npos &&
+                                std::count(t.begin(), t.end(), ':') == 1;
+            if (!digits || std::sscanf(v, "%u:%u%c", &a, &b, &tail) != 2 || a >= b) {
                 *err = flag + " wants A:B with A < B" + got;
                 return false;
             }
