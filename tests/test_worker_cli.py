@@ -22,9 +22,10 @@ def test_serve_dry_run_maps_flags():
     argv = r.output.split()
     assert argv[0].endswith("bin/dgr-worker") and argv[1] == "serve"
     for flag, value in (("--layers", "2:6"), ("--max-sessions", "4"), ("--kv-cells", "128"),
-                        ("--queue-limit", "8"), ("--listen", "127.0.0.1:50151")):
+                        ("--queue-limit", "8")):
         assert argv[argv.index(flag) + 1] == value
     assert "--fake-model" in argv
+    assert "--listen" not in argv and "--ctx-per-session" not in argv  # left out: the worker's defaults hold
 
 
 def test_serve_needs_one_model_source():

@@ -32,7 +32,8 @@ def serve(
                                                  "(default: the workers' session slots)."),
     queue: int = typer.Option(64, "--queue", min=0, help="Requests that may wait for a slot; beyond that: 429."),
     max_sessions: int = typer.Option(8, "--max-sessions", min=1, help="Local route: sessions per worker."),
-    ctx_per_session: int = typer.Option(2048, "--ctx-per-session", min=1, help="Local route: positions per session."),
+    ctx_per_session: Optional[int] = typer.Option(None, "--ctx-per-session", min=1, help="Local route: positions per "
+                                                  "session (default: the worker's, `dgr worker options`)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Local route: threads per worker "
                                           "(default: CPU count)."),
     slices: bool = typer.Option(False, "--slices", help="Local route: per-range slice files."),
@@ -64,9 +65,16 @@ def serve(
             pass
 
 
+def fake_n_layer() -> int:
+    """The fake model's layer count: the worker's own --n-layer default (`dgr worker options`)."""
+    from ..route.worker_options import worker_default
+
+    return int(worker_default("n-layer"))
+
+
 def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str]], host: str, port: int,
            api_key: Optional[str], tls_cert: Optional[Path], tls_key: Optional[Path], model_name: Optional[str],
-           max_concurrent: Optional[int], queue: int, max_sessions: int, ctx_per_session: int,
+           max_concurrent: Optional[int], queue: int, max_sessions: int, ctx_per_session: Optional[int],
            threads: Optional[int], slices: bool, lab: Optional[str], lab_hosts: Optional[str],
            shard_ca: Optional[Path], shard_cert: Optional[Path], shard_key: Optional[Path], fake: bool) -> None:
     from ..gguf.gguf_set import model_stem
@@ -94,7 +102,7 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
             opts.route_tls = TlsFiles(shard_ca, shard_cert, shard_key)
         asyncio.run(serve_route(shard, opts, on_ready=ready))
         return
-    if max_sessions < 1 or ctx_per_session < 1:
+    if max_sessions < 1 or (ctx_per_session is not None and ctx_per_session < 1):
         raise DgrError("--max-sessions and --ctx-per-session must be >= 1")
     if lab_hosts and not lab:
         raise DgrError("--lab-hosts goes with --lab")
@@ -102,7 +110,7 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
         _serve_lab(lab, model, split, lab_hosts, opts, max_sessions, ctx_per_session, fake, log, ready)
         return
     src = None if fake else resolve_model(model)
-    n_layer = 8 if fake else rt.model_n_layer(src)
+    n_layer = fake_n_layer() if fake else rt.model_n_layer(src)
     rng = rt.parse_split(split) if split else [(0, n_layer)]
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
@@ -116,7 +124,7 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
 
 
 def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Optional[str], opts, max_sessions: int,
-               ctx_per_session: int, fake: bool, log, ready) -> None:
+               ctx_per_session: Optional[int], fake: bool, log, ready) -> None:
     """Workers on a lab's hosts (each in its namespace, CPU set and memory budget, mTLS on every
     hop); the gateway runs here and dials the head with the lab's driver certificate."""
     from ..gguf.gguf_set import model_stem
@@ -128,7 +136,7 @@ def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Op
 
     lab = Lab.load(name)
     src = None if fake else resolve_model(model)
-    n_layer = 8 if fake else rt.model_n_layer(src)
+    n_layer = fake_n_layer() if fake else rt.model_n_layer(src)
     placement = [h.strip() for h in hosts.split(",") if h.strip()] if hosts else None
     if split:
         rng = rt.parse_split(split)

@@ -21,8 +21,8 @@ def serve(
                                          "set, or a `dgr gguf slice`)."),
     fake_model: bool = typer.Option(False, "--fake-model", help="Deterministic arithmetic model (tests, no GGUF)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layer range A:B served (default: all)."),
-    n_layer: Optional[int] = typer.Option(None, "--n-layer", min=1, help="Fake model: number of layers (default 8)."),
-    listen: str = typer.Option("127.0.0.1:50151", "--listen", help="HOST:PORT (loopback by default)."),
+    n_layer: Optional[int] = typer.Option(None, "--n-layer", min=1, help="Fake model: number of layers."),
+    listen: Optional[str] = typer.Option(None, "--listen", help="HOST:PORT (the worker's default: loopback)."),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow a non-loopback --listen without TLS."),
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM server certificate (TLS)."),
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM server key (TLS)."),
@@ -32,8 +32,8 @@ def serve(
         help="With --tls-client-ca: every ShardRuntimeService RPC needs a verified client certificate "
              "(UNAUTHENTICATED otherwise); health and reflection stay open to TLS clients without one."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads."),
-    max_sessions: Optional[int] = typer.Option(None, "--max-sessions", min=1, max=256, help="Concurrent sessions (default 16)."),
-    ctx_per_session: Optional[int] = typer.Option(None, "--ctx-per-session", min=1, help="Positions per session (default 2048)."),
+    max_sessions: Optional[int] = typer.Option(None, "--max-sessions", min=1, max=256, help="Concurrent sessions."),
+    ctx_per_session: Optional[int] = typer.Option(None, "--ctx-per-session", min=1, help="Positions per session."),
     kv_budget_mb: Optional[float] = typer.Option(None, "--kv-budget-mb", min=0.0, help="KV budget in MiB."),
     kv_cells: Optional[int] = typer.Option(None, "--kv-cells", min=1, help="KV budget in cells."),
     memory_budget_mb: Optional[float] = typer.Option(
@@ -41,26 +41,28 @@ def serve(
         help="What the shard may hold (weights + KV + compute) in MiB, checked before loading; a range that "
              "does not fit is refused, saying what would (docs/memory.md)."),
     chain_peers: Optional[str] = typer.Option(
-        None, "--chain-peers", help="Hosts chained sessions may forward to (comma-separated, '*' any; default loopback)."),
+        None, "--chain-peers", help="Hosts chained sessions may forward to (comma-separated, '*' any)."),
     chain_tls_ca: Optional[Path] = typer.Option(None, "--chain-tls-ca", help="PEM CA to verify downstream workers (TLS)."),
-    io_nice: Optional[int] = typer.Option(None, "--io-nice", min=0, max=19,
-                                          help="Nice value of gRPC/non-compute threads (default 10; 0: off)."),
-    queue_limit: Optional[int] = typer.Option(None, "--queue-limit", min=1, help="Unanswered frames (default 64)."),
-    max_batch_tokens: Optional[int] = typer.Option(None, "--max-batch-tokens", min=1, help="Rows per decode call (default 512)."),
-    max_prefill_chunk: Optional[int] = typer.Option(None, "--max-prefill-chunk", min=1, help="Rows per PREFILL step (default 256)."),
+    io_nice: Optional[int] = typer.Option(None, "--io-nice", min=0, max=19, help="Nice value of gRPC/non-compute threads (0: off)."),
+    queue_limit: Optional[int] = typer.Option(None, "--queue-limit", min=1, help="Unanswered frames."),
+    max_batch_tokens: Optional[int] = typer.Option(None, "--max-batch-tokens", min=1, help="Rows per decode call."),
+    max_prefill_chunk: Optional[int] = typer.Option(None, "--max-prefill-chunk", min=1, help="Rows per PREFILL step."),
     pipeline_groups: Optional[int] = typer.Option(
         None, "--pipeline-groups", min=0, max=16,
         help="Chained head: decode groups that overlap along the route (0 auto: one per Shard off-host; 1 off)."),
     metrics_listen: Optional[str] = typer.Option(None, "--metrics-listen", help="HOST:PORT for Prometheus text."),
-    drain_timeout_s: Optional[float] = typer.Option(None, "--drain-timeout-s", min=0.0, help="SIGTERM drain deadline (default 10)."),
-    session_ttl_s: Optional[float] = typer.Option(None, "--session-ttl-s", min=0.0, help="Idle session TTL (default 600)."),
+    drain_timeout_s: Optional[float] = typer.Option(None, "--drain-timeout-s", min=0.0, help="SIGTERM drain deadline (seconds)."),
+    session_ttl_s: Optional[float] = typer.Option(None, "--session-ttl-s", min=0.0, help="Idle session TTL (seconds)."),
     backend: str = typer.Option("cpu", "--backend", help="Which build/<backend> worker to run."),
     identity: bool = typer.Option(True, "--identity/--no-identity",
                                   help="Compute the artifact id and recipe fingerprint (dgr.gguf.recipe) and pass them; "
                                        "the worker proves them from the file either way and refuses a mismatch."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the worker command line and exit."),
 ) -> None:
-    """Serve one Shard over gRPC (ShardRuntimeService, health, reflection) until SIGTERM."""
+    """Serve one Shard over gRPC (ShardRuntimeService, health, reflection) until SIGTERM.
+
+    An option left out takes the worker's default: `dgr worker options` lists them with their
+    bounds, from the worker's own table (the bounds checked here are tested against it)."""
     binary = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
     if fake_model == (model is not None):
         raise DgrError("give exactly one of --model FILE or --fake-model")
@@ -100,8 +102,8 @@ def serve(
 def memory(
     model: Path = typer.Argument(..., help="GGUF file, any part of a split set, or a slice."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layer range A:B (default: all)."),
-    max_sessions: int = typer.Option(16, "--max-sessions", min=1, max=256),
-    ctx_per_session: int = typer.Option(2048, "--ctx-per-session", min=1),
+    max_sessions: Optional[int] = typer.Option(None, "--max-sessions", min=1, max=256, help="Default: the worker's."),
+    ctx_per_session: Optional[int] = typer.Option(None, "--ctx-per-session", min=1, help="Default: the worker's."),
     memory_budget_mb: Optional[float] = typer.Option(None, "--memory-budget-mb", min=0.0,
                                                      help="Say whether this budget admits the range."),
     measure: bool = typer.Option(False, "--measure", help="Also start the worker, run a prompt and a few "
@@ -126,7 +128,8 @@ def memory(
                        memory_budget_mb=memory_budget_mb, binary=binary)
     out: dict = {"plan": asdict(plan)}
     if measure:
-        m = measure_memory(path, rng, max_sessions=max_sessions, ctx_per_session=ctx_per_session, binary=binary)
+        sizes = {} if max_sessions is None else {"max_sessions": max_sessions}
+        m = measure_memory(path, rng, **sizes, ctx_per_session=ctx_per_session, binary=binary)
         out["measured"] = asdict(m) | {"error": m.error}
     if as_json:
         typer.echo(json.dumps(out, indent=2))
@@ -141,3 +144,29 @@ def memory(
         m = out["measured"]
         typer.echo(f"measured peak RSS {m['peak_rss_bytes'] / MIB:.1f} MiB against {m['predicted_bytes'] / MIB:.1f} "
                    f"predicted ({100 * m['error']:+.1f} %)")
+
+
+@app.command("options")
+def options(
+    as_json: bool = typer.Option(False, "--json", help="The table as the worker prints it (dgr-worker options --json)."),
+    backend: str = typer.Option("cpu", "--backend", help="Which build/<backend> worker to ask."),
+) -> None:
+    """The worker's options, defaults and bounds, read from the worker's own table."""
+    from ..route.worker_options import worker_options
+
+    binary = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+    table = worker_options(binary)
+    if as_json:
+        from dataclasses import asdict
+
+        typer.echo(json.dumps({"options": [asdict(o) for o in table.values()]}, indent=2))
+        return
+    for o in table.values():
+        head = f"{o.flag} {o.metavar}".strip()
+        bounds = "" if o.min is None and o.max is None else f" [{_num(o.min)} .. {_num(o.max)}]"
+        default = f" (default {o.default_text})" if o.default_text else ""
+        typer.echo(f"{head:<28}{o.help}{bounds}{default}")
+
+
+def _num(v: float | None) -> str:
+    return "" if v is None else f"{v:g}" if isinstance(v, float) and not v.is_integer() else str(int(v))

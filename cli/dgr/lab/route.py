@@ -63,7 +63,7 @@ class LabRoute:
 
     def __init__(self, lab: Lab, model: Path | None, split: Sequence[tuple[int, int]], *,
                  placement: Sequence[str] | None = None, slices: bool = True, max_sessions: int = 8,
-                 ctx_per_session: int = 2048, relay: bool = False, memory_budget: bool = True,
+                 ctx_per_session: int | None = None, relay: bool = False, memory_budget: bool = True,
                  extra_args: Sequence[str] = (), backend: str = "cpu", slice_dir: Path | None = None,
                  fake: bool = False) -> None:
         hosts = lab.hosts

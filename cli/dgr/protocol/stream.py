@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 
 from . import bundle as bundle_mod
+from .limits import capacity_limit
 from .errors import BadResponse, ShardError, StepTimeout, StreamClosed, WorkerError, wrap_rpc_error
 from ..shard.v1 import shard_runtime_pb2 as pb
 
@@ -358,7 +359,7 @@ class AsyncSessionStream:
 
     # -- steps ---------------------------------------------------------------------------
     def _chunk(self, chunk: int | None) -> int:
-        return chunk or self.cap.capacity.max_prefill_chunk_tokens or 256
+        return chunk or capacity_limit(self.cap, "max_prefill_chunk_tokens", endpoint=self.target)
 
     async def prefill_chunk(self, tokens: Sequence[int] | None = None, *, rows: np.ndarray | None = None,
                             sample: bool = True) -> pb.SessionResponse:

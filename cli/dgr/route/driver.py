@@ -33,6 +33,7 @@ from typing import Awaitable, Callable, Sequence
 
 from ..protocol.client import AsyncWorkerClient
 from ..protocol.errors import Reason, WorkerError
+from ..protocol.limits import CapabilityError, capacity_limit, check_capacity
 from ..protocol.stream import AsyncSessionStream
 from ..protocol.stream import Sampling  # re-exported: one Sampling class for the client and the route driver
 from ..protocol.tls import TlsFiles  # noqa: F401  (RouteDriver(tls=…))
@@ -100,6 +101,11 @@ class RouteDriver:
             except WorkerError as exc:
                 await client.close()
                 raise RouteError(f"shard {ep} is unreachable: {exc.code.name}: {exc.details}") from None
+            try:
+                check_capacity(cap, endpoint=ep)   # every limit reported: none is assumed below
+            except CapabilityError as exc:
+                await client.close()
+                raise RouteError(exc.one_line()) from None
             self.shards.append(ShardHandle(ep, client, cap))
         if validate:
             self._validate()
@@ -162,7 +168,7 @@ class RouteDriver:
 
     @property
     def chunk_tokens(self) -> int:
-        return max(1, min(s.capability.capacity.max_prefill_chunk_tokens or 512 for s in self.shards))
+        return min(capacity_limit(s.capability, "max_prefill_chunk_tokens", endpoint=s.endpoint) for s in self.shards)
 
     @property
     def head(self) -> ShardHandle:

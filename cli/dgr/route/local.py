@@ -140,7 +140,7 @@ class LocalRoute:
 
     def __init__(self, model: Path | None, split: Sequence[tuple[int, int]], *, fake: bool = False,
                  slices: bool = False, threads: int | None = None, max_sessions: int = 8,
-                 ctx_per_session: int = 2048, extra_args: Sequence[str] = (),
+                 ctx_per_session: int | None = None, extra_args: Sequence[str] = (),
                  backend: str | Sequence[str] = "cpu",
                  slice_dir: Path | None = None,
                  env: dict[str, str] | None = None) -> None:

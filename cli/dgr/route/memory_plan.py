@@ -50,18 +50,22 @@ class MemoryPlan:
         return self.weights_bytes + self.kv_bytes + self.compute_bytes
 
 
-def plan_memory(model: Path, layers: tuple[int, int] | None = None, *, max_sessions: int = 16,
-                ctx_per_session: int = 2048, kv_unified: bool = False, max_batch_tokens: int = 512,
+def plan_memory(model: Path, layers: tuple[int, int] | None = None, *, max_sessions: int | None = None,
+                ctx_per_session: int | None = None, kv_unified: bool = False, max_batch_tokens: int | None = None,
                 memory_budget_mb: float | None = None, binary: Path | None = None,
                 timeout_s: float = 300.0) -> MemoryPlan:
     """``dgr-worker plan-memory`` for ``model`` (a GGUF, part 1 of a split set, or a slice) and
     ``layers`` ``(start, end)`` (None: the whole model). Nothing is loaded: the worker reads the
-    header(s) and lets llama.cpp simulate its allocations. DgrError when the worker cannot plan."""
+    header(s) and lets llama.cpp simulate its allocations. A size left None is the worker's own
+    default (`dgr-worker options`). DgrError when the worker cannot plan."""
     exe = binary or default_binary()
     if not Path(exe).is_file():
         raise DgrError(f"{exe} not built", hint="run `dgr build --backend cpu`")
-    cmd = [str(exe), "plan-memory", "--json", "--model", str(model), "--max-sessions", str(max_sessions),
-           "--ctx-per-session", str(ctx_per_session), "--max-batch-tokens", str(max_batch_tokens)]
+    cmd = [str(exe), "plan-memory", "--json", "--model", str(model)]
+    for flag, value in (("--max-sessions", max_sessions), ("--ctx-per-session", ctx_per_session),
+                        ("--max-batch-tokens", max_batch_tokens)):
+        if value is not None:
+            cmd += [flag, str(value)]
     if layers is not None:
         cmd += ["--layers", f"{layers[0]}:{layers[1]}"]
     if kv_unified:
@@ -107,7 +111,7 @@ def _status_bytes(pid: int, field: str) -> int:
 
 
 def measure_memory(model: Path, layers: tuple[int, int] | None = None, *, max_sessions: int = 4,
-                   ctx_per_session: int = 2048, prompt_tokens: int = 256, decode_steps: int = 8,
+                   ctx_per_session: int | None = None, prompt_tokens: int = 256, decode_steps: int = 8,
                    threads: int = 0, binary: Path | None = None, ready_timeout: float = 1800.0) -> MemoryMeasurement:
     """Starts the worker on ``model``/``layers``, runs a prompt of ``prompt_tokens`` and
     ``decode_steps`` decode steps in each of ``max_sessions`` sessions at once (so that batches
@@ -120,7 +124,9 @@ def measure_memory(model: Path, layers: tuple[int, int] | None = None, *, max_se
     from ..protocol.client import sampled
     from .supervisor import WorkerProcess
 
-    args = ["--model", str(model), "--max-sessions", str(max_sessions), "--ctx-per-session", str(ctx_per_session)]
+    args = ["--model", str(model), "--max-sessions", str(max_sessions)]
+    if ctx_per_session is not None:   # None: the worker's default
+        args += ["--ctx-per-session", str(ctx_per_session)]
     if layers is not None:
         args += ["--layers", f"{layers[0]}:{layers[1]}"]
     if threads:

@@ -28,6 +28,7 @@ import grpc
 from dgr.errors import DgrError
 from dgr.protocol.client import AsyncWorkerClient
 from dgr.protocol.errors import Reason, WorkerError, WorkerUnavailable
+from dgr.protocol.limits import capacity_limit
 from dgr.route.driver import RouteDriver, RouteSessionError, Sampling
 from dgr.route.text import PieceCache, TextDecoder, chat_prompt_text
 
@@ -308,9 +309,11 @@ class Engine:
     def __init__(self, driver: RouteDriver, *, model_id: str, slots: int | None = None, queue: int = 64) -> None:
         self.driver = driver
         self.model_id = model_id
-        caps = [s.capability.capacity for s in driver.shards]
-        self.max_positions = min(c.max_session_positions or 2048 for c in caps)
-        self.worker_slots = min(c.max_sessions or 1 for c in caps)
+        # the workers' own limits (GetCapability); a worker without one is refused, not guessed at
+        self.max_positions = min(capacity_limit(s.capability, "max_session_positions", endpoint=s.endpoint)
+                                 for s in driver.shards)
+        self.worker_slots = min(capacity_limit(s.capability, "max_sessions", endpoint=s.endpoint)
+                                for s in driver.shards)
         self.n_vocab = driver.shards[0].capability.identity.n_vocab
         self.admission = Admission(slots or self.worker_slots, queue)
         self.created = int(time.time())

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common/net_address.h"
+#include "worker/option_table.h"
 #include "dgr/shard/v1/shard_runtime.grpc.pb.h"
 
 #include <grpcpp/grpcpp.h>
@@ -22,12 +23,12 @@ namespace pb = ::dgr::shard::v1;
 
 struct ChainOptions {
     // Hosts a session may chain to ("*": any): IP literals, or names resolved once when the
-    // scheduler starts (common/net_address.h). Default: loopback only.
-    std::vector<std::string> peers = {"127.0.0.1", "localhost", "::1"};
+    // scheduler starts (common/net_address.h). Default: --chain-peers' (loopback only).
+    std::vector<std::string> peers = split_peer_list(default_text(Opt::kChainPeers));
     // TLS towards downstream workers: CA to verify them (empty: plaintext), and the client
     // identity presented to them (mTLS), usually the worker's own --tls-cert/--tls-key.
     std::string tls_ca_pem, tls_cert_pem, tls_key_pem;
-    uint64_t max_message_bytes = 64ull << 20;
+    uint64_t max_message_bytes = default_u64(Opt::kMaxMessageBytes);
 };
 
 // A downstream endpoint checked against the allowlist: its addresses (parsed literal, or the

@@ -10,22 +10,25 @@
 #pragma once
 
 #include "worker/backend.h"
+#include "worker/option_table.h"
 
 #include <vector>
 
 namespace dgr::worker {
 
 struct FakeModelOptions {
-    uint32_t n_layer = 8;
+    uint32_t n_layer = default_u32(Opt::kNLayer);
     uint32_t layer_start = 0;
     uint32_t layer_end = 0;  // 0: n_layer
-    uint32_t n_embd = 8;
-    uint32_t n_vocab = 320;
+    uint32_t n_embd = default_u32(Opt::kNEmbd);
+    uint32_t n_vocab = default_u32(Opt::kNVocab);
     uint32_t kv_cells = 4096;
-    uint32_t n_seq_max = 16;
-    uint32_t max_batch_tokens = 512;
-    uint32_t decode_delay_ms = 0;  // sleep per decode call (tests of queues, drain, crashes)
-    uint32_t row_delay_us = 0;     // and per row (a compute cost that grows with the batch: pipelining)
+    uint32_t n_seq_max = default_u32(Opt::kMaxSessions);
+    uint32_t max_batch_tokens = default_u32(Opt::kMaxBatchTokens);
+    // sleep per decode call (tests of queues, drain, crashes)
+    uint32_t decode_delay_ms = default_u32(Opt::kFakeDelayMs);
+    // and per row (a compute cost that grows with the batch: pipelining)
+    uint32_t row_delay_us = default_u32(Opt::kFakeRowDelayUs);
 };
 
 class FakeBackend : public ModelBackend {

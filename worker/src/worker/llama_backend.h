@@ -8,6 +8,7 @@
 
 #include "common/shard_model.h"
 #include "worker/backend.h"
+#include "worker/option_table.h"
 
 #include "llama.h"
 
@@ -20,11 +21,11 @@ struct LlamaBackendOptions {
     std::string path;
     uint32_t layer_start = 0;
     uint32_t layer_end = 0;  // 0: n_layer
-    int32_t threads = 0;     // 0: llama.cpp default
+    int32_t threads = default_i32(Opt::kThreads);  // 0: llama.cpp default
     uint32_t kv_cells = 4096;
-    uint32_t n_seq_max = 16;
-    uint32_t max_batch_tokens = 512;
-    int32_t n_gpu_layers = -1;
+    uint32_t n_seq_max = default_u32(Opt::kMaxSessions);
+    uint32_t max_batch_tokens = default_u32(Opt::kMaxBatchTokens);
+    int32_t n_gpu_layers = default_i32(Opt::kNGpuLayers);
     // false (default): one KV stream per sequence (llama kv_unified = false): a session's cells
     // never interleave with another's, so batched results equal unbatched ones bit for bit and
     // each session holds kv_cells / n_seq_max cells. true: one shared cell pool.

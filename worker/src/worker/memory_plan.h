@@ -19,19 +19,20 @@
 #include <string>
 
 #include "common/identity.h"
+#include "worker/option_table.h"
 
 namespace dgr::worker {
 
 struct MemoryPlanRequest {
     std::string model;
     uint32_t layer_start = 0, layer_end = 0;  // end 0: n_layer
-    uint32_t max_sessions = 16;
-    uint32_t ctx_per_session = 2048;
-    uint64_t kv_cells = 0;                    // 0: from max_sessions x ctx_per_session (kv_budget.h)
+    uint32_t max_sessions = default_u32(Opt::kMaxSessions);
+    uint32_t ctx_per_session = default_u32(Opt::kCtxPerSession);
+    uint64_t kv_cells = default_u64(Opt::kKvCells);  // 0: from max_sessions x ctx_per_session (kv_budget.h)
     bool kv_unified = false;
-    uint32_t max_batch_tokens = 512;
-    int32_t n_gpu_layers = -1;
-    int32_t threads = 0;
+    uint32_t max_batch_tokens = default_u32(Opt::kMaxBatchTokens);
+    int32_t n_gpu_layers = default_i32(Opt::kNGpuLayers);
+    int32_t threads = default_i32(Opt::kThreads);
 };
 
 struct MemoryNeed {

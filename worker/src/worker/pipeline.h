@@ -11,13 +11,15 @@
 // staggered by themselves: a group's rows come back together and are computed together.
 #pragma once
 
+#include "worker/option_table.h"
+
 #include <chrono>
 #include <cstdint>
 
 namespace dgr::worker {
 
-// Largest --pipeline-groups value.
-constexpr uint32_t kMaxPipelineGroups = 16;
+// Largest --pipeline-groups value (the option table's bound).
+constexpr uint32_t kMaxPipelineGroups = (uint32_t) option_spec(Opt::kPipelineGroups).max;
 
 // Groups for the sessions of a route of `stages` Shards (this one included). `option` is
 // --pipeline-groups: 0 = auto (one group per stage when the route leaves this host, one group

@@ -22,6 +22,7 @@
 #include "worker/events.h"
 #include "worker/keep_warm.h"
 #include "worker/metrics.h"
+#include "worker/option_table.h"
 #include "worker/sampling.h"
 #include "worker/session_table.h"
 #include "worker/stream_sink.h"
@@ -40,19 +41,23 @@
 namespace dgr::worker {
 
 struct SchedulerOptions {
-    uint32_t max_sessions = 16;
-    uint32_t max_session_positions = 2048;  // --ctx-per-session
-    uint64_t kv_cells = 0;                  // budget; 0 = backend's cells
-    uint32_t queue_limit = 64;              // frames received and not yet answered
-    uint32_t max_batch_tokens = 512;
-    uint32_t max_prefill_chunk_tokens = 256;
-    uint64_t max_message_bytes = 64ull << 20;
-    uint32_t max_fragment_bytes = 1u << 20;
-    double session_ttl_s = 600.0;   // a session idle this long is evicted (CACHE_MISS later)
-    double evict_idle_s = 30.0;     // under KV/session pressure, LRU sessions idle this long may be evicted
+    // the defaults of the options' values: the option table's (worker/option_table.h)
+    uint32_t max_sessions = default_u32(Opt::kMaxSessions);
+    uint32_t max_session_positions = default_u32(Opt::kCtxPerSession);
+    uint64_t kv_cells = 0;  // budget; 0 = backend's cells
+    uint32_t queue_limit = default_u32(Opt::kQueueLimit);  // frames received and not yet answered
+    uint32_t max_batch_tokens = default_u32(Opt::kMaxBatchTokens);
+    uint32_t max_prefill_chunk_tokens = default_u32(Opt::kMaxPrefillChunk);
+    uint64_t max_message_bytes = default_u64(Opt::kMaxMessageBytes);
+    uint32_t max_fragment_bytes = 1u << 20;  // not an option
+    // a session idle this long is evicted (CACHE_MISS later)
+    double session_ttl_s = default_real(Opt::kSessionTtlS);
+    // under KV/session pressure, LRU sessions idle this long may be evicted
+    double evict_idle_s = default_real(Opt::kEvictIdleS);
     uint32_t tombstones = 4096;     // remembered ended sessions (for precise errors)
     ChainOptions chain;             // chained routes: allowed peers, TLS towards them
-    uint32_t pipeline_groups = 0;   // --pipeline-groups: 0 auto (one per stage off-host), 1 off (pipeline.h)
+    // --pipeline-groups: 0 auto (one per stage off-host), 1 off (pipeline.h)
+    uint32_t pipeline_groups = default_u32(Opt::kPipelineGroups);
     uint64_t memory_budget_bytes = 0;  // --memory-budget-mb (0: none); weights + scratch + KV fit in it
     double keep_warm_s = 0.0;       // --keep-warm-ms: keep the cores awake this long after a batch (keep_warm.h)
     uint32_t keep_warm_threads = 1; // one spinner per compute thread

@@ -190,8 +190,8 @@ int serve_main(int argc, char ** argv) {
         f.n_layer = o.n_layer;
         f.layer_start = o.has_layers ? o.layer_start : 0;
         f.layer_end = o.has_layers ? o.layer_end : o.n_layer;
-        if (f.layer_end > f.n_layer || f.n_embd == 0 || o.n_vocab < 258) {
-            std::fprintf(stderr, "dgr-worker: error: fake model: --layers must fit --n-layer; --n-vocab >= 258\n");
+        if (f.layer_end > f.n_layer) {  // --n-embd and --n-vocab: bounded by the option table
+            std::fprintf(stderr, "dgr-worker: error: fake model: --layers must fit --n-layer\n");
             return 2;
         }
         f.n_embd = o.n_embd;
@@ -294,15 +294,8 @@ int serve_main(int argc, char ** argv) {
     so.session_ttl_s = o.session_ttl_s;
     so.evict_idle_s = o.evict_idle_s;
     so.memory_budget_bytes = o.fake ? (uint64_t) (o.memory_budget_mb * 1048576.0) : budget.bytes;
-    so.chain.peers.clear();
     {
-        std::stringstream ss(o.chain_peers);
-        std::string item;
-        while (std::getline(ss, item, ',')) {
-            if (item.size() > 1 && item.front() == '[' && item.back() == ']') item = item.substr(1, item.size() - 2);
-            for (auto & c : item) c = (char) std::tolower((unsigned char) c);
-            if (!item.empty()) so.chain.peers.push_back(item);
-        }
+        so.chain.peers = split_peer_list(o.chain_peers);
         dgr::AddressAllowlist check;
         if (!check.build(so.chain.peers, &err)) {
             std::fprintf(stderr, "dgr-worker: error: --chain-peers: %s\n", err.c_str());
