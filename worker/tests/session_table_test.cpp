@@ -76,7 +76,7 @@ void test_lru_and_ttl_skip_busy_sessions() {
     Session & old_idle = t.open("old-idle", 1);
     Session & fresh = t.open("fresh", 1);
     old_busy.last_used = now - std::chrono::seconds(100);
-    old_busy.busy = true;
+    move_step(old_busy, StepState::queued);
     old_idle.last_used = now - std::chrono::seconds(50);
     fresh.last_used = now;
     Session * lru = t.lru_idle(now, 10.0, "");
@@ -86,9 +86,35 @@ void test_lru_and_ttl_skip_busy_sessions() {
     CHECK(gone.size() == 1 && gone[0] == "old-idle", "%zu expired", gone.size());
 }
 
+void test_step_moves() {
+    using S = StepState;
+    const S all[] = {S::idle, S::queued, S::downstream};
+    int allowed = 0;
+    for (S a : all) {
+        for (S b : all) allowed += step_move_allowed(a, b);
+    }
+    CHECK(allowed == 5, "%d allowed moves (expected the 5 written down)", allowed);
+    CHECK(step_move_allowed(S::idle, S::queued) && step_move_allowed(S::queued, S::downstream) &&
+              step_move_allowed(S::downstream, S::idle) && step_move_allowed(S::queued, S::idle) &&
+              step_move_allowed(S::queued, S::queued),
+          "a written-down move is refused");
+    CHECK(!step_move_allowed(S::idle, S::downstream) && !step_move_allowed(S::downstream, S::queued) &&
+              !step_move_allowed(S::idle, S::idle),
+          "a move that skips a state is allowed");
+    SessionTable t(1, 1);
+    Session & s = t.open("s", 1);
+    CHECK(!s.busy() && s.step == S::idle, "a new session is busy");
+    move_step(s, S::queued);
+    move_step(s, S::downstream);
+    CHECK(s.busy(), "a session awaiting its route is not busy");
+    move_step(s, S::idle);
+    CHECK(!s.busy(), "answered: still busy");
+}
+
 }  // namespace
 
 int main() {
+    test_step_moves();
     test_kv_accounting_follows_a_session_life();
     test_sequence_ids_and_tombstones();
     test_lru_and_ttl_skip_busy_sessions();

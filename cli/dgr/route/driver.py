@@ -285,7 +285,10 @@ class RouteDriver:
             # bounded: a hung shard must not hold the caller (its session TTL frees it later). In
             # chained mode the head closes its downstream streams; releasing them too is harmless.
             extra = [self._release_shard(s, sid, epoch) for s in self.shards[1:]] if chained else []
-            release = asyncio.wait_for(asyncio.gather(*(self._release(sh, st, sid, epoch)
+            # a cancelled session ends cancelled on the shards too (their dgr_sessions_cancelled_total),
+            # also when the cancel came before the session opened there and ended it at its next step
+            end = self._end_cancelled if tel.status == "cancelled" else self._release
+            release = asyncio.wait_for(asyncio.gather(*(end(sh, st, sid, epoch)
                                                         for sh, st in zip(shards, streams)), *extra,
                                                       return_exceptions=True), RELEASE_TIMEOUT_S)
             if tel.status == "failed":
@@ -356,6 +359,13 @@ class RouteDriver:
         await st.close()
         st.cancel()
         await self._release_shard(shard, sid, epoch)
+
+    async def _end_cancelled(self, shard: ShardHandle, st: AsyncSessionStream, sid: str, epoch: int) -> None:
+        st.cancel()
+        try:
+            await shard.client.cancel(sid, epoch, timeout=RELEASE_TIMEOUT_S)
+        except WorkerError:
+            pass
 
     async def _release_shard(self, shard: ShardHandle, sid: str, epoch: int) -> None:
         try:

@@ -151,7 +151,6 @@ void Scheduler::run_batch() {
         Work & w = *items[k];
         Session & s = *sess[k];
         table_.commit(s, w.n, w.piece_more ? w.n : s.reserved);  // a piece frees its rows only
-        s.busy = false;
         s.decoding = w.decode;
         s.last_step = (int64_t) w.header.step();
         s.last_used = Clock::now();
@@ -173,6 +172,7 @@ void Scheduler::run_batch() {
             forward(s, w, r, it == fwd_rows.end() ? 0 : it->second);
             continue;
         }
+        move_step(s, StepState::idle);  // (a chained session's step moves on in forward())
         w.ticket.release();
         complete_step(s, std::move(r), w.header, w.t0, w.internal, sampled, finished);
     }
@@ -236,7 +236,7 @@ void Scheduler::fail_batch(std::vector<std::unique_ptr<Work>> & items, std::vect
         auto sink = s.sink;
         absorb_pieces(w);
         if (st == BackendStatus::resource_exhausted && !w.piece) {  // a piece: the route is ahead; drop
-            s.busy = false;
+            move_step(s, StepState::idle);
             s.gen.active = false;
             table_.unreserve(s);
             backend_.seq_rm(s.seq, (int32_t) s.positions, -1);

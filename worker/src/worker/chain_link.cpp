@@ -153,13 +153,13 @@ void Scheduler::absorb_pieces(Work & w) {
 
 void Scheduler::forward(Session & s, Work & w, pb::SessionResponse & r, uint32_t hint_rows) {
     ChainState & c = s.chain;
-    s.busy = true;
     if (w.piece_more) {
+        move_step(s, StepState::queued);  // later pieces wait here
         // an early piece of a split PREFILL step: its answer is only checked (pieces_in_flight)
         c.pieces_in_flight++;
         c.piece_header = r.header();
     } else {
-        c.awaiting = true;
+        move_step(s, StepState::downstream);
         c.pending_header = r.header();
         c.pending_internal = w.internal;
         c.pending_t0 = w.t0;
@@ -235,7 +235,10 @@ void Scheduler::forward(Session & s, Work & w, pb::SessionResponse & r, uint32_t
 
 void Scheduler::on(DownReplyEvent & ev) {
     Session * sp = table_.find(ev.session_id);
-    if (!sp || sp->generation != ev.generation || !(sp->chain.awaiting || sp->chain.pieces_in_flight > 0)) return;
+    if (!sp || sp->generation != ev.generation ||
+        !(sp->step == StepState::downstream || sp->chain.pieces_in_flight > 0)) {
+        return;
+    }
     Session & s = *sp;
     const pb::SessionResponse & d = ev.resp;
     s.last_used = Clock::now();
@@ -245,8 +248,7 @@ void Scheduler::on(DownReplyEvent & ev) {
         s.chain.pieces_in_flight--;
         if (d.result_case() == pb::SessionResponse::kTail) return;  // computed downstream; the step goes on
     } else {
-        s.chain.awaiting = false;
-        s.busy = false;
+        move_step(s, StepState::idle);
     }
     // an early piece that failed answers the client's frame (still queued or in flight here)
     const bool internal = early_piece ? !has_unanswered_frame(s) : s.chain.pending_internal;
@@ -289,7 +291,7 @@ void Scheduler::on(DownEndEvent & ev) {
     std::string why = "ended the session stream: " + code_name(ev.status.error_code());
     if (!ev.status.error_message().empty()) why += ": " + ev.status.error_message();
     const pb::ErrorReason reason = went_silent(ev.status) ? pb::ERROR_REASON_PEER_SILENT : pb::ERROR_REASON_UNAVAILABLE;
-    if (s->chain.awaiting || s->chain.pieces_in_flight > 0) {
+    if (s->step == StepState::downstream || s->chain.pieces_in_flight > 0) {
         DownReplyEvent rep{ev.session_id, ev.generation, {}};
         *rep.resp.mutable_error() = make_error(reason, why, true);  // blamed on the hop there
         return on(rep);

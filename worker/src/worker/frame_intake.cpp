@@ -269,7 +269,7 @@ void Scheduler::on(FrameEvent & ev) {
         s->gen.per_answer = std::max<uint32_t>(1, sf->generate().tokens_per_answer());
     }
     note_digest(*s, in.step, in.digest);
-    s->busy = true;
+    move_step(*s, StepState::queued);
     s->last_used = Clock::now();
     table_.reserve(*s, n);
     w->generation = s->generation;
@@ -347,7 +347,7 @@ bool Scheduler::check_session_state(FrameEvent & ev, Intake & in, Session * s, b
             return fail(pb::ERROR_REASON_BAD_REQUEST,
                         "the session is generating (StepFrame.generate): wait for its last token, or cancel it");
         }
-        if (s->busy) return fail(pb::ERROR_REASON_BAD_REQUEST, "a step of this session is already queued");
+        if (s->busy()) return fail(pb::ERROR_REASON_BAD_REQUEST, "a step of this session is already queued");
         const bool partial_of_step = s->partial && s->partial->step == in.step;
         if ((int64_t) in.step == s->last_step && !partial_of_step) {
             const bool same = s->has_stored && s->digest_step == s->last_step &&

@@ -83,7 +83,7 @@ void Scheduler::continue_generation(Session & s, const pb::ResponseHeader & last
     w->header = hdr;
     w->t0 = Clock::now();
     w->t_ready = w->t0;
-    s.busy = true;
+    move_step(s, StepState::queued);
     table_.reserve(s, 1);
     metrics_.generated_tokens++;
     note_decode_arrival(s);

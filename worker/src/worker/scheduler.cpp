@@ -160,86 +160,6 @@ void Scheduler::post_downstream_end(const std::string & session_id, uint64_t gen
 
 void Scheduler::set_draining() { draining_ = true; }
 
-Gauges Scheduler::gauges() const {
-    Gauges g;
-    g.active_sessions = active_.load();
-    g.queued_steps = queued_.load();
-    g.kv_cells_used = kv_used_pub_.load();
-    g.kv_cells_total = opts_.kv_cells;
-    g.max_sessions = opts_.max_sessions;
-    g.weight_bytes = info_.weight_bytes;
-    g.kv_bytes = info_.kv_bytes;
-    g.scratch_bytes = info_.scratch_bytes;
-    g.memory_budget_bytes = opts_.memory_budget_bytes;
-    g.predicted_weight_bytes = info_.predicted_weight_bytes;
-    g.predicted_kv_bytes = info_.predicted_kv_bytes;
-    g.predicted_compute_bytes = info_.predicted_compute_bytes;
-    g.predicted_runtime_bytes = info_.predicted_runtime_bytes;
-    return g;
-}
-
-std::string Scheduler::audit() const {
-    std::string out = table_.check();
-    if (thread_.joinable()) return out;
-    auto add = [&out](const std::string & what) { out += (out.empty() ? "" : "; ") + what; };
-    bool stopped;
-    {
-        std::lock_guard<std::mutex> lk(mu_);
-        stopped = stopped_;
-    }
-    if (stopped) {
-        if (queued_.load() != 0) add(std::to_string(queued_.load()) + " frame ticket(s) still out");
-        if (table_.size() != 0) add(std::to_string(table_.size()) + " session(s) left");
-        if (!decode_q_.empty() || !prefill_q_.empty()) add("steps left in the queues");
-    }
-    return out;
-}
-
-void Scheduler::publish_gauges() {
-    active_ = (uint32_t) table_.size();
-    kv_used_pub_ = table_.kv_used();
-}
-
-uint64_t Scheduler::drop_session(const std::string & id, EndKind kind) {
-    if (!table_.find(id)) return 0;
-    auto purge = [&](std::deque<std::unique_ptr<Work>> & q) {
-        for (auto w = q.begin(); w != q.end();) {
-            if ((*w)->session_id == id) {
-                w = q.erase(w);  // (its frame's ticket goes back)
-            } else {
-                ++w;
-            }
-        }
-    };
-    purge(decode_q_);
-    purge(prefill_q_);
-    std::unique_ptr<Session> s = table_.remove(id, kind);
-    if (s->chain.down) s->chain.down->close();  // the downstream Shard drops its part of the session
-    backend_.seq_rm(s->seq, -1, -1);
-    if (kind == EndKind::released) metrics_.sessions_released++;
-    if (kind == EndKind::evicted) metrics_.sessions_evicted++;
-    if (kind == EndKind::cancelled) metrics_.sessions_cancelled++;
-    publish_gauges();
-    return s->positions;
-}
-
-bool Scheduler::make_room(uint64_t cells, bool need_session, const std::string & requester) {
-    const auto now = Clock::now();
-    for (;;) {
-        const bool sessions_full = need_session && table_.full();
-        const bool kv_full = table_.kv_used() + table_.kv_reserved() + cells > opts_.kv_cells;
-        if (!sessions_full && !kv_full) return true;
-        Session * lru = table_.lru_idle(now, opts_.evict_idle_s, requester);
-        if (!lru) return false;
-        std::fprintf(stderr, "dgr-worker: evicting idle session (LRU) to admit new work\n");
-        drop_session(lru->id, EndKind::evicted);
-    }
-}
-
-void Scheduler::sweep_ttl(Clock::time_point now) {
-    for (const auto & id : table_.expired(now, opts_.session_ttl_s)) drop_session(id, EndKind::evicted);
-}
-
 void Scheduler::answer_error(StreamSink & sink, const pb::ResponseHeader & hdr, pb::ShardError err,
                              Clock::time_point t0, pb::CacheResult cache, bool internal) {
     pb::SessionResponse r;
@@ -258,8 +178,8 @@ void Scheduler::answer_frame_error(FrameEvent & ev, const pb::ResponseHeader & h
 }
 
 bool Scheduler::has_unanswered_frame(const Session & s) const {
-    if (!s.busy) return false;
-    if (s.chain.awaiting) return !s.chain.pending_internal;
+    if (!s.busy()) return false;
+    if (s.step == StepState::downstream) return !s.chain.pending_internal;
     for (const auto * q : {&decode_q_, &prefill_q_}) {
         for (const auto & w : *q) {
             if (w->session_id == s.id && !w->internal) return true;  // (a split step's last piece)
@@ -280,7 +200,7 @@ void Scheduler::on(ReleaseEvent & ev) {
     Session * s = table_.find(ev.session_id);
     if (s && (ev.route_epoch == 0 || ev.route_epoch == s->epoch)) {
         auto sink = s->sink;
-        const bool had_work = s->busy;
+        const bool had_work = s->busy();
         const bool unanswered = has_unanswered_frame(*s);
         const pb::ResponseHeader hdr = session_header(ev.session_id, s->epoch);
         resp.set_freed_kv_cells(drop_session(ev.session_id, EndKind::released));
@@ -473,14 +393,14 @@ void Scheduler::loop() {
 Scheduler::Expected Scheduler::expected_decoders(Clock::time_point deadline) const {
     Expected n;
     table_.for_each([&](const Session & s) {
-        if (s.chain.awaiting && s.gen.active) {
+        if (s.step == StepState::downstream && s.gen.active) {
             // chained heads that generate get their next row when the route answers
             if (s.chain.colocated) {
                 n.colocated_chain++;
             } else if (!paced_by_pipeline(s) || worth_waiting(s.answered_at, s.gap_s, deadline)) {
                 n.plain++;
             }
-        } else if (s.decoding && !s.busy &&
+        } else if (s.decoding && !s.busy() &&
                    (!paced_by_pipeline(s) || worth_waiting(s.answered_at, s.gap_s, deadline))) {
             n.plain++;
         }
@@ -496,7 +416,7 @@ bool Scheduler::paced_by_pipeline(const Session & s) const {
 uint32_t Scheduler::block_due_by(int64_t block, uint32_t group, Clock::time_point deadline) const {
     uint32_t n = 0;
     table_.for_each([&](const Session & s) {
-        if (s.chain.down && s.chain.awaiting && s.gen.active && pipeline_block(s.seq, group) == block &&
+        if (s.chain.down && s.step == StepState::downstream && s.gen.active && pipeline_block(s.seq, group) == block &&
             worth_waiting(s.answered_at, s.gap_s, deadline)) {
             n++;
         }

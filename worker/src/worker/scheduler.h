@@ -10,7 +10,8 @@
 // delayed by prefill for more than the one batch in flight, and prefill never starves.
 //
 // The class is one unit of state with its methods split by concern over several files:
-// scheduler.cpp (events, loop, release/cancel/stop, session lifecycle), frame_intake.cpp (a
+// scheduler.cpp (events, loop, release/cancel/stop), session_lifecycle.cpp (gauges, audit,
+// dropping sessions, eviction, TTL), frame_intake.cpp (a
 // frame: validation with common/bundle.h, session-state checks, admission), batch_runner.cpp
 // (batch formation, decode, answers), chain_link.cpp (forwarding to the downstream Shard) and
 // generation.cpp (server-side generation). The session table is its own class
@@ -129,7 +130,7 @@ private:
     };
     struct Intake;  // frame_intake.cpp: one frame's fields and response header
 
-    // ---- scheduler.cpp: events, loop, session lifecycle ----
+    // ---- scheduler.cpp: events, loop; session_lifecycle.cpp: dropping sessions, room, TTL ----
     bool post(Event ev);  // false: stopped (the event was not queued)
     void loop();
     bool dispatch(std::deque<Event> & evs);  // false: stop

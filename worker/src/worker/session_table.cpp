@@ -1,6 +1,8 @@
 #include "worker/session_table.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 
 namespace dgr::worker {
@@ -10,6 +12,35 @@ double idle_s(Clock::time_point now, const Session & s) {
     return std::chrono::duration<double>(now - s.last_used).count();
 }
 }  // namespace
+
+bool step_move_allowed(StepState from, StepState to) {
+    switch (from) {
+        case StepState::idle: return to == StepState::queued;
+        case StepState::queued: return true;
+        case StepState::downstream: return to == StepState::idle;
+    }
+    return false;
+}
+
+const char * step_state_name(StepState s) {
+    switch (s) {
+        case StepState::idle: return "idle";
+        case StepState::queued: return "queued";
+        case StepState::downstream: return "downstream";
+    }
+    return "?";
+}
+
+void move_step(Session & s, StepState to) {
+#ifndef NDEBUG
+    if (!step_move_allowed(s.step, to)) {
+        std::fprintf(stderr, "dgr-worker: internal error: session %s: step %s -> %s\n", s.id.c_str(),
+                     step_state_name(s.step), step_state_name(to));
+        std::abort();
+    }
+#endif
+    s.step = to;
+}
 
 SessionTable::SessionTable(uint32_t max_sessions, uint32_t max_tombstones)
     : max_sessions_(max_sessions), max_tombstones_(max_tombstones) {
@@ -70,7 +101,7 @@ Session * SessionTable::lru_idle(Clock::time_point now, double min_idle_s, const
     Session * lru = nullptr;
     for (auto & kv : sessions_) {
         Session & s = *kv.second;
-        if (s.busy || s.id == except || idle_s(now, s) < min_idle_s) continue;
+        if (s.busy() || s.id == except || idle_s(now, s) < min_idle_s) continue;
         if (!lru || s.last_used < lru->last_used) lru = &s;
     }
     return lru;
@@ -79,7 +110,7 @@ Session * SessionTable::lru_idle(Clock::time_point now, double min_idle_s, const
 std::vector<std::string> SessionTable::expired(Clock::time_point now, double ttl_s) const {
     std::vector<std::string> out;
     for (const auto & kv : sessions_) {
-        if (!kv.second->busy && idle_s(now, *kv.second) >= ttl_s) out.push_back(kv.first);
+        if (!kv.second->busy() && idle_s(now, *kv.second) >= ttl_s) out.push_back(kv.first);
     }
     return out;
 }

@@ -26,6 +26,21 @@ using Clock = std::chrono::steady_clock;
 // CACHE_MISS (evicted) or SESSION_RELEASED (cancelled).
 enum class EndKind { released, evicted, cancelled };
 
+// Where a session's current step is.
+//   idle:       none; the session's next frame may come
+//   queued:     a step is queued or computing here (on a chained session, also while the early
+//               pieces of a split PREFILL are downstream and later ones still wait here)
+//   downstream: the step (its last piece) left for the next Shard; the route's answer is awaited
+// The allowed moves (step_move_allowed, checked by move_step in debug builds and the tests):
+//   idle -> queued        a client frame or server-side generation queues a step
+//   queued -> idle        the step is computed (or refused: no KV cell for the batch)
+//   queued -> queued      an early piece left for the next Shard; later pieces wait here
+//   queued -> downstream  the step's last piece left for the next Shard
+//   downstream -> idle    the route answered
+enum class StepState { idle, queued, downstream };
+bool step_move_allowed(StepState from, StepState to);
+const char * step_state_name(StepState s);
+
 struct Tombstone {
     uint64_t epoch = 0;
     EndKind  kind  = EndKind::released;
@@ -51,8 +66,7 @@ struct ChainState {
     std::string                     failed;      // the link ended: the next frame gets this error
     pb::ErrorReason                 failed_reason = pb::ERROR_REASON_UNAVAILABLE;  // ... with this reason
     std::unique_ptr<pb::SamplingParams> fwd_sampling;  // goes with the next forwarded StepFrame
-    // a forwarded step waits for the route's answer, answered with this header
-    bool                 awaiting = false;
+    // a forwarded step (StepState::downstream) is answered with this header
     pb::ResponseHeader   pending_header;
     bool                 pending_internal = false;
     Clock::time_point    pending_t0;
@@ -86,7 +100,8 @@ struct Session {
     SamplingRng         rng;
     std::shared_ptr<StreamSink> sink;
     Clock::time_point   last_used;
-    bool     busy = false;      // a step is queued or in the batch
+    StepState step = StepState::idle;  // move_step() only
+    bool busy() const { return step != StepState::idle; }
     bool     decoding = false;  // its last completed step was a DECODE (a next one is likely)
     uint32_t reserved = 0;      // KV cells reserved by the queued step (SessionTable only)
     Clock::time_point answered_at{};  // its last step was answered (or forwarded downstream)
@@ -96,6 +111,9 @@ struct Session {
     ChainState      chain;
     GenerationState gen;
 };
+
+// Moves the session's step to `to` (debug builds abort on a move step_move_allowed refuses).
+void move_step(Session & s, StepState to);
 
 class SessionTable {
 public:
