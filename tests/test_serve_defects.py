@@ -296,8 +296,8 @@ def test_a_client_that_leaves_at_once_leaves_nothing_generating(gw, shards, stre
 
 @pytest.mark.parametrize("field, value", [
     ("logprobs", True), ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
-    ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repeat_penalty", 1.1), ("top_k", 40),
-    ("min_p", 0.05), ("logit_bias", {"42": 10}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repeat_penalty", 1.1),
+    ("logit_bias", {"42": 10}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("suffix", "end"), ("best_of", 2), ("mirostat", 2), ("grammar", "root ::= \"a\""),
 ])
 def test_a_field_that_is_not_implemented_is_refused_not_ignored(gw, field, value):
@@ -309,10 +309,29 @@ def test_a_field_that_is_not_implemented_is_refused_not_ignored(gw, field, value
     assert r.json()["error"]["param"] == field and r.json()["error"]["code"] == "unsupported_parameter"
     # its default asks for nothing and is accepted (clients send defaults explicitly)
     defaults = {"logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "frequency_penalty": 0,
-                "presence_penalty": 0, "repeat_penalty": 1, "top_k": 0, "min_p": 0, "logit_bias": {}, "tools": [],
+                "presence_penalty": 0, "repeat_penalty": 1, "logit_bias": {}, "tools": [],
                 "suffix": "", "best_of": 1, "mirostat": None, "grammar": None}
     r = _post(gw, path, {**body, field: defaults[field]})
     assert r.status_code == 200, r.text
+
+
+def test_top_k_and_min_p_reach_the_sampler(gw):
+    """top_k = 1 leaves one candidate: a hot, seeded sampler then answers exactly the greedy text,
+    whatever the seed; min_p near 1 keeps only the likeliest token too. Out-of-range values are a
+    400 naming the field."""
+    body = {"model": MODEL, "prompt": "sampling knobs", "max_tokens": 24, "ignore_eos": True}
+    greedy = _post(gw, COMPLETIONS, {**body, "temperature": 0}).json()["choices"][0]["text"]
+    hot = [_post(gw, COMPLETIONS, {**body, "temperature": 2, "seed": s}).json()["choices"][0]["text"]
+           for s in (1, 2, 3)]
+    assert any(h != greedy for h in hot), "a hot sampler gave the greedy text for every seed: test is moot"
+    for s in (1, 2, 3):
+        r = _post(gw, COMPLETIONS, {**body, "temperature": 2, "seed": s, "top_k": 1})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy, (s, r.text)
+        r = _post(gw, COMPLETIONS, {**body, "temperature": 2, "seed": s, "min_p": 0.999999})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy, (s, r.text)
+    for field, bad in (("top_k", -1), ("top_k", 2**31), ("min_p", 1.0), ("min_p", -0.1), ("top_k", "x")):
+        r = _post(gw, COMPLETIONS, {**body, field: bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, bad, r.text)
 
 
 def test_n_above_one_and_message_fields_with_values_are_refused(gw):

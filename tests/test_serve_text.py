@@ -109,7 +109,7 @@ class _BurstDriver:
 
 class _BurstEngine(Engine):
     def __init__(self, pieces, tokens):
-        self.driver = _BurstDriver(tokens)
+        self._driver, self.router = _BurstDriver(tokens), None
         self.max_positions = 1000
         self.admission = Admission(1, 1)
         self.active = {}

@@ -47,6 +47,11 @@ def serve(
     shard_cert: Optional[Path] = typer.Option(None, "--shard-tls-cert", help="With --shard-tls-ca: the gateway's "
                                               "client certificate, for workers that require mutual TLS."),
     shard_key: Optional[Path] = typer.Option(None, "--shard-tls-key", help="Private key of --shard-tls-cert."),
+    standby: Optional[List[str]] = typer.Option(None, "--standby", help="With --shard: HOST:PORT of a running "
+                                                 "standby worker (repeat). A request whose shard fails then "
+                                                 "restarts on a route through a standby; the client's answer goes "
+                                                 "on without losing or repeating tokens."),
+    max_restarts: int = typer.Option(2, "--max-restarts", min=0, help="With --standby: restarts per request."),
     fake: bool = typer.Option(False, "--fake", hidden=True, help="Fake-model workers (tests)."),
 ) -> None:
     """Serve a route over HTTP: OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), a web
@@ -60,7 +65,7 @@ def serve(
         try:
             _serve(model, split, shard, host, port, api_key, tls_cert, tls_key, model_name, max_concurrent, queue,
                    max_sessions, ctx_per_session, threads, slices, lab, lab_hosts, shard_ca, shard_cert, shard_key,
-                   fake)
+                   fake, standby or [], max_restarts)
         except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the workers were stopped on the way out
             pass
 
@@ -76,7 +81,8 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
            api_key: Optional[str], tls_cert: Optional[Path], tls_key: Optional[Path], model_name: Optional[str],
            max_concurrent: Optional[int], queue: int, max_sessions: int, ctx_per_session: Optional[int],
            threads: Optional[int], slices: bool, lab: Optional[str], lab_hosts: Optional[str],
-           shard_ca: Optional[Path], shard_cert: Optional[Path], shard_key: Optional[Path], fake: bool) -> None:
+           shard_ca: Optional[Path], shard_cert: Optional[Path], shard_key: Optional[Path], fake: bool,
+           standby: List[str] = (), max_restarts: int = 2) -> None:
     from ..gguf.gguf_set import model_stem
     from ..gguf.models import resolve_model
     from ..route import local as rt
@@ -84,8 +90,13 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
 
     log = lambda m: typer.echo(f"dgr serve: {m}", err=True)  # noqa: E731
     opts = ServeOptions(host=host, port=port, api_key=api_key or None, tls_cert=tls_cert, tls_key=tls_key,
-                        model_id=model_name, slots=max_concurrent, queue=queue)
+                        model_id=model_name, slots=max_concurrent, queue=queue, standby=list(standby),
+                        max_restarts=max_restarts)
     opts.check()
+    if standby and not shard:
+        raise DgrError("--standby goes with --shard (running workers of the route, then the standbys)")
+    if standby and set(standby) & set(shard or []):
+        raise DgrError("a --standby worker is already a --shard of the route")
 
     def ready(u: str, model_id: str) -> None:
         log(f"serving {model_id} at {u}/v1 (console: {u}/)")

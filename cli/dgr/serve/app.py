@@ -47,8 +47,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "frequency_penalty": lambda v: v is None or v == 0,
     "presence_penalty": lambda v: v is None or v == 0,
     "repeat_penalty": lambda v: v is None or v == 1,
-    "top_k": lambda v: v is None or v == 0,
-    "min_p": lambda v: v is None or v == 0,
     "logit_bias": lambda v: v is None or v == {},
     "tools": lambda v: v is None or v == [],
     "tool_choice": lambda v: v is None or v == "none",
@@ -109,6 +107,8 @@ class _Req(BaseModel):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0, le=2**31 - 1)     # llama-server's: 0 is off
+    min_p: Optional[float] = Field(None, ge=0, lt=1)           # llama-server's: 0 is off
     seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
     stop: Optional[Union[str, list[str]]] = None
     n: Optional[int] = Field(None, ge=1, le=1)
@@ -123,8 +123,8 @@ class _Req(BaseModel):
             raise GatewayError(400, f"at most {MAX_STOP} stop sequences, got {len(stop)}", param="stop")
         return Params(max_tokens=self.max_completion_tokens or self.max_tokens,
                       temperature=1.0 if self.temperature is None else self.temperature,
-                      top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=stop,
-                      ignore_eos=self.ignore_eos)
+                      top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                      min_p=self.min_p or 0.0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:
@@ -304,8 +304,13 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": engine.model_id, "shards": len(engine.driver.shards),
-                "running": engine.admission.running, "queued": engine.admission.waiting}
+        out = {"status": "ok", "model": engine.model_id, "shards": len(engine.driver.shards),
+               "running": engine.admission.running, "queued": engine.admission.waiting}
+        if engine.router is not None:   # with standby workers: the route requests run on now
+            out["route"] = list(engine.driver.endpoints)
+            out["failovers"] = engine.failovers
+            out["failed_shards"] = sorted(engine.router.failed)
+        return out
 
     @app.get("/metrics")
     async def prom() -> PlainTextResponse:

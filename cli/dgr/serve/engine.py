@@ -30,6 +30,7 @@ from dgr.protocol.client import AsyncWorkerClient
 from dgr.protocol.errors import Reason, WorkerError, WorkerUnavailable
 from dgr.protocol.limits import capacity_limit
 from dgr.route.driver import RouteDriver, RouteSessionError, Sampling
+from dgr.route.failover import DEFAULT_MAX_RESTARTS, FailoverRouter, PoolRouteFinder
 from dgr.route.text import PieceCache, TextDecoder, chat_prompt_text
 
 CANCEL_WAIT_S = 5.0          # a cancelled session's generate() returns well within this
@@ -54,6 +55,8 @@ class Params:
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0              # 0: off
+    min_p: float = 0.0          # 0: off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -62,8 +65,8 @@ class Params:
         if self.temperature <= 0:
             return Sampling(ignore_eog=self.ignore_eos)
         seed = self.seed if self.seed is not None else random.randrange(1, 2**31)
-        return Sampling(temperature=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, seed=seed,
-                        ignore_eog=self.ignore_eos)
+        return Sampling(temperature=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, top_k=self.top_k,
+                        min_p=self.min_p, seed=seed, ignore_eog=self.ignore_eos)
 
 
 @dataclass
@@ -220,7 +223,7 @@ class Generation:
 
         await eng.admission.acquire()
         try:
-            task = asyncio.create_task(eng.driver.generate(
+            task = asyncio.create_task((eng.router or eng.driver).generate(
                 self.prompt_ids, max_tokens=max_tokens, sampling=sampling,
                 session_id=self.session_id, on_token=on_token))
         except BaseException:
@@ -266,8 +269,10 @@ class Generation:
                 res = task.result()
             except (WorkerError, DgrError) as exc:   # e.g. the head refused the stream
                 raise GatewayError(502, f"route failure: {exc}", kind="server_error", code="route_error") from None
-            if res.error is not None:
+            if isinstance(res.error, RouteSessionError):
                 raise _session_error(res.error)
+            if res.error is not None:   # failover found no route, or gave up after its restarts
+                raise GatewayError(502, f"route failure: {res.error}", kind="server_error", code="route_error")
             out = text.push(b"", final=True)
             self.finish_reason = "length" if res.finish_reason == "length" and not text.stopped else "stop"
             yield Delta(out, self.finish_reason)
@@ -306,8 +311,12 @@ _REQUEST_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.F
 class Engine:
     """The gateway's view of one route: a connected driver plus what requests need of it."""
 
-    def __init__(self, driver: RouteDriver, *, model_id: str, slots: int | None = None, queue: int = 64) -> None:
-        self.driver = driver
+    def __init__(self, driver: RouteDriver, *, model_id: str, slots: int | None = None, queue: int = 64,
+                 router: FailoverRouter | None = None) -> None:
+        self._driver = driver
+        # with standby workers: sessions whose shard fails restart on a route without it
+        # (dgr.route.failover); the client's stream goes on, the tokens it has are not resent
+        self.router = router
         self.model_id = model_id
         # the workers' own limits (GetCapability); a worker without one is refused, not guessed at
         self.max_positions = min(capacity_limit(s.capability, "max_session_positions", endpoint=s.endpoint)
@@ -322,15 +331,41 @@ class Engine:
 
     @classmethod
     async def connect(cls, endpoints: Sequence[str], *, model_id: str | None = None, slots: int | None = None,
-                      queue: int = 64, timeout: float = 60.0, tls: Any = None) -> "Engine":
-        driver = await RouteDriver(list(endpoints), timeout=timeout, tls=tls).connect()
-        ident = driver.shards[0].capability.identity
-        eng = cls(driver, model_id=model_id or ident.artifact_id or "dgr", slots=slots, queue=queue)
-        await eng._pieces.prefetch(ident.n_vocab)
+                      queue: int = 64, timeout: float = 60.0, tls: Any = None, standby: Sequence[str] = (),
+                      max_restarts: int = DEFAULT_MAX_RESTARTS) -> "Engine":
+        router = None
+        if standby:
+            router = await FailoverRouter(list(endpoints), max_restarts=max_restarts, timeout=timeout,
+                                          tls=tls).connect()
+            assert router.route is not None and isinstance(router.finder, PoolRouteFinder)
+            router.finder.endpoints += [e for e in standby if e not in router.finder.endpoints]
+            driver = router.route
+        else:
+            driver = await RouteDriver(list(endpoints), timeout=timeout, tls=tls).connect()
+        try:
+            ident = driver.shards[0].capability.identity
+            eng = cls(driver, model_id=model_id or ident.artifact_id or "dgr", slots=slots, queue=queue,
+                      router=router)
+            await eng._pieces.prefetch(ident.n_vocab)
+        except BaseException:
+            await (router.close() if router is not None else driver.close())
+            raise
         return eng
 
+    @property
+    def driver(self) -> RouteDriver:
+        """The route requests run on now: after a failover, the route without the failed shard."""
+        if self.router is not None and self.router.route is not None:
+            return self.router.route
+        return self._driver
+
+    @property
+    def failovers(self) -> int:
+        """Routes formed after a shard failed (0 without standby workers)."""
+        return len(self.router.routes) - 1 if self.router is not None else 0
+
     async def close(self) -> None:
-        await self.driver.close()
+        await (self.router.close() if self.router is not None else self._driver.close())
 
     @property
     def head(self) -> AsyncWorkerClient:
@@ -373,7 +408,7 @@ class Engine:
         try:
             if not task.done():
                 try:
-                    await self.driver.cancel(session_id)
+                    await (self.router or self.driver).cancel(session_id)
                     await asyncio.wait_for(asyncio.shield(task), CANCEL_WAIT_S)
                 except BaseException:   # noqa: BLE001 - cleanup: the task must not outlive the request
                     task.cancel()

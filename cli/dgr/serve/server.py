@@ -12,7 +12,7 @@ import logging
 import signal
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -39,6 +39,8 @@ class ServeOptions:
     queue: int = 64                   # requests waiting for a slot before 429
     timeout: float = 60.0
     route_tls: Any = None             # dgr.protocol.tls.TlsFiles: (m)TLS to the shards, when they serve TLS
+    standby: list[str] = field(default_factory=list)   # standby workers: failover (dgr.route.failover)
+    max_restarts: int = 2             # with standby workers: restarts per request
 
     def check(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -56,6 +58,8 @@ class ServeOptions:
             raise DgrError("--max-concurrent must be >= 1")
         if self.queue < 0:
             raise DgrError("--queue must be >= 0")
+        if self.max_restarts < 0:
+            raise DgrError("--max-restarts must be >= 0")
         if not 0 <= self.port <= 65535:
             raise DgrError(f"--port {self.port} is not a TCP port")
 
@@ -121,7 +125,8 @@ async def serve_route(endpoints: Sequence[str], opts: ServeOptions, *, log_level
 
     opts.check()
     engine = await Engine.connect(endpoints, model_id=opts.model_id, slots=opts.slots, queue=opts.queue,
-                                  timeout=opts.timeout, tls=opts.route_tls)
+                                  timeout=opts.timeout, tls=opts.route_tls, standby=opts.standby,
+                                  max_restarts=opts.max_restarts)
     try:
         app = create_app(engine, api_key=opts.api_key)
         server = uvicorn.Server(_config(app, opts, log_level))
@@ -184,7 +189,8 @@ class Gateway:
                 self.opts.check()
                 self.engine = await Engine.connect(self.endpoints, model_id=self.opts.model_id, slots=self.opts.slots,
                                                    queue=self.opts.queue, timeout=self.opts.timeout,
-                                                   tls=self.opts.route_tls)
+                                                   tls=self.opts.route_tls, standby=self.opts.standby,
+                                                   max_restarts=self.opts.max_restarts)
                 self._server = uvicorn.Server(_config(create_app(self.engine, api_key=self.opts.api_key),
                                                       self.opts, "warning"))
                 self._server.install_signal_handlers = lambda: None   # not the main thread
