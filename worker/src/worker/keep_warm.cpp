@@ -58,14 +58,21 @@ void KeepWarm::run() {
         return;
     }
     spinners_++;
+    bool spinning = false;
     while (!stop_.load(std::memory_order_relaxed)) {
         if (now_ns() < until_ns_.load(std::memory_order_relaxed)) {
+            if (!spinning) spinning_++;
+            spinning = true;
             for (int i = 0; i < 256; ++i) relax();
+            rounds_.fetch_add(1, std::memory_order_relaxed);
             continue;
         }
+        if (spinning) spinning_--;
+        spinning = false;
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [this] { return stop_.load() || now_ns() < until_ns_.load(); });
     }
+    if (spinning) spinning_--;
 }
 
 }  // namespace dgr::worker

@@ -38,6 +38,10 @@ public:
     void touch();
     // threads that spin when touched (0: off, or SCHED_IDLE refused)
     uint32_t spinners() const { return spinners_.load(); }
+    // spinners inside their busy loop now (the others sleep until the next touch)
+    uint32_t spinning() const { return spinning_.load(); }
+    // rounds of the busy loops so far (observable progress, for tests)
+    uint64_t rounds() const { return rounds_.load(std::memory_order_relaxed); }
 
 private:
     void run();
@@ -46,6 +50,8 @@ private:
     std::atomic<int64_t> until_ns_{0};
     std::atomic<bool> stop_{false};
     std::atomic<uint32_t> spinners_{0};
+    std::atomic<uint32_t> spinning_{0};
+    std::atomic<uint64_t> rounds_{0};
     std::mutex mu_;
     std::condition_variable cv_;
     std::vector<std::thread> threads_;
