@@ -74,3 +74,47 @@ def test_without_a_standby_left_the_stream_ends_with_an_error_event(native_bin):
     finally:
         for w in ws:
             w.kill()
+
+
+def test_concurrent_streams_all_survive_one_failover(native_bin):
+    """Four clients stream at once when the tail dies: every answer completes with the text of an
+    uninterrupted run, the gateway forms one new route (not one per request), and no session is
+    left on the surviving workers."""
+    import asyncio
+    import time
+
+    ws = _workers(native_bin)
+    head, tail, spare = ws
+    prompts = [f"stream number {i}" for i in range(4)]
+    try:
+        with Gateway([head.target, tail.target], model_id=MODEL, standby=[spare.target]) as gw:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
+            refs = [c.completions.create(**{**ARGS, "prompt": p}).choices[0].text for p in prompts]
+            ac = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
+            seen = {"n": 0}
+
+            async def one(p: str) -> str:
+                parts = []
+                async for chunk in await ac.completions.create(stream=True, **{**ARGS, "prompt": p}):
+                    parts.append(chunk.choices[0].text)
+                    seen["n"] += 1
+                    if seen["n"] == 80:
+                        tail.kill()
+                return "".join(parts)
+
+            async def main() -> list[str]:
+                return await asyncio.gather(*(one(p) for p in prompts))
+
+            got = asyncio.run(main())
+            assert got == refs
+            health = httpx.get(gw.url + "/health", timeout=10).json()
+            assert health["failovers"] == 1 and health["failed_shards"] == [tail.target], health
+            for w in (head, spare):
+                with w.client() as wc:
+                    end = time.monotonic() + 10
+                    while wc.load().active_sessions:
+                        assert time.monotonic() < end, f"{w.target} kept sessions"
+                        time.sleep(0.02)
+    finally:
+        for w in ws:
+            w.kill()
