@@ -44,6 +44,8 @@ def test_a_dead_tail_is_replaced_mid_stream_without_losing_a_token(native_bin):
             health = httpx.get(gw.url + "/health", timeout=10).json()
             assert health["failovers"] == 1 and health["failed_shards"] == [tail.target], health
             assert health["route"] == [head.target, spare.target], health
+            prom = httpx.get(gw.url + "/metrics", timeout=10).text
+            assert "dgr_gateway_failovers 1.0" in prom and "dgr_gateway_restarted_requests 1.0" in prom, prom
             after = c.completions.create(**ARGS)                  # later requests use the new route
             assert after.choices[0].text == ref.choices[0].text
     finally:

@@ -317,6 +317,9 @@ class Engine:
         # with standby workers: sessions whose shard fails restart on a route without it
         # (dgr.route.failover); the client's stream goes on, the tokens it has are not resent
         self.router = router
+        self.restarts = 0          # requests restarted on a new route (with standby workers)
+        if router is not None:
+            router.on_event = self._on_failover_event
         self.model_id = model_id
         # the workers' own limits (GetCapability); a worker without one is refused, not guessed at
         self.max_positions = min(capacity_limit(s.capability, "max_session_positions", endpoint=s.endpoint)
@@ -358,6 +361,10 @@ class Engine:
         if self.router is not None and self.router.route is not None:
             return self.router.route
         return self._driver
+
+    def _on_failover_event(self, kind: str, _data: dict) -> None:
+        if kind == "restart":
+            self.restarts += 1
 
     @property
     def failovers(self) -> int:

@@ -28,6 +28,13 @@ class GatewayMetrics:
         queued = Gauge("dgr_gateway_queued_requests", "Requests waiting for a session slot", registry=r)
         queued.set_function(lambda: engine.admission.waiting)
         self.in_flight = Gauge("dgr_gateway_in_flight_requests", "Generation requests being answered", registry=r)
+        # with standby workers (dgr serve --standby): how often a shard failed under requests
+        failovers = Gauge("dgr_gateway_failovers", "Routes formed after a shard failed (0 without standbys)",
+                          registry=r)
+        failovers.set_function(lambda: engine.failovers)
+        restarts = Gauge("dgr_gateway_restarted_requests", "Requests restarted on a new route after a shard "
+                         "failed (0 without standbys)", registry=r)
+        restarts.set_function(lambda: getattr(engine, "restarts", 0))
 
     def started(self) -> None:
         self.in_flight.inc()
