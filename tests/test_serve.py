@@ -246,31 +246,79 @@ def test_a_started_generation_that_is_never_read_still_ends_and_frees_its_slot(s
             await gen.start()
             await gen.start()                        # once only
             assert eng.admission.running == 1 and gen.session_id in eng.active
-            await asyncio.sleep(0.05)                # the route is generating for nobody
+            end = time.monotonic() + 10              # the route is generating for nobody once the
+            while not _metrics(shards[0].target).load.active_sessions:   # head holds the session (a
+                assert time.monotonic() < end          # cancel before that ends it before it begins)
+                await asyncio.sleep(0.01)
             await gen.close()
             await gen.close()                        # idempotent
             assert eng.admission.running == 0 and not eng.active
         finally:
             await eng.close()
 
-    before = _counter(shards[0].target, "dgr_sessions_cancelled_total")
+    before = [_counter(w.target, "dgr_sessions_cancelled_total") for w in shards]
+    released = [_counter(w.target, "dgr_sessions_released_total") for w in shards]
     asyncio.run(main())
     _wait_idle(shards)
-    assert _counter(shards[0].target, "dgr_sessions_cancelled_total") > before
+    # every shard ends it cancelled, once: the head by the driver, the tail by the head and the driver
+    assert [_counter(w.target, "dgr_sessions_cancelled_total") for w in shards] == [b + 1 for b in before]
+    assert [_counter(w.target, "dgr_sessions_released_total") for w in shards] == released
+
+
+def test_a_finished_generation_ends_released_on_every_shard(shards):
+    """A session that ran to its end is released on every shard, never counted cancelled (the
+    head half-closes its stream to the next shard; only a cancel cancels it)."""
+    from dgr.serve.engine import Engine, Params
+
+    async def main():
+        eng = await Engine.connect([w.target for w in shards], model_id=MODEL)
+        try:
+            gen = eng.generation([256, *b"to the end"], Params(max_tokens=4, temperature=0))
+            assert len([d async for d in gen.deltas()]) >= 1
+            await gen.close()
+        finally:
+            await eng.close()
+
+    for _ in range(5):      # (each round would race a stream cancel against the release)
+        cancelled = [_counter(w.target, "dgr_sessions_cancelled_total") for w in shards]
+        released = [_counter(w.target, "dgr_sessions_released_total") for w in shards]
+        asyncio.run(main())
+        _wait_idle(shards)
+        assert [_counter(w.target, "dgr_sessions_cancelled_total") for w in shards] == cancelled
+        assert [_counter(w.target, "dgr_sessions_released_total") for w in shards] == [r + 1 for r in released]
 
 
 def test_non_streaming_disconnect_cancels_too(gw, shards):
-    # 1500 tokens past any end of text take several seconds on these shards (this prompt alone
-    # stops after ~260); the client gives up after 1.5 s, well after the session opened on the
-    # head even on a loaded machine (a cancel that arrives before the session opens ends it
-    # before it begins: nothing is counted cancelled on the worker then)
+    """A client that leaves a non-streaming request while its generation runs cancels the
+    session on every shard. The client here is a raw socket that closes only once the head holds
+    the session (1500 tokens past any end of text take several seconds on these shards), so the
+    test does not depend on how fast a loaded machine opens it: a cancel that arrives before the
+    session opens ends it before it begins, and nothing is counted cancelled then."""
+    import socket
+    from urllib.parse import urlsplit
+
     before = _counter(shards[0].target, "dgr_sessions_cancelled_total")
-    c = _client(gw, timeout=1.5)
-    with pytest.raises(openai.APITimeoutError):
-        c.completions.create(model=MODEL, prompt="long", max_tokens=1500, temperature=0,
-                             extra_body={"ignore_eos": True})
+    u = urlsplit(gw.url)
+    body = json.dumps({"model": MODEL, "prompt": "long", "max_tokens": 1500, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+        sock.sendall(head + body)
+        end = time.monotonic() + 10
+        while not _metrics(shards[0].target).load.active_sessions:
+            assert time.monotonic() < end, "the head never opened the session"
+            time.sleep(0.01)
+        sock.setblocking(False)
+        try:
+            early = sock.recv(64)
+        except BlockingIOError:
+            early = None                              # nothing answered yet: still generating
+        assert early is None, f"the gateway answered or closed before the client left: {early!r}"
     _wait_idle(shards)
     assert _counter(shards[0].target, "dgr_sessions_cancelled_total") > before
+    m = httpx.get(gw.url + "/metrics").text
+    assert 'dgr_gateway_requests_total{status="499"}' in m
 
 
 def test_curl_streams_server_sent_events(gw):

@@ -284,10 +284,12 @@ class RouteDriver:
             self._cancelled.discard(sid)
             # bounded: a hung shard must not hold the caller (its session TTL frees it later). In
             # chained mode the head closes its downstream streams; releasing them too is harmless.
-            extra = [self._release_shard(s, sid, epoch) for s in self.shards[1:]] if chained else []
             # a cancelled session ends cancelled on the shards too (their dgr_sessions_cancelled_total),
             # also when the cancel came before the session opened there and ended it at its next step
-            end = self._end_cancelled if tel.status == "cancelled" else self._release
+            cancelled = tel.status == "cancelled"
+            tail_end = self._cancel_shard if cancelled else self._release_shard
+            extra = [tail_end(s, sid, epoch) for s in self.shards[1:]] if chained else []
+            end = self._end_cancelled if cancelled else self._release
             release = asyncio.wait_for(asyncio.gather(*(end(sh, st, sid, epoch)
                                                         for sh, st in zip(shards, streams)), *extra,
                                                       return_exceptions=True), RELEASE_TIMEOUT_S)
@@ -361,7 +363,14 @@ class RouteDriver:
         await self._release_shard(shard, sid, epoch)
 
     async def _end_cancelled(self, shard: ShardHandle, st: AsyncSessionStream, sid: str, epoch: int) -> None:
-        st.cancel()
+        # CancelSession before the stream's own cancel: the shard ends the session as cancelled
+        # whichever of the two it sees first (a stream cancel alone may look like a half-close)
+        try:
+            await self._cancel_shard(shard, sid, epoch)
+        finally:
+            st.cancel()
+
+    async def _cancel_shard(self, shard: ShardHandle, sid: str, epoch: int) -> None:
         try:
             await shard.client.cancel(sid, epoch, timeout=RELEASE_TIMEOUT_S)
         except WorkerError:

@@ -66,11 +66,19 @@ size_t DownstreamLink::send(pb::SessionRequest req) {
     return n;
 }
 
-void DownstreamLink::close() {
+void DownstreamLink::close(bool cancel) {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return;
     closed_ = true;
-    if (!done_) ctx_.TryCancel();
+    if (done_) return;
+    if (cancel) {
+        ctx_.TryCancel();
+    } else if (writing_) {
+        out_.resize(1);  // the frame being written goes out whole, then the half-close
+        half_close_after_write_ = true;
+    } else {
+        StartWritesDone();  // a downstream that never answers is cut by the channel's keepalive
+    }
 }
 
 void DownstreamLink::OnReadDone(bool ok) {
@@ -98,6 +106,10 @@ void DownstreamLink::OnWriteDone(bool ok) {
         StartWrite(&out_.front());
     } else {
         writing_ = false;
+        if (half_close_after_write_) {
+            half_close_after_write_ = false;
+            StartWritesDone();
+        }
     }
 }
 

@@ -53,8 +53,11 @@ public:
                                                 OnReply on_reply, OnEnd on_end);
     // Queues one frame; returns its serialized size.
     size_t send(pb::SessionRequest req);
-    // Ends the stream (the downstream drops the session); no callback after this returns.
-    void close();
+    // Ends the stream, and with it the downstream's part of the session; no callback after this
+    // returns. `cancel`: the session was cancelled, the stream is cancelled (the downstream counts
+    // it cancelled); otherwise the stream is half-closed after the frame being written, if any
+    // (frames still queued are dropped) and the downstream releases its part.
+    void close(bool cancel);
     const std::string & endpoint() const { return endpoint_; }
 
     void OnReadDone(bool ok) override;
@@ -74,6 +77,7 @@ private:
     bool writing_ = false;
     bool closed_ = false;
     bool done_ = false;
+    bool half_close_after_write_ = false;
     std::shared_ptr<DownstreamLink> self_;  // alive until OnDone
 };
 

@@ -114,8 +114,8 @@ private:
 class SessionReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
 public:
     SessionReactor(Scheduler & sched, uint32_t queue_limit, std::shared_ptr<Deliverer> deliverer,
-                   std::string client_identity)
-        : sched_(sched), queue_limit_(queue_limit) {
+                   std::string client_identity, grpc::CallbackServerContext * ctx)
+        : sched_(sched), queue_limit_(queue_limit), ctx_(ctx) {
         handle_ = std::make_shared<StreamHandle>(this, std::move(deliverer));
         handle_->client_identity = std::move(client_identity);
         StartRead(&in_);
@@ -126,9 +126,10 @@ public:
     }
     void OnReadDone(bool ok) override {
         if (!ok) {
+            // a client's cancel also fails the read, often before OnCancel: count it cancelled
             handle_->on_read_closed();
             handle_->client_gone = true;
-            sched_.post_stream_closed(handle_, false);
+            sched_.post_stream_closed(handle_, ctx_->IsCancelled());
             return;
         }
         const auto t0 = Clock::now();
@@ -174,6 +175,7 @@ public:
 private:
     Scheduler & sched_;
     uint32_t queue_limit_;
+    grpc::CallbackServerContext * ctx_;  // outlives this reactor (gRPC frees it after OnDone)
     std::shared_ptr<StreamHandle> handle_;
     grpc::ByteBuffer in_;
 };
@@ -344,7 +346,7 @@ ShardService::~ShardService() { deliverer_->stop(); }
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> * ShardService::Session(grpc::CallbackServerContext * ctx) {
     std::string who = client_identity_of(*ctx);
     if (rt_.require_client_auth && who.empty()) return refused_stream();
-    return new SessionReactor(scheduler_, scheduler_.options().queue_limit, deliverer_, std::move(who));
+    return new SessionReactor(scheduler_, scheduler_.options().queue_limit, deliverer_, std::move(who), ctx);
 }
 
 template <class Req, class Resp>

@@ -62,7 +62,8 @@ uint64_t Scheduler::drop_session(const std::string & id, EndKind kind) {
     purge(decode_q_);
     purge(prefill_q_);
     std::unique_ptr<Session> s = table_.remove(id, kind);
-    if (s->chain.down) s->chain.down->close();  // the downstream Shard drops its part of the session
+    // the downstream Shard drops its part of the session, ended the same way (cancelled or released)
+    if (s->chain.down) s->chain.down->close(kind == EndKind::cancelled);
     backend_.seq_rm(s->seq, -1, -1);
     if (kind == EndKind::released) metrics_.sessions_released++;
     if (kind == EndKind::evicted) metrics_.sessions_evicted++;
