@@ -1,7 +1,7 @@
-// Batch formation and completion (docs/worker.md, Continuous batching): every pending DECODE
-// row first, then PREFILL chunks oldest first while they fit; one decode call; then each
-// step's answer (sampled token or boundary rows), forwarded downstream on a chained session,
-// and server-side generation's next row.
+// A batch's compute and completion (docs/worker.md, Continuous batching): the queue's policy
+// picks the steps (work_queue.h); one decode call; then each step's answer (sampled token or
+// boundary rows), forwarded downstream on a chained session, and server-side generation's next
+// row.
 #include "worker/errors.h"
 #include "worker/pipeline.h"
 #include "worker/scheduler.h"
@@ -19,57 +19,14 @@ double seconds_since(Clock::time_point t0) {
 }  // namespace
 
 void Scheduler::run_batch() {
-    const uint32_t B = opts_.max_batch_tokens;
-    const uint32_t decode_cap = prefill_q_.empty() ? B : B - opts_.max_prefill_chunk_tokens;
-    std::vector<std::unique_ptr<Work>> items;
-    uint32_t rows = 0;
-    // pipelined route (pipeline.h): one group of chained DECODE rows, the group being a block of
-    // consecutive sequence ids (pipeline_block) so that llama.cpp computes it as one ubatch
-    // (with one KV stream per sequence it splits a batch at every gap in the ids); the block is
-    // that of the oldest queued chained row. The rest stay queued, in order, for the next batch,
-    // computed while this group is downstream.
+    // one batch by the queue's policy (work_queue.h); on a pipelined route the chained DECODE
+    // rows of one group, the group being a block of consecutive sequence ids (pipeline_block) so
+    // that llama.cpp computes it as one ubatch (with one KV stream per sequence it splits a batch
+    // at every gap in the ids)
     const uint32_t group = chain_group_rows();
-    int64_t block = -1;
-    uint32_t chained = 0;
-    std::deque<std::unique_ptr<Work>> later;
-    while (!decode_q_.empty() && rows + 1 <= decode_cap) {
-        std::unique_ptr<Work> w = std::move(decode_q_.front());
-        decode_q_.pop_front();
-        const Session * s = table_.find(w->session_id);
-        if (group > 0 && s && s->chain.down) {
-            const int64_t b = pipeline_block(s->seq, group);
-            if (block < 0) block = b;
-            if (chained >= group || b != block) {
-                later.push_back(std::move(w));
-                continue;
-            }
-            chained++;
-        }
-        items.push_back(std::move(w));
-        rows += 1;
-    }
-    if (!later.empty()) {
-        metrics_.pipeline_held_rows += later.size();
-        while (!later.empty()) {
-            decode_q_.push_front(std::move(later.back()));
-            later.pop_back();
-        }
-    }
-    // PREFILL oldest first while it fits; of a split step (pipeline.h) one piece per batch, so
-    // that the next piece is computed while this one is downstream
-    for (auto it = prefill_q_.begin(); it != prefill_q_.end();) {
-        Work & w = **it;
-        if (w.piece && std::any_of(items.begin(), items.end(), [&](const std::unique_ptr<Work> & x) {
-                return x->piece && x->session_id == w.session_id;
-            })) {
-            ++it;
-            continue;
-        }
-        if (rows + w.n > B) break;
-        rows += w.n;
-        items.push_back(std::move(*it));
-        it = prefill_q_.erase(it);
-    }
+    WorkQueue::Batch taken = queue_.take(opts_.max_batch_tokens, opts_.max_prefill_chunk_tokens, group, block_of(group));
+    metrics_.pipeline_held_rows += taken.held_rows;
+    std::vector<std::unique_ptr<Work>> items = std::move(taken.items);
     if (items.empty()) return;
     // rows ordered by sequence id: with one KV stream per sequence llama.cpp puts only
     // consecutive increasing sequence ids into one ubatch (split_equal, sequential)
@@ -155,15 +112,8 @@ void Scheduler::run_batch() {
         s.last_step = (int64_t) w.header.step();
         s.last_used = Clock::now();
         s.answered_at = s.last_used;
-        if (w.piece_more) {
-            // the step's next piece can be computed from now on (its queue wait starts here)
-            for (auto & q : prefill_q_) {
-                if (q->session_id == w.session_id && q->piece) {
-                    q->t_ready = s.last_used;
-                    break;
-                }
-            }
-        }
+        // the step's next piece can be computed from now on (its queue wait starts here)
+        if (w.piece_more) queue_.piece_ready(w.session_id, s.last_used);
         int32_t sampled = -1;
         bool finished = false;
         pb::SessionResponse r = answer_of(w, s, first_row[k], last_row[k], &sampled, &finished);
@@ -234,7 +184,7 @@ void Scheduler::fail_batch(std::vector<std::unique_ptr<Work>> & items, std::vect
         Work & w = *items[k];
         Session & s = *sess[k];
         auto sink = s.sink;
-        absorb_pieces(w);
+        queue_.absorb_pieces(w);
         if (st == BackendStatus::resource_exhausted && !w.piece) {  // a piece: the route is ahead; drop
             move_step(s, StepState::idle);
             s.gen.active = false;

@@ -104,51 +104,8 @@ void Scheduler::open_chain(Session & s, const pb::StepFrame & sf) {
 void Scheduler::queue_prefill(Session & s, std::unique_ptr<Work> w) {
     const uint32_t groups = s.chain.down ? pipeline_groups(opts_.pipeline_groups, s.chain.stages, s.chain.colocated) : 1;
     const uint32_t piece = prefill_piece_rows(w->n, groups);
-    if (piece >= w->n) {
-        prefill_q_.push_back(std::move(w));
-        return;
-    }
-    const uint32_t E = info_.n_embd;
-    for (uint32_t a = 0; a < w->n; a += piece) {
-        const uint32_t m = std::min(piece, w->n - a);
-        const bool last = a + m == w->n;
-        auto p = std::make_unique<Work>();
-        p->session_id = w->session_id;
-        p->generation = w->generation;
-        p->pos0 = w->pos0 + a;
-        p->n = m;
-        if (info_.head) {
-            p->tokens.assign(w->tokens.begin() + a, w->tokens.begin() + a + m);
-        } else {
-            p->rows.assign(w->rows.begin() + (size_t) a * E, w->rows.begin() + (size_t) (a + m) * E);
-        }
-        p->sample = last && w->sample;
-        p->header = w->header;
-        p->t0 = w->t0;
-        p->t_ready = w->t_ready;
-        p->internal = last ? w->internal : true;
-        if (last) p->ticket = std::move(w->ticket);
-        p->piece = true;
-        p->piece_more = !last;
-        prefill_q_.push_back(std::move(p));
-    }
-    metrics_.prefill_pieces += (w->n + piece - 1) / piece;
-}
-
-void Scheduler::absorb_pieces(Work & w) {
-    if (!w.piece || !w.piece_more) return;
-    for (auto it = prefill_q_.begin(); it != prefill_q_.end();) {
-        if ((*it)->session_id == w.session_id && (*it)->piece) {
-            if (!(*it)->internal) {  // this failure answers the client's frame
-                w.internal = false;
-                w.ticket = std::move((*it)->ticket);
-            }
-            it = prefill_q_.erase(it);
-        } else {
-            ++it;
-        }
-    }
-    w.piece_more = false;
+    if (piece < w->n) metrics_.prefill_pieces += (w->n + piece - 1) / piece;
+    queue_.push_prefill_pieces(std::move(w), piece, info_.n_embd);
 }
 
 void Scheduler::forward(Session & s, Work & w, pb::SessionResponse & r, uint32_t hint_rows) {

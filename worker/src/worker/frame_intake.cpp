@@ -279,7 +279,7 @@ void Scheduler::on(FrameEvent & ev) {
     w->t_ready = Clock::now();
     if (w->decode) {
         note_decode_arrival(*s);
-        decode_q_.push_back(std::move(w));
+        queue_.push_decode(std::move(w));
     } else {
         queue_prefill(*s, std::move(w));
     }

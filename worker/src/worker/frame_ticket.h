@@ -2,7 +2,7 @@
 // counts (--queue-limit, dgr_queue_depth).
 //
 // A gRPC reaction takes the ticket when it posts the frame; the frame event carries it, then
-// the step it becomes (Scheduler::Work), then the last piece of a split PREFILL step. It goes
+// the step it becomes (Work, work_queue.h), then the last piece of a split PREFILL step. It goes
 // back exactly once: release() where the frame is answered or leaves the queue for compute, or
 // the destructor when whatever holds it is dropped (a purged step, a late event at shutdown).
 // Move-only, so no count is kept by hand and none can drift.

@@ -87,7 +87,7 @@ void Scheduler::continue_generation(Session & s, const pb::ResponseHeader & last
     table_.reserve(s, 1);
     metrics_.generated_tokens++;
     note_decode_arrival(s);
-    decode_q_.push_back(std::move(w));
+    queue_.push_decode(std::move(w));
 }
 
 }  // namespace dgr::worker

@@ -180,12 +180,7 @@ void Scheduler::answer_frame_error(FrameEvent & ev, const pb::ResponseHeader & h
 bool Scheduler::has_unanswered_frame(const Session & s) const {
     if (!s.busy()) return false;
     if (s.step == StepState::downstream) return !s.chain.pending_internal;
-    for (const auto * q : {&decode_q_, &prefill_q_}) {
-        for (const auto & w : *q) {
-            if (w->session_id == s.id && !w->internal) return true;  // (a split step's last piece)
-        }
-    }
-    return false;
+    return queue_.has_client_step(s.id);  // (a split step's last piece)
 }
 
 void Scheduler::on(ClosedEvent & ev) {
@@ -296,7 +291,7 @@ void Scheduler::loop() {
         std::deque<Event> evs;
         {
             std::unique_lock<std::mutex> lk(mu_);
-            if (inbox_.empty() && decode_q_.empty() && prefill_q_.empty()) {
+            if (inbox_.empty() && queue_.empty()) {
                 cv_.wait_for(lk, std::chrono::milliseconds(500));
             }
             evs.swap(inbox_);
@@ -328,7 +323,7 @@ void Scheduler::loop() {
         // per batch and ~3x slower). Routes across hosts form pipeline groups instead (below
         // and docs/worker.md, Pipelined routes): there the shards computing different groups at
         // once is the pipeline working.
-        if (!decode_q_.empty() && prefill_q_.empty() && last_decode_s_ > 0.0) {
+        if (queue_.has_decode() && !queue_.has_prefill() && last_decode_s_ > 0.0) {
             const auto t_gather = Clock::now();
             auto after = [&](double s) {
                 return t_gather + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
@@ -340,17 +335,10 @@ void Scheduler::loop() {
             // that a group split by uneven prompts merges once and then travels together
             const auto fill_deadline = after(std::min(0.05, last_decode_s_));
             for (;;) {
-                if (!prefill_q_.empty()) break;
+                if (queue_.has_prefill()) break;
                 if (group > 0) {  // a full group (block of sequence ids, batch_runner.cpp) is queued
-                    uint32_t chained = 0;
                     int64_t block = -1;
-                    for (const auto & w : decode_q_) {
-                        const Session * s = table_.find(w->session_id);
-                        if (!s || !s->chain.down) continue;
-                        const int64_t b = pipeline_block(s->seq, group);
-                        if (block < 0) block = b;
-                        if (b == block) chained++;
-                    }
+                    const uint32_t chained = queue_.first_block_rows(block_of(group), &block);
                     if (chained >= group) break;
                     if (chained > 0 && Clock::now() < fill_deadline && block_due_by(block, group, fill_deadline) > 0) {
                         std::deque<Event> more;
@@ -366,7 +354,7 @@ void Scheduler::loop() {
                 const Expected e = expected_decoders(short_deadline);
                 // rows forwarded together by a pipelining Shard (StepFrame.batch) are waited for
                 // until all are here, within the same short deadline
-                if (e.plain == 0 && e.colocated_chain == 0 && !upstream_batch_incomplete()) break;
+                if (e.plain == 0 && e.colocated_chain == 0 && !queue_.upstream_batch_incomplete()) break;
                 const auto deadline = e.colocated_chain > 0 ? long_deadline : short_deadline;
                 if (Clock::now() >= deadline) break;
                 std::deque<Event> more;
@@ -385,7 +373,7 @@ void Scheduler::loop() {
             sweep_ttl(now);
             last_sweep_ = now;
         }
-        if (!decode_q_.empty() || !prefill_q_.empty()) run_batch();
+        if (!queue_.empty()) run_batch();
         publish_gauges();
     }
 }
@@ -424,19 +412,11 @@ uint32_t Scheduler::block_due_by(int64_t block, uint32_t group, Clock::time_poin
     return n;
 }
 
-bool Scheduler::upstream_batch_incomplete() const {
-    // (id, rows hinted, rows queued); a handful of batches at most
-    std::vector<std::pair<uint64_t, std::pair<uint32_t, uint32_t>>> seen;
-    for (const auto & w : decode_q_) {
-        if (w->up_rows <= 1) continue;
-        auto it = std::find_if(seen.begin(), seen.end(), [&](const auto & x) { return x.first == w->up_batch; });
-        if (it == seen.end()) {
-            seen.push_back({w->up_batch, {w->up_rows, 1}});
-        } else {
-            it->second.second++;
-        }
-    }
-    return std::any_of(seen.begin(), seen.end(), [](const auto & x) { return x.second.second < x.second.first; });
+WorkQueue::BlockOf Scheduler::block_of(uint32_t group) const {
+    return [this, group](const Work & w) -> int64_t {
+        const Session * s = table_.find(w.session_id);
+        return s && s->chain.down ? pipeline_block(s->seq, group) : -1;
+    };
 }
 
 uint32_t Scheduler::chain_group_rows() const {

@@ -13,9 +13,9 @@
 // scheduler.cpp (events, loop, release/cancel/stop), session_lifecycle.cpp (gauges, audit,
 // dropping sessions, eviction, TTL), frame_intake.cpp (a
 // frame: validation with common/bundle.h, session-state checks, admission), batch_runner.cpp
-// (batch formation, decode, answers), chain_link.cpp (forwarding to the downstream Shard) and
-// generation.cpp (server-side generation). The session table is its own class
-// (session_table.h).
+// (a batch's decode and answers), chain_link.cpp (forwarding to the downstream Shard) and
+// generation.cpp (server-side generation). The session table (session_table.h) and the queue of
+// steps with its batching policy (work_queue.h) are classes of their own.
 #pragma once
 
 #include "worker/backend.h"
@@ -27,6 +27,7 @@
 #include "worker/sampling.h"
 #include "worker/session_table.h"
 #include "worker/stream_sink.h"
+#include "worker/work_queue.h"
 
 #include <atomic>
 #include <chrono>
@@ -101,33 +102,6 @@ public:
     const pb::GetCapabilityResponse & capability() const { return cap_; }
 
 private:
-    // One queued step of a session (a client frame, or an internal step of server-side
-    // generation).
-    struct Work {
-        std::string session_id;
-        uint64_t generation = 0;
-        bool decode = false;
-        std::vector<int32_t> tokens;
-        std::vector<float> rows;
-        uint32_t pos0 = 0;
-        uint32_t n = 0;
-        bool sample = false;
-        pb::ResponseHeader header;
-        Clock::time_point t0;
-        Clock::time_point t_ready;
-        bool internal = false;  // fed back by server-side generation (no client frame behind it)
-        // a piece of a split PREFILL step (pipeline.h prefill_piece_rows); more pieces follow
-        // unless it is the last (which carries the client's frame: internal == false)
-        bool piece = false;
-        bool piece_more = false;
-        // StepFrame.batch of a forwarded DECODE row: the upstream batch it was computed in and how
-        // many rows that batch forwarded here (0: no hint)
-        uint64_t up_batch = 0;
-        uint32_t up_rows = 0;
-        // the client frame behind this step (none when internal, or for an early piece); it
-        // goes back when the step is answered or leaves this Shard (frame_ticket.h)
-        FrameTicket ticket;
-    };
     struct Intake;  // frame_intake.cpp: one frame's fields and response header
 
     // ---- scheduler.cpp: events, loop; session_lifecycle.cpp: dropping sessions, room, TTL ----
@@ -149,16 +123,14 @@ private:
     bool paced_by_pipeline(const Session & s) const;
     // ---- pipelined routes (pipeline.h): the cap on chained DECODE rows per batch (0: none)
     uint32_t chain_group_rows() const;
-    // a queued DECODE row's upstream batch (StepFrame.batch) has rows still on their way here
-    bool upstream_batch_incomplete() const;
+    // the pipeline block of a queued DECODE row's chained session under `group` (-1: not chained)
+    WorkQueue::BlockOf block_of(uint32_t group) const;
     // generating chained sessions of `block` downstream now, next row predicted by `deadline`
     uint32_t block_due_by(int64_t block, uint32_t group, Clock::time_point deadline) const;
     // a DECODE row of `s` is queued: learn its answer-to-next-row gap
     static void note_decode_arrival(Session & s);
     // queues a PREFILL step, split into pieces on a pipelined chained session
     void queue_prefill(Session & s, std::unique_ptr<Work> w);
-    // a piece failed: the session's later pieces leave the queue; this one answers the frame
-    void absorb_pieces(Work & w);
     // `internal`: the error answers server-side generation, not a queued frame (the stream
     // is not asked for its next frame and the queue count is untouched)
     void answer_error(StreamSink & sink, const pb::ResponseHeader & hdr, pb::ShardError err,
@@ -239,8 +211,7 @@ private:
 
     // scheduler-thread state
     SessionTable table_;
-    std::deque<std::unique_ptr<Work>> decode_q_;
-    std::deque<std::unique_ptr<Work>> prefill_q_;
+    WorkQueue queue_;  // steps waiting for compute, and the batching policy (work_queue.h)
     double last_decode_s_ = 0.0;  // EWMA of decode-only batch calls
     uint64_t fwd_batch_seq_ = 0;  // id of the last batch whose rows were forwarded (StepFrame.batch)
     Clock::time_point last_sweep_;

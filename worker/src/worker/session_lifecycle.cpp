@@ -38,7 +38,7 @@ std::string Scheduler::audit() const {
     if (stopped) {
         if (queued_.load() != 0) add(std::to_string(queued_.load()) + " frame ticket(s) still out");
         if (table_.size() != 0) add(std::to_string(table_.size()) + " session(s) left");
-        if (!decode_q_.empty() || !prefill_q_.empty()) add("steps left in the queues");
+        if (!queue_.empty()) add("steps left in the queues");
     }
     return out;
 }
@@ -50,17 +50,7 @@ void Scheduler::publish_gauges() {
 
 uint64_t Scheduler::drop_session(const std::string & id, EndKind kind) {
     if (!table_.find(id)) return 0;
-    auto purge = [&](std::deque<std::unique_ptr<Work>> & q) {
-        for (auto w = q.begin(); w != q.end();) {
-            if ((*w)->session_id == id) {
-                w = q.erase(w);  // (its frame's ticket goes back)
-            } else {
-                ++w;
-            }
-        }
-    };
-    purge(decode_q_);
-    purge(prefill_q_);
+    queue_.purge(id);  // (their frames' tickets go back)
     std::unique_ptr<Session> s = table_.remove(id, kind);
     // the downstream Shard drops its part of the session, ended the same way (cancelled or released)
     if (s->chain.down) s->chain.down->close(kind == EndKind::cancelled);
