@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -186,6 +188,7 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
     from ..route.supervisor import WorkerArgs, WorkerProcess
 
     levels = sorted(set(cfg.levels))
+    load_before = list(os.getloadavg())   # what else ran on the host: stated, not assumed
     per = cfg.prompt_tokens + cfg.gen_tokens + 16
     results: dict[int, dict[str, dict[str, float]]] = {b: {} for b in levels}
     ref: dict[int, float] = {}
@@ -222,6 +225,9 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
         "model": str(model),
         "config": {"levels": levels, "prompt_tokens": cfg.prompt_tokens, "gen_tokens": cfg.gen_tokens,
                    "threads": cfg.threads, "repeats": cfg.repeats},
+        # the binary measured (a paired run compares two builds: they differ here, not in "git")
+        "worker_binary": {"path": str(worker_bin), "sha256": _sha256(worker_bin)},
+        "host": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": list(os.getloadavg())},
         "levels": rows,
         "saturation_sessions": saturation(rows),
         "stepwise_saturation_sessions": saturation(rows, "stepwise"),
@@ -230,6 +236,14 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
         "meets_target": meets(rows),
         "stepwise_meets_target": meets(rows, "stepwise"),
     }
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def saturation(rows: Sequence[dict], mode: str | None = None) -> int | None:
