@@ -80,6 +80,22 @@ def test_batched_bench_missing_rows_and_failures_are_errors(tmp_path):
         lt.batched_bench(bad, Path("/m"), threads=1, n_prompt=8, n_gen=4, npl=[1], ctx=64)
 
 
+def test_a_batched_bench_run_that_lost_its_output_is_run_again(tmp_path):
+    """The pinned tool's logger may drop every row at exit (it exits 0 having printed nothing):
+    such a run is repeated, each attempt logged, and a tool that never prints stops after
+    BATCHED_BENCH_ATTEMPTS runs."""
+    out, count = tmp_path / "out", tmp_path / "count"
+    out.write_text(BB)
+    exe = _tool(tmp_path, "flaky", f'echo x >> {count}\nif [ $(wc -l < {count}) -ge 2 ]; then cat {out}; fi\n')
+    log = lt.CommandLog()
+    rows, _ = lt.batched_bench(exe, Path("/m"), threads=1, n_prompt=8, n_gen=4, npl=[1, 2], ctx=64, log=log)
+    assert sorted(rows) == [1, 2] and len(log.entries) == 2
+    silent = _tool(tmp_path, "silent", f'echo x >> {tmp_path / "n"}\n')
+    with pytest.raises(DgrError, match=r"no rows for concurrency \[1\] \(3 runs"):
+        lt.batched_bench(silent, Path("/m"), threads=1, n_prompt=8, n_gen=4, npl=[1], ctx=64)
+    assert len((tmp_path / "n").read_text().split()) == lt.BATCHED_BENCH_ATTEMPTS == 3
+
+
 def test_llama_bench_runs_with_depth_and_a_deadline(tmp_path):
     out = tmp_path / "out"
     out.write_text(LB)

@@ -295,13 +295,14 @@ def test_a_client_that_leaves_at_once_leaves_nothing_generating(gw, shards, stre
 # ---- fields the gateway does not implement ----------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [
-    ("logprobs", True), ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
+    ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
     ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repeat_penalty", 1.1),
     ("logit_bias", {"42": 10}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("suffix", "end"), ("best_of", 2), ("mirostat", 2), ("grammar", "root ::= \"a\""),
 ])
 def test_a_field_that_is_not_implemented_is_refused_not_ignored(gw, field, value):
-    path = COMPLETIONS if field in ("suffix", "best_of") else CHAT
+    # (top_logprobs is chat's: completions ask with logprobs: k; test_serve_logprobs.py)
+    path = COMPLETIONS if field in ("suffix", "best_of", "top_logprobs") else CHAT
     body = {"model": MODEL, "max_tokens": 2, field: value}
     body.update({"prompt": "x"} if path == COMPLETIONS else {"messages": [{"role": "user", "content": "x"}]})
     r = _post(gw, path, body)

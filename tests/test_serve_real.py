@@ -54,3 +54,24 @@ def test_chat_through_the_split_equals_the_whole_model(routes):
             answers.append(out.choices[0].message.content)
     assert answers[0] == answers[1]
     assert "Paris" in answers[0]
+
+
+def test_logprobs_through_the_split_match_the_whole_model(routes):
+    """The tail's log-probabilities over a split equal the whole model's (within f32 noise), and
+    the tokens they list spell the answer."""
+    r, w = routes
+    got = []
+    for eps in (r.endpoints, w.endpoints):
+        with Gateway(eps, model_id="smollm2") as gw:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+            out = c.chat.completions.create(model="smollm2", temperature=0, max_tokens=12, logprobs=True,
+                                            top_logprobs=3, messages=[{"role": "user", "content": "Name a colour."}])
+            lp = out.choices[0].logprobs.content
+            assert len(lp) == out.usage.completion_tokens
+            assert "".join(e.token for e in lp).startswith(out.choices[0].message.content)
+            got.append(lp)
+    split, whole = got
+    assert [e.token for e in split] == [e.token for e in whole]
+    for a, b in zip(split, whole):
+        assert a.logprob == pytest.approx(b.logprob, abs=0.05)
+        assert a.top_logprobs[0].token == a.token      # greedy: the most likely token

@@ -205,8 +205,11 @@ class RouteDriver:
     async def generate(self, prompt_tokens: Sequence[int], *, max_tokens: int = 32,
                        sampling: Sampling = Sampling(), session_id: str | None = None, epoch: int = 1,
                        on_token: Callable[[int], Awaitable[None] | None] | None = None,
-                       stop_on_eog: bool = True, forced_tokens: Sequence[int] | None = None) -> GenerationResult:
-        """One Route Session. ``forced_tokens`` (stepwise mode only): teacher forcing, the
+                       stop_on_eog: bool = True, forced_tokens: Sequence[int] | None = None,
+                       on_sampled: Callable[[pb.SampledToken], None] | None = None) -> GenerationResult:
+        """One Route Session. ``on_sampled``: called with each sampled token whole (its logprobs
+        when ``sampling.top_logprobs``), just before ``on_token`` gets its id.
+        ``forced_tokens`` (stepwise mode only): teacher forcing, the
         decode step after output k feeds ``forced_tokens[k]`` instead of the sampled token, so
         every output (and its top logprobs) is the route's prediction on that fixed context;
         used to measure numeric drift between routes on the same token sequence."""
@@ -233,7 +236,7 @@ class RouteDriver:
             streams = [await self.open_stream(s, sid, epoch, sampling=sampling if s is self.shards[-1] else None)
                        for s in shards]
         self._active[sid] = epoch
-        g = Collector(max_tokens, stop_on_eog, bool(sampling.top_logprobs), on_token)
+        g = Collector(max_tokens, stop_on_eog, bool(sampling.top_logprobs), on_token, on_sampled)
         g.forced = list(forced_tokens) if forced_tokens is not None else None
 
         def check_cancelled() -> None:

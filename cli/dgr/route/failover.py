@@ -43,6 +43,7 @@ from typing import Awaitable, Callable, Protocol, Sequence
 from ..errors import DgrError
 from ..protocol.client import AsyncWorkerClient, WorkerError
 from ..protocol.errors import Reason
+from ..shard.v1 import shard_runtime_pb2 as pb
 from .driver import GenerationResult, RouteDriver, RouteSessionError, Sampling
 from .work_records import AttemptRecord, SessionWorkRecord, ShardWork
 
@@ -282,7 +283,8 @@ class FailoverRouter:
     async def generate(self, prompt_tokens: Sequence[int], *, max_tokens: int = 32,
                        sampling: Sampling = Sampling(), session_id: str | None = None, epoch: int = 1,
                        on_token: Callable[[int], Awaitable[None] | None] | None = None,
-                       stop_on_eog: bool = True) -> FailoverResult:
+                       stop_on_eog: bool = True,
+                       on_sampled: Callable[[pb.SampledToken], None] | None = None) -> FailoverResult:
         assert self.route is not None, "connect() first"
         sid = session_id or f"s-{uuid.uuid4().hex[:12]}"
         rec = SessionWorkRecord(sid, f"r-{uuid.uuid4().hex[:12]}", "failed", len(prompt_tokens))
@@ -309,7 +311,8 @@ class FailoverRouter:
             self._current[sid] = (driver, asid, epoch + attempt)
             try:
                 res = await driver.generate(ctx, max_tokens=max_tokens - before, sampling=sampling, session_id=asid,
-                                            epoch=epoch + attempt, on_token=tok, stop_on_eog=stop_on_eog)
+                                            epoch=epoch + attempt, on_token=tok, stop_on_eog=stop_on_eog,
+                                            on_sampled=on_sampled)
             finally:
                 self._current.pop(sid, None)
             results.append(res)

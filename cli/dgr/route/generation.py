@@ -42,11 +42,13 @@ class Collector:
     """What one generation collected so far (shared by both modes)."""
 
     def __init__(self, max_tokens: int, stop_on_eog: bool, top_logprobs: bool,
-                 on_token: Callable[[int], Awaitable[None] | None] | None) -> None:
+                 on_token: Callable[[int], Awaitable[None] | None] | None,
+                 on_sampled: Callable[[pb.SampledToken], None] | None = None) -> None:
         self.max_tokens = max_tokens
         self.stop_on_eog = stop_on_eog
         self.want_top = top_logprobs
         self.on_token = on_token
+        self.on_sampled = on_sampled   # the whole SampledToken (its logprobs), just before on_token
         self.out: list[int] = []
         self.top: list[list[tuple[int, float]]] = []
         self.forced: list[int] | None = None   # teacher forcing (stepwise): the tokens fed back
@@ -62,6 +64,8 @@ class Collector:
         self.out.append(tok.token_id)
         if self.want_top:
             self.top.append([(t.token_id, t.logprob) for t in tok.top_logprobs])
+        if self.on_sampled is not None:
+            self.on_sampled(tok)
         if self.on_token is not None:
             r = self.on_token(tok.token_id)
             if asyncio.iscoroutine(r):

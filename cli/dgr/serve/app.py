@@ -18,146 +18,22 @@ import logging
 import time
 import uuid
 from importlib import resources
-from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import Engine, GatewayError, Generation, Params
+from .api_fields import ApiRequest, ChatRequest, CompletionRequest, logprobs_json, text_field
+from .engine import Engine, GatewayError, Generation, TokenLogprob
 from .metrics import GatewayMetrics
 from .routeview import RouteView
 
 _log = logging.getLogger(__name__)
 
-MAX_STOP = 4
-SEED_MAX = 2**64 - 1          # the sampling contract's seed is a uint64
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
-
-# Request fields that would change the answer and that this gateway does not implement: refused
-# with a 400 naming the field unless the value asks for nothing (its default). Nothing a client
-# asks for is silently ignored (docs/serve.md, "Request fields").
-_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v is None or v is False or v == 0,
-    "top_logprobs": lambda v: v is None or v == 0,
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "frequency_penalty": lambda v: v is None or v == 0,
-    "presence_penalty": lambda v: v is None or v == 0,
-    "repeat_penalty": lambda v: v is None or v == 1,
-    "logit_bias": lambda v: v is None or v == {},
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": lambda v: v is None or v == "none",
-    "functions": lambda v: v is None or v == [],
-    "function_call": lambda v: v is None or v == "none",
-    "suffix": lambda v: v is None or v == "",
-    "best_of": lambda v: v is None or v == 1,
-    "modalities": lambda v: v is None or v == ["text"],
-    "audio": lambda v: v is None,
-    "prediction": lambda v: v is None,
-    "store": lambda v: v is None or v is False,
-    "reasoning_effort": lambda v: v is None,
-}
-# Fields that ask nothing of the answer (metadata, hints): accepted and not used.
-_HINTS = frozenset({"user", "metadata", "service_tier", "parallel_tool_calls", "cache_prompt",
-                    "safety_identifier", "prompt_cache_key"})
-
-
-def _refuse_extras(extra: dict[str, Any] | None, where: str = "") -> None:
-    """A 400 naming the first field that asks for something this gateway does not do."""
-    for name, value in (extra or {}).items():
-        if not where and name in _HINTS:
-            continue
-        is_default = _UNSUPPORTED.get(name) if not where else None
-        if is_default is not None:
-            try:
-                ok = bool(is_default(value))
-            except Exception:  # noqa: BLE001 - an odd value is not the default
-                ok = False
-            if ok:
-                continue
-        elif value is None or value == [] or value == {} or value == "":
-            continue      # an unknown field that asks for nothing
-        field = f"{where}{name}"
-        raise GatewayError(400, f"{field} is not supported by this gateway"
-                           + (" (only its default is accepted)" if name in _UNSUPPORTED and not where else ""),
-                           param=field, code="unsupported_parameter")
-
-
-def _text(value: str, param: str) -> str:
-    """``value``, refused with a 400 when it is not valid Unicode text (a lone surrogate such as
-    ``"\\ud800"``, which JSON can carry but UTF-8 cannot)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise GatewayError(400, f"{param}: not valid Unicode text (lone surrogate {ascii(value[exc.start])[1:-1]} "
-                           f"at character {exc.start})", param=param, code="invalid_value") from None
-    return value
-
-
-class _Req(BaseModel):
-    # unknown fields are accepted by the parser and then refused unless they ask for nothing
-    # (_refuse_extras); NaN and infinities are no numbers a request may carry
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-    model: str
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0, le=2**31 - 1)     # llama-server's: 0 is off
-    min_p: Optional[float] = Field(None, ge=0, lt=1)           # llama-server's: 0 is off
-    seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
-    stop: Optional[Union[str, list[str]]] = None
-    n: Optional[int] = Field(None, ge=1, le=1)
-    stream: bool = False
-    stream_options: Optional[dict[str, Any]] = None
-    ignore_eos: bool = False       # llama-server's extension: generate through end-of-generation tokens
-
-    def params(self) -> Params:
-        _refuse_extras(self.model_extra)
-        stop = [_text(x, "stop") for x in ([self.stop] if isinstance(self.stop, str) else list(self.stop or []))]
-        if len(stop) > MAX_STOP:
-            raise GatewayError(400, f"at most {MAX_STOP} stop sequences, got {len(stop)}", param="stop")
-        return Params(max_tokens=self.max_completion_tokens or self.max_tokens,
-                      temperature=1.0 if self.temperature is None else self.temperature,
-                      top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                      min_p=self.min_p or 0.0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[str, list[dict[str, Any]], None] = None
-
-    def text(self, i: int) -> str:
-        # what a client echoes back from an answer (tool_calls: null, refusal: null, ...) asks
-        # for nothing; a field with a value (a name, tool calls) is refused, not dropped
-        _refuse_extras(self.model_extra, where=f"messages[{i}].")
-        if self.content is None or isinstance(self.content, str):
-            return _text(self.content or "", "messages")
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text":
-                raise GatewayError(400, f"content part type {ascii(p.get('type'))} is not supported (text only)",
-                                   param="messages")
-            parts.append(_text(str(p.get("text", "")), "messages"))
-        return "".join(parts)
-
-
-class ChatRequest(_Req):
-    messages: list[_Message] = Field(min_length=1)
-
-
-class CompletionRequest(_Req):
-    prompt: Union[str, list[str], list[int]]
-    echo: bool = False
 
 
 class _EventStream(StreamingResponse):
@@ -338,7 +214,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
     async def complete(req: CompletionRequest, request: Request) -> Any:
         return await _answer(request, req, chat=False)
 
-    async def _prompt(req: _Req, chat: bool) -> tuple[list[int], str]:
+    async def _prompt(req: ApiRequest, chat: bool) -> tuple[list[int], str]:
         """The request's prompt token ids, and the text a completion echoes."""
         if chat:
             assert isinstance(req, ChatRequest)
@@ -356,14 +232,14 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             if len(p) != 1:
                 raise GatewayError(400, "one prompt per request (a list of several prompts is not supported)",
                                    param="prompt")
-            ids = await engine.tokenize(_text(str(p[0]), "prompt"))
+            ids = await engine.tokenize(text_field(str(p[0]), "prompt"))
         else:
-            ids = await engine.tokenize(_text(p, "prompt"))
+            ids = await engine.tokenize(text_field(p, "prompt"))
         if not ids:
             raise GatewayError(400, "the prompt is empty", param="prompt")
         return ids, p if req.echo and isinstance(p, str) else ""
 
-    async def _answer(request: Request, req: _Req, *, chat: bool) -> Any:
+    async def _answer(request: Request, req: ApiRequest, *, chat: bool) -> Any:
         """One generation request, start to end. Whatever happens on the way (a refusal, a route
         failure, an unexpected exception, the client leaving) ends as an OpenAI-shaped answer,
         the request counted once by its final status and its session closed."""
@@ -390,7 +266,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             out.end(499)
             raise
 
-    async def _respond(request: Request, out: _Outcome, req: _Req, *, chat: bool, echo: str = "") -> Any:
+    async def _respond(request: Request, out: _Outcome, req: ApiRequest, *, chat: bool, echo: str = "") -> Any:
         gen = out.gen
         assert gen is not None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -408,7 +284,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
                                         req.include_usage, echo), gen, lambda: out.end(status[0]),
                                 media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        collect = asyncio.ensure_future(gen.collect())
+        collect = asyncio.ensure_future(gen.collect_all())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -426,9 +302,11 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             await gen.close()      # also when collect was cancelled before it began
             out.end(499)
             return PlainTextResponse("", status_code=499)
-        text = collect.result()    # a GatewayError or any other failure: answered by _answer
+        text, lps = collect.result()   # a GatewayError or any other failure: answered by _answer
         out.end(200)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason,
+                                  "logprobs": logprobs_json(lps, chat, len(echo)) if gen.params.logprobs is not None
+                                  else None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -440,8 +318,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
                       include_usage: bool, echo: str) -> AsyncIterator[bytes]:
         it = gen.deltas()
         try:
-            def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
-                c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            want_lp = gen.params.logprobs is not None
+
+            def chunk(text: str | None, finish: str | None, role: bool = False,
+                      lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
+                c: dict[str, Any] = {"index": 0, "finish_reason": finish,
+                                     "logprobs": logprobs_json(lps, chat, len(echo)) if want_lp and lps else None}
                 if chat:
                     c["delta"] = ({"role": "assistant", "content": text or ""} if role else
                                   ({"content": text} if text else {}))
@@ -461,8 +343,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             elif echo:
                 yield _sse(chunk(echo, None))
             async for d in it:
-                if d.text or d.finish_reason:
-                    yield _sse(chunk(d.text, d.finish_reason))
+                if d.text or d.finish_reason or d.logprobs:
+                    yield _sse(chunk(d.text, d.finish_reason, lps=d.logprobs))
             if include_usage:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": engine.model_id, "choices": [],
                             "usage": gen.usage.to_json()})

@@ -32,6 +32,7 @@ from dgr.protocol.limits import capacity_limit
 from dgr.route.driver import RouteDriver, RouteSessionError, Sampling
 from dgr.route.failover import DEFAULT_MAX_RESTARTS, FailoverRouter, PoolRouteFinder
 from dgr.route.text import PieceCache, TextDecoder, chat_prompt_text
+from dgr.shard.v1 import shard_runtime_pb2 as pb
 
 CANCEL_WAIT_S = 5.0          # a cancelled session's generate() returns well within this
 RETRY_AFTER_S = 1            # Retry-After of an over-capacity answer
@@ -60,13 +61,29 @@ class Params:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # None: no logprobs; k >= 0: each token's logprob and its k most likely alternatives
+    logprobs: int | None = None
 
     def sampling(self) -> Sampling:
+        # the sampled token's own logprob comes with top_logprobs >= 1 (SampledToken.logprob)
+        top = 0 if self.logprobs is None else max(1, self.logprobs)
         if self.temperature <= 0:
-            return Sampling(ignore_eog=self.ignore_eos)
+            return Sampling(ignore_eog=self.ignore_eos, top_logprobs=top)
         seed = self.seed if self.seed is not None else random.randrange(1, 2**31)
         return Sampling(temperature=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, top_k=self.top_k,
-                        min_p=self.min_p, seed=seed, ignore_eog=self.ignore_eos)
+                        min_p=self.min_p, seed=seed, ignore_eog=self.ignore_eos, top_logprobs=top)
+
+
+@dataclass
+class TokenLogprob:
+    """One sampled token's log-probability and its most likely alternatives (most likely first);
+    ``offset``: where the token's text begins in the answer's text (characters, before it was
+    cut at a stop string)."""
+
+    piece: bytes
+    logprob: float
+    top: list[tuple[bytes, float]]
+    offset: int = 0
 
 
 @dataclass
@@ -75,6 +92,9 @@ class Delta:
 
     text: str
     finish_reason: str | None = None   # set on the last delta: "stop" or "length"
+    # with Params.logprobs: the tokens consumed since the previous delta (also tokens whose text
+    # is held back or cut at a stop string)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Admission:
@@ -215,17 +235,22 @@ class Generation:
         except ValueError as exc:
             raise GatewayError(400, f"invalid sampling parameters: {exc}", code="invalid_value") from None
         q = self._q
+        want_lp = self.params.logprobs is not None
+        last: list[pb.SampledToken | None] = [None]
+
+        def on_sampled(st: pb.SampledToken) -> None:
+            last[0] = st
 
         def on_token(tok: int) -> None:
             if self.ttft_s is None:     # stamped on arrival, not when this request's task next runs
                 self.ttft_s = time.perf_counter() - self.t0
-            q.put_nowait(tok)
+            q.put_nowait((tok, last[0]) if want_lp else tok)
 
         await eng.admission.acquire()
         try:
             task = asyncio.create_task((eng.router or eng.driver).generate(
                 self.prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                session_id=self.session_id, on_token=on_token))
+                session_id=self.session_id, on_token=on_token, **({"on_sampled": on_sampled} if want_lp else {})))
         except BaseException:
             eng.admission.release()
             raise
@@ -256,15 +281,21 @@ class Generation:
             # token's text is its own delta, so that text leaves as evenly as it was sampled.
             # Only _TextStream holds text back (an incomplete UTF-8 character, a possible stop
             # string's start); held text goes out with the next token that completes it.
-            while (tok := await q.get()) is not self._DONE:
+            lps: list[TokenLogprob] = []
+            while (item := await q.get()) is not self._DONE:
                 self.usage.completion_tokens += 1
-                out = text.push((await eng.pieces((tok,)))[0])
+                tok, st = item if isinstance(item, tuple) else (item, None)
+                piece = (await eng.pieces((tok,)))[0]
+                if st is not None:
+                    lps.append(await self._logprob(piece, st, len(text.text) + len(text.pending)))
+                out = text.push(piece)
                 if text.stopped:
                     self.finish_reason = "stop"
-                    yield Delta(out, "stop")
+                    yield Delta(out, "stop", lps)
                     return
                 if out:
-                    yield Delta(out)
+                    yield Delta(out, logprobs=lps)
+                    lps = []
             try:
                 res = task.result()
             except (WorkerError, DgrError) as exc:   # e.g. the head refused the stream
@@ -275,13 +306,27 @@ class Generation:
                 raise GatewayError(502, f"route failure: {res.error}", kind="server_error", code="route_error")
             out = text.push(b"", final=True)
             self.finish_reason = "length" if res.finish_reason == "length" and not text.stopped else "stop"
-            yield Delta(out, self.finish_reason)
+            yield Delta(out, self.finish_reason, lps)
         finally:
             await self.close()
+
+    async def _logprob(self, piece: bytes, st: pb.SampledToken, offset: int) -> TokenLogprob:
+        want = self.params.logprobs or 0
+        alts = list(st.top_logprobs)[:want]
+        pieces = await self.engine.pieces([t.token_id for t in alts]) if alts else []
+        return TokenLogprob(piece, st.logprob, [(p, t.logprob) for p, t in zip(pieces, alts)], offset)
 
     async def collect(self) -> str:
         parts = [d.text async for d in self.deltas()]
         return "".join(parts)
+
+    async def collect_all(self) -> tuple[str, list[TokenLogprob]]:
+        """The whole answer's text, and its tokens' logprobs (with Params.logprobs)."""
+        parts, lps = [], []
+        async for d in self.deltas():
+            parts.append(d.text)
+            lps.extend(d.logprobs)
+        return "".join(parts), lps
 
 
 def _session_error(exc: RouteSessionError) -> GatewayError:

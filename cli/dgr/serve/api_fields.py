@@ -1,0 +1,194 @@
+"""The OpenAI request bodies the gateway accepts, and how it answers logprobs.
+
+Each field is supported, accepted as a hint that asks nothing of the answer, or refused with a
+400 that names it unless its value asks for nothing (docs/serve.md, "Request fields"): nothing
+a client asks for is silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from .engine import GatewayError, Params, TokenLogprob
+
+MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20         # alternatives per token (OpenAI's bound for chat; the worker's is 64)
+LOGPROB_FLOOR = -9999.0       # what a logprob of -inf (a token masked out) reads as in JSON
+SEED_MAX = 2**64 - 1          # the sampling contract's seed is a uint64
+
+# Request fields that would change the answer and that this gateway does not implement: refused
+# with a 400 naming the field unless the value asks for nothing (its default). Nothing a client
+# asks for is silently ignored (docs/serve.md, "Request fields").
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "top_logprobs": lambda v: v is None or v == 0,     # (on completions; chat has it)
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "presence_penalty": lambda v: v is None or v == 0,
+    "repeat_penalty": lambda v: v is None or v == 1,
+    "logit_bias": lambda v: v is None or v == {},
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None or v == "none",
+    "suffix": lambda v: v is None or v == "",
+    "best_of": lambda v: v is None or v == 1,
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "store": lambda v: v is None or v is False,
+    "reasoning_effort": lambda v: v is None,
+}
+# Fields that ask nothing of the answer (metadata, hints): accepted and not used.
+_HINTS = frozenset({"user", "metadata", "service_tier", "parallel_tool_calls", "cache_prompt",
+                    "safety_identifier", "prompt_cache_key"})
+
+
+def _refuse_extras(extra: dict[str, Any] | None, where: str = "") -> None:
+    """A 400 naming the first field that asks for something this gateway does not do."""
+    for name, value in (extra or {}).items():
+        if not where and name in _HINTS:
+            continue
+        is_default = _UNSUPPORTED.get(name) if not where else None
+        if is_default is not None:
+            try:
+                ok = bool(is_default(value))
+            except Exception:  # noqa: BLE001 - an odd value is not the default
+                ok = False
+            if ok:
+                continue
+        elif value is None or value == [] or value == {} or value == "":
+            continue      # an unknown field that asks for nothing
+        field = f"{where}{name}"
+        raise GatewayError(400, f"{field} is not supported by this gateway"
+                           + (" (only its default is accepted)" if name in _UNSUPPORTED and not where else ""),
+                           param=field, code="unsupported_parameter")
+
+
+def text_field(value: str, param: str) -> str:
+    """``value``, refused with a 400 when it is not valid Unicode text (a lone surrogate such as
+    ``"\\ud800"``, which JSON can carry but UTF-8 cannot)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise GatewayError(400, f"{param}: not valid Unicode text (lone surrogate {ascii(value[exc.start])[1:-1]} "
+                           f"at character {exc.start})", param=param, code="invalid_value") from None
+    return value
+
+
+class ApiRequest(BaseModel):
+    # unknown fields are accepted by the parser and then refused unless they ask for nothing
+    # (_refuse_extras); NaN and infinities are no numbers a request may carry
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0, le=2**31 - 1)     # llama-server's: 0 is off
+    min_p: Optional[float] = Field(None, ge=0, lt=1)           # llama-server's: 0 is off
+    seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
+    stop: Optional[Union[str, list[str]]] = None
+    n: Optional[int] = Field(None, ge=1, le=1)
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None
+    ignore_eos: bool = False       # llama-server's extension: generate through end-of-generation tokens
+
+    def params(self) -> Params:
+        _refuse_extras(self.model_extra)
+        stop = [text_field(x, "stop") for x in ([self.stop] if isinstance(self.stop, str) else list(self.stop or []))]
+        if len(stop) > MAX_STOP:
+            raise GatewayError(400, f"at most {MAX_STOP} stop sequences, got {len(stop)}", param="stop")
+        return Params(max_tokens=self.max_completion_tokens or self.max_tokens,
+                      temperature=1.0 if self.temperature is None else self.temperature,
+                      top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                      min_p=self.min_p or 0.0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                      logprobs=self.logprobs_wanted())
+
+    def logprobs_wanted(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and its k most likely alternatives."""
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def text(self, i: int) -> str:
+        # what a client echoes back from an answer (tool_calls: null, refusal: null, ...) asks
+        # for nothing; a field with a value (a name, tool calls) is refused, not dropped
+        _refuse_extras(self.model_extra, where=f"messages[{i}].")
+        if self.content is None or isinstance(self.content, str):
+            return text_field(self.content or "", "messages")
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text":
+                raise GatewayError(400, f"content part type {ascii(p.get('type'))} is not supported (text only)",
+                                   param="messages")
+            parts.append(text_field(str(p.get("text", "")), "messages"))
+        return "".join(parts)
+
+
+class ChatRequest(ApiRequest):
+    messages: list[_Message] = Field(min_length=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprobs_wanted(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise GatewayError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
+                                   code="invalid_value")
+            return None
+        return self.top_logprobs or 0
+
+
+class CompletionRequest(ApiRequest):
+    prompt: Union[str, list[str], list[int]]
+    echo: bool = False
+    # k alternatives; true/false as chat's (a client that sends false asks for none)
+    logprobs: Optional[Union[StrictBool, int]] = None
+
+    def logprobs_wanted(self) -> int | None:
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        k = 0 if self.logprobs is True else self.logprobs
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise GatewayError(400, f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {k}", param="logprobs",
+                               code="invalid_value")
+        if self.echo:
+            # the prompt's own logprobs would be the answer's first entries: not computed here
+            raise GatewayError(400, "logprobs together with echo (the prompt's logprobs) is not supported",
+                               param="echo", code="unsupported_parameter")
+        return k
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+def logprobs_json(lps: list[TokenLogprob], chat: bool, offset0: int) -> dict[str, Any]:
+    """Tokens' logprobs as OpenAI shapes them: chat ``{"content": [...]}``, completions
+    ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (``offset0``: echoed text)."""
+    def tok(b: bytes) -> str:
+        return b.decode("utf-8", errors="replace")
+    if chat:
+        return {"content": [{"token": tok(t.piece), "logprob": _lp(t.logprob), "bytes": list(t.piece),
+                             "top_logprobs": [{"token": tok(p), "logprob": _lp(v), "bytes": list(p)}
+                                              for p, v in t.top]} for t in lps],
+                "refusal": None}
+    def top(t: TokenLogprob) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p, v in t.top:            # two tokens may read alike (bytes of one character): the
+            out.setdefault(tok(p), _lp(v))   # more likely one keeps the key
+        return out
+    return {"tokens": [tok(t.piece) for t in lps], "token_logprobs": [_lp(t.logprob) for t in lps],
+            "top_logprobs": [top(t) for t in lps], "text_offset": [offset0 + t.offset for t in lps]}
