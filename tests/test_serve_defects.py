@@ -335,11 +335,12 @@ def test_top_k_and_min_p_reach_the_sampler(gw):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, bad, r.text)
 
 
-def test_n_above_one_and_message_fields_with_values_are_refused(gw):
+def test_n_out_of_bounds_and_message_fields_with_values_are_refused(gw):
     c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
-    with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, n=2)
-    assert e.value.body["param"] == "n"
+    for n in (0, 9, 2**70):     # choices: 1..8 (test_serve_choices.py)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, n=n)
+        assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x", "name": "bob"}],
                                   max_tokens=2)

@@ -12,6 +12,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from .choices import MAX_CHOICES
 from .engine import GatewayError, Params, TokenLogprob
 
 MAX_STOP = 4
@@ -92,7 +93,7 @@ class ApiRequest(BaseModel):
     min_p: Optional[float] = Field(None, ge=0, lt=1)           # llama-server's: 0 is off
     seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
     stop: Optional[Union[str, list[str]]] = None
-    n: Optional[int] = Field(None, ge=1, le=1)
+    n: Optional[int] = Field(None, ge=1, le=MAX_CHOICES)   # choices: that many sessions side by side
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
     ignore_eos: bool = False       # llama-server's extension: generate through end-of-generation tokens

@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .api_fields import ApiRequest, ChatRequest, CompletionRequest, logprobs_json, text_field
-from .engine import Engine, GatewayError, Generation, TokenLogprob
+from .choices import Choices
+from .engine import Engine, GatewayError, TokenLogprob
 from .metrics import GatewayMetrics
 from .routeview import RouteView
 
@@ -41,7 +42,7 @@ class _EventStream(StreamingResponse):
     the client disconnected, and whose generation is always closed too (that cancels its route
     session and frees its slot, also when the generator never started)."""
 
-    def __init__(self, content: Any, gen: Generation, on_end: Any, **kw: Any) -> None:
+    def __init__(self, content: Any, gen: Choices, on_end: Any, **kw: Any) -> None:
         super().__init__(content, **kw)
         self.gen, self.on_end = gen, on_end
 
@@ -84,7 +85,7 @@ def _internal(exc: BaseException) -> GatewayError:
                         code="internal_error")
 
 
-def _server_timing(gen: Generation) -> dict[str, str]:
+def _server_timing(gen: Choices) -> dict[str, str]:
     """``Server-Timing: route;dur=<ms>``: from the start of the request's handling (before its
     prompt is formatted) to the route's first token. A client's time to first token minus this
     is what HTTP, the gateway's framework and the client itself added (``dgr bench serve``)."""
@@ -126,7 +127,7 @@ class _Outcome:
 
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
-        self.gen: Generation | None = None
+        self.gen: Choices | None = None
         self.done = False
         metrics.started()
 
@@ -249,7 +250,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             check_model(req.model)
             params = req.params()
             ids, echo = await _prompt(req, chat)
-            out.gen = engine.generation(ids, params, t0)
+            out.gen = Choices(engine, ids, params, req.n or 1, t0)
             return await _respond(request, out, req, chat=chat, echo=echo)
         except GatewayError as exc:
             out.end(exc.status)
@@ -302,27 +303,30 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             await gen.close()      # also when collect was cancelled before it began
             out.end(499)
             return PlainTextResponse("", status_code=499)
-        text, lps = collect.result()   # a GatewayError or any other failure: answered by _answer
+        results = collect.result()   # a GatewayError or any other failure: answered by _answer
         out.end(200)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason,
-                                  "logprobs": logprobs_json(lps, chat, len(echo)) if gen.params.logprobs is not None
-                                  else None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = echo + text
+        choices = []
+        for i, (text, lps) in enumerate(results):
+            choice: dict[str, Any] = {"index": i, "finish_reason": gen.finish_reason(i),
+                                      "logprobs": logprobs_json(lps, chat, len(echo))
+                                      if gen.params.logprobs is not None else None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = echo + text
+            choices.append(choice)
         return _Json({"id": rid, "object": obj, "created": created, "model": engine.model_id,
-                      "choices": [choice], "usage": gen.usage.to_json()}, headers=_server_timing(gen))
+                      "choices": choices, "usage": gen.usage.to_json()}, headers=_server_timing(gen))
 
-    async def _stream(gen: Generation, status: list[int], rid: str, created: int, obj: str, chat: bool,
+    async def _stream(gen: Choices, status: list[int], rid: str, created: int, obj: str, chat: bool,
                       include_usage: bool, echo: str) -> AsyncIterator[bytes]:
         it = gen.deltas()
         try:
             want_lp = gen.params.logprobs is not None
 
             def chunk(text: str | None, finish: str | None, role: bool = False,
-                      lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
-                c: dict[str, Any] = {"index": 0, "finish_reason": finish,
+                      lps: list[TokenLogprob] | None = None, index: int = 0) -> dict[str, Any]:
+                c: dict[str, Any] = {"index": index, "finish_reason": finish,
                                      "logprobs": logprobs_json(lps, chat, len(echo)) if want_lp and lps else None}
                 if chat:
                     c["delta"] = ({"role": "assistant", "content": text or ""} if role else
@@ -338,13 +342,14 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
                     out["server_timing"] = {"route_ms": round(gen.ttft_s * 1e3, 3)}
                 return out
 
-            if chat:
-                yield _sse(chunk("", None, role=True))
-            elif echo:
-                yield _sse(chunk(echo, None))
-            async for d in it:
+            for i in range(len(gen.gens)):
+                if chat:
+                    yield _sse(chunk("", None, role=True, index=i))
+                elif echo:
+                    yield _sse(chunk(echo, None, index=i))
+            async for i, d in it:
                 if d.text or d.finish_reason or d.logprobs:
-                    yield _sse(chunk(d.text, d.finish_reason, lps=d.logprobs))
+                    yield _sse(chunk(d.text, d.finish_reason, lps=d.logprobs, index=i))
             if include_usage:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": engine.model_id, "choices": [],
                             "usage": gen.usage.to_json()})

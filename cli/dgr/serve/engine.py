@@ -111,6 +111,16 @@ class Admission:
     def waiting(self) -> int:
         return sum(1 for f in self._waiters if not f.done())
 
+    def take_now(self, k: int) -> None:
+        """Takes ``k`` slots at once, now, or refuses (429) without taking any: a request that
+        needs several never holds some while it waits for the rest."""
+        free = self.slots - self.running
+        if self.waiting or k > free:
+            raise GatewayError(429, f"over capacity: the request needs {k} sessions at once and {max(0, free)} are "
+                               f"free ({self.waiting} requests queued); retry later",
+                               kind="rate_limit_exceeded", code="over_capacity", retry_after=RETRY_AFTER_S)
+        self.running += k
+
     async def acquire(self) -> None:
         if self.running < self.slots and not self.waiting:
             self.running += 1
@@ -211,11 +221,16 @@ class Generation:
         self._task: asyncio.Task[Any] | None = None
         self._closed = False
 
-    async def start(self) -> None:
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    async def start(self, *, slot_taken: bool = False) -> None:
         """Checks the request against the route's positions, takes an admission slot (429 when
-        over capacity) and starts the route session. Raises :class:`GatewayError` before
-        anything runs; once it returns, :meth:`deltas` or :meth:`close` must follow (both end the
-        session and free the slot). Called by :meth:`deltas` when not yet called."""
+        over capacity; ``slot_taken``: the caller took it, and gives it back when this raises)
+        and starts the route session. Raises :class:`GatewayError` before anything runs; once it
+        returns, :meth:`deltas` or :meth:`close` must follow (both end the session and free the
+        slot). Called by :meth:`deltas` when not yet called."""
         if self._task is not None:
             return
         eng = self.engine
@@ -246,13 +261,15 @@ class Generation:
                 self.ttft_s = time.perf_counter() - self.t0
             q.put_nowait((tok, last[0]) if want_lp else tok)
 
-        await eng.admission.acquire()
+        if not slot_taken:
+            await eng.admission.acquire()
         try:
             task = asyncio.create_task((eng.router or eng.driver).generate(
                 self.prompt_ids, max_tokens=max_tokens, sampling=sampling,
                 session_id=self.session_id, on_token=on_token, **({"on_sampled": on_sampled} if want_lp else {})))
         except BaseException:
-            eng.admission.release()
+            if not slot_taken:
+                eng.admission.release()
             raise
         task.add_done_callback(lambda _t: q.put_nowait(self._DONE))
         self._task = task
