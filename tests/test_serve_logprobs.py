@@ -153,3 +153,76 @@ def test_completion_logprobs_false_is_off_and_true_is_no_alternatives(gw):
     lp = on.choices[0].logprobs
     assert len(lp.tokens) == 3 and lp.top_logprobs == [{}, {}, {}]
     assert on.choices[0].text == off.choices[0].text
+
+
+# ---- logit_bias (here: it shares the route and reads its effect through logprobs) ---------------
+
+PROMPT_IDS = [256, *b"bias me"]     # token ids: the fake model's vocabulary is bytes + specials
+
+
+def _greedy_tokens(c, **kw):
+    r = c.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0, logprobs=1, **kw)
+    return r.choices[0].logprobs.tokens, r
+
+
+def _route_ids(gw, n: int, bias: tuple[tuple[int, float], ...] = ()) -> list[int]:
+    """The greedy answer's token ids, from the route driver itself."""
+    import asyncio
+
+    from dgr.route.driver import RouteDriver, Sampling
+
+    async def main():
+        d = await RouteDriver(gw.endpoints).connect()
+        try:
+            return (await d.generate(PROMPT_IDS, max_tokens=n, sampling=Sampling(logit_bias=bias))).tokens
+        finally:
+            await d.close()
+    return asyncio.run(main())
+
+
+def test_logit_bias_bans_and_forces_tokens(gw):
+    c = _client(gw)
+    plain, _ = _greedy_tokens(c)
+    ids = _route_ids(gw, 6)
+    assert len(ids) == 6
+    # the route driver: banning the greedy first token puts another one first
+    banned_ids = _route_ids(gw, 6, ((ids[0], -100.0),))
+    assert banned_ids[0] != ids[0] and ids[0] not in banned_ids
+    # the gateway: the same ban; the token chosen first is no longer the raw most likely one, whose
+    # logprob (reported raw, before the bias) stays at the top of the alternatives
+    _, r1 = _greedy_tokens(c, logit_bias={str(ids[0]): -100})
+    lp = r1.choices[0].logprobs
+    assert lp.top_logprobs[0] == {plain[0]: pytest.approx(_greedy_tokens(c)[1].choices[0].logprobs.token_logprobs[0])}
+    assert lp.token_logprobs[0] < max(lp.top_logprobs[0].values()) - 1e-6
+    # force one token: +100 makes it every greedy (and every sampled) choice
+    forced, _ = _greedy_tokens(c, logit_bias={str(ids[0]): 100})
+    assert forced == [plain[0]] * 6
+    assert _route_ids(gw, 6, ((ids[0], 100.0),)) == [ids[0]] * 6
+    hot = c.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=1.5, seed=3, logprobs=1,
+                               logit_bias={str(ids[0]): 100})
+    assert hot.choices[0].logprobs.tokens == [plain[0]] * 6
+    # an empty bias asks for nothing: the plain answer
+    assert _greedy_tokens(c, logit_bias={})[0] == plain
+
+
+@pytest.mark.parametrize("bias", [{"abc": 1}, {"-1": 1}, {"7": 101}, {"7": -100.5}, {"7": 1, "007": 2},
+                                  {str(i): 1 for i in range(1025)}, {"99999999": 1}])
+def test_bad_logit_bias_is_refused_naming_it(gw, bias):
+    r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": MSG, "max_tokens": 2,
+                                                          "logit_bias": bias},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "logit_bias", r.text
+    assert "dgr_gateway_in_flight_requests 0.0" in httpx.get(gw.url + "/metrics").text
+
+
+def test_the_sampling_contract_bounds_logit_bias_in_python_too():
+    from dgr.protocol.bundle import ShardProtocolError
+    from dgr.protocol.frame_checks import MAX_LOGIT_BIAS, check_sampling
+    from dgr.shard.v1 import shard_runtime_pb2 as pb
+
+    ok = pb.SamplingParams(logit_bias=[pb.TokenBias(token_id=i, bias=-100.0) for i in range(MAX_LOGIT_BIAS)])
+    check_sampling(ok, n_vocab=49152)
+    ok.logit_bias.append(pb.TokenBias(token_id=MAX_LOGIT_BIAS, bias=0.0))
+    with pytest.raises(ShardProtocolError, match="1025 logit_bias entries"):
+        check_sampling(ok, n_vocab=49152)

@@ -75,3 +75,26 @@ def test_logprobs_through_the_split_match_the_whole_model(routes):
     for a, b in zip(split, whole):
         assert a.logprob == pytest.approx(b.logprob, abs=0.05)
         assert a.top_logprobs[0].token == a.token      # greedy: the most likely token
+
+
+def test_logit_bias_through_the_split_matches_the_whole_model(routes):
+    """A ban (-100) of the greedy answer's first token changes the answer, the same way over the
+    split as on the whole model."""
+    from dgr.protocol.client import WorkerClient
+
+    r, w = routes
+    prompt = "The capital of France is"
+    answers = []
+    for eps in (r.endpoints, w.endpoints):
+        with Gateway(eps, model_id="smollm2") as gw:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+            plain = c.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0, logprobs=1)
+            first = plain.choices[0].logprobs.tokens[0]
+            with WorkerClient(eps[0]) as head:
+                tid = head.tokenize(first, add_special=False)
+            assert len(tid) == 1, (first, tid)
+            banned = c.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0,
+                                          logit_bias={str(tid[0]): -100})
+            assert banned.choices[0].text != plain.choices[0].text
+            answers.append(banned.choices[0].text)
+    assert answers[0] == answers[1]

@@ -398,7 +398,22 @@ static void test_reason_mapping() {
     CHECK(B::grpc_code_for(static_cast<pb::ErrorReason>(999)) == 2, "UNKNOWN");
 }
 
+// logit_bias: at most kMaxLogitBias entries (the rule vectors cover ids, bounds and repeats)
+void test_logit_bias_count() {
+    pb::SamplingParams s;
+    for (int i = 0; i < B::kMaxLogitBias; ++i) {
+        auto * b = s.add_logit_bias();
+        b->set_token_id(i);
+        b->set_bias(-100.0f);
+    }
+    CHECK(!B::check_sampling(s, 49152), "%d entries refused", B::kMaxLogitBias);
+    s.add_logit_bias()->set_token_id(B::kMaxLogitBias);
+    auto r = B::check_sampling(s, 49152);
+    CHECK(r && r->reason == pb::ERROR_REASON_BAD_REQUEST, "%d entries accepted", B::kMaxLogitBias + 1);
+}
+
 int main() {
+    test_logit_bias_count();
     test_crc32();
     test_round_trip_and_fragments();
     test_big_endian_and_dtypes();

@@ -20,6 +20,9 @@ MAX_REQUEST_ID_BYTES = 128
 #: SamplingParams.top_logprobs at most; SamplingParams.stop_token_ids at most.
 MAX_TOP_LOGPROBS = 64
 MAX_STOP_TOKENS = 64
+#: SamplingParams.logit_bias: entries at most, and the bound of each bias.
+MAX_LOGIT_BIAS = 1024
+MAX_BIAS = 100.0
 _ROW_PHASES = (pb.PHASE_PREFILL, pb.PHASE_DECODE)
 _KNOWN_PHASES = (pb.PHASE_PREFILL, pb.PHASE_DECODE, pb.PHASE_TRUNCATE, pb.PHASE_RELEASE)
 _KNOWN_EXPECTATIONS = (pb.CACHE_EXPECTATION_KIND_UNSPECIFIED, pb.CACHE_EXPECTATION_KIND_EMPTY,
@@ -53,6 +56,17 @@ def check_sampling(s: pb.SamplingParams, n_vocab: int = 0) -> None:
     for t in s.stop_token_ids:
         if t < 0 or (n_vocab and t >= n_vocab):
             raise _req(bad, f"stop token id {t} outside [0, {n_vocab or 'n_vocab'})")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise _req(bad, f"{len(s.logit_bias)} logit_bias entries, at most {MAX_LOGIT_BIAS}")
+    seen: set[int] = set()
+    for b in s.logit_bias:
+        if b.token_id < 0 or (n_vocab and b.token_id >= n_vocab):
+            raise _req(bad, f"logit_bias token id {b.token_id} outside [0, {n_vocab or 'n_vocab'})")
+        if not -MAX_BIAS <= b.bias <= MAX_BIAS:       # (NaN fails it)
+            raise _req(bad, f"logit_bias of token {b.token_id} outside [-100, 100]")
+        if b.token_id in seen:
+            raise _req(bad, f"logit_bias names token {b.token_id} twice")
+        seen.add(b.token_id)
 
 
 def check_header(req: pb.SessionRequest, capability: pb.GetCapabilityResponse | None = None) -> None:

@@ -41,7 +41,8 @@ class Sampling:
 
     ``ignore_eog`` is False by default: generation stops at end-of-generation (and at
     ``stop_token_ids``). Pass ``ignore_eog=True`` to generate through them. In greedy mode the
-    stochastic fields (temperature, top_k, top_p, min_p, seed) are not sent.
+    stochastic fields (temperature, top_k, top_p, min_p, seed) are not sent; ``logit_bias``
+    applies in both modes.
     """
 
     temperature: float = 0.0
@@ -52,10 +53,13 @@ class Sampling:
     top_logprobs: int = 0
     ignore_eog: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # (token id, bias) pairs added to the logits the token is chosen from, greedy or not
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def to_proto(self) -> pb.SamplingParams:
         common = dict(top_logprobs=self.top_logprobs, ignore_eog=self.ignore_eog,
-                      stop_token_ids=list(self.stop_token_ids))
+                      stop_token_ids=list(self.stop_token_ids),
+                      logit_bias=[pb.TokenBias(token_id=t, bias=b) for t, b in self.logit_bias])
         if self.temperature <= 0:
             return pb.SamplingParams(mode=pb.SAMPLING_MODE_GREEDY, **common)
         return pb.SamplingParams(mode=pb.SAMPLING_MODE_STOCHASTIC, temperature=self.temperature, top_k=self.top_k,

@@ -8,6 +8,7 @@ a client asks for is silently ignored.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
@@ -16,6 +17,8 @@ from .choices import MAX_CHOICES
 from .engine import GatewayError, Params, TokenLogprob
 
 MAX_STOP = 4
+MAX_LOGIT_BIAS = 1024         # logit_bias entries (the sampling contract's bound)
+MAX_BIAS = 100.0
 MAX_TOP_LOGPROBS = 20         # alternatives per token (OpenAI's bound for chat; the worker's is 64)
 LOGPROB_FLOOR = -9999.0       # what a logprob of -inf (a token masked out) reads as in JSON
 SEED_MAX = 2**64 - 1          # the sampling contract's seed is a uint64
@@ -29,7 +32,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "frequency_penalty": lambda v: v is None or v == 0,
     "presence_penalty": lambda v: v is None or v == 0,
     "repeat_penalty": lambda v: v is None or v == 1,
-    "logit_bias": lambda v: v is None or v == {},
     "tools": lambda v: v is None or v == [],
     "tool_choice": lambda v: v is None or v == "none",
     "functions": lambda v: v is None or v == [],
@@ -97,6 +99,7 @@ class ApiRequest(BaseModel):
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
     ignore_eos: bool = False       # llama-server's extension: generate through end-of-generation tokens
+    logit_bias: Optional[dict[str, float]] = None   # token id (a decimal string) -> bias in [-100, 100]
 
     def params(self) -> Params:
         _refuse_extras(self.model_extra)
@@ -107,7 +110,28 @@ class ApiRequest(BaseModel):
                       temperature=1.0 if self.temperature is None else self.temperature,
                       top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                       min_p=self.min_p or 0.0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-                      logprobs=self.logprobs_wanted())
+                      logprobs=self.logprobs_wanted(), logit_bias=self.biases())
+
+    def biases(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs, checked here but for the vocabulary (the
+        generation checks that against the route's n_vocab)."""
+        items = list((self.logit_bias or {}).items())
+        if len(items) > MAX_LOGIT_BIAS:
+            raise GatewayError(400, f"logit_bias has {len(items)} entries, at most {MAX_LOGIT_BIAS}",
+                               param="logit_bias", code="invalid_value")
+        out = []
+        for k, v in items:
+            if not re.fullmatch(r"[0-9]{1,10}", k.strip()):
+                raise GatewayError(400, f"logit_bias key {ascii(k)} is not a token id", param="logit_bias",
+                                   code="invalid_value")
+            if not -MAX_BIAS <= v <= MAX_BIAS:
+                raise GatewayError(400, f"logit_bias of token {k.strip()} is {v}, outside [-100, 100]",
+                                   param="logit_bias", code="invalid_value")
+            if any(t == int(k) for t, _ in out):
+                raise GatewayError(400, f"logit_bias names token {int(k)} twice", param="logit_bias",
+                                   code="invalid_value")
+            out.append((int(k), float(v)))
+        return tuple(out)
 
     def logprobs_wanted(self) -> int | None:
         """None: no logprobs; k: each token's logprob and its k most likely alternatives."""

@@ -63,15 +63,17 @@ class Params:
     ignore_eos: bool = False
     # None: no logprobs; k >= 0: each token's logprob and its k most likely alternatives
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias): added before the choice
 
     def sampling(self) -> Sampling:
         # the sampled token's own logprob comes with top_logprobs >= 1 (SampledToken.logprob)
         top = 0 if self.logprobs is None else max(1, self.logprobs)
         if self.temperature <= 0:
-            return Sampling(ignore_eog=self.ignore_eos, top_logprobs=top)
+            return Sampling(ignore_eog=self.ignore_eos, top_logprobs=top, logit_bias=self.logit_bias)
         seed = self.seed if self.seed is not None else random.randrange(1, 2**31)
         return Sampling(temperature=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, top_k=self.top_k,
-                        min_p=self.min_p, seed=seed, ignore_eog=self.ignore_eos, top_logprobs=top)
+                        min_p=self.min_p, seed=seed, ignore_eog=self.ignore_eos, top_logprobs=top,
+                        logit_bias=self.logit_bias)
 
 
 @dataclass
@@ -249,6 +251,10 @@ class Generation:
             sampling.to_proto()
         except ValueError as exc:
             raise GatewayError(400, f"invalid sampling parameters: {exc}", code="invalid_value") from None
+        bad = next((t for t, _ in self.params.logit_bias if eng.n_vocab and t >= eng.n_vocab), None)
+        if bad is not None:
+            raise GatewayError(400, f"logit_bias token id {bad} is outside the model's vocabulary "
+                               f"(0..{eng.n_vocab - 1})", param="logit_bias", code="invalid_value")
         q = self._q
         want_lp = self.params.logprobs is not None
         last: list[pb.SampledToken | None] = [None]

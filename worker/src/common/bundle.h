@@ -30,6 +30,9 @@ constexpr size_t kMaxRequestIdBytes = 128;
 constexpr uint32_t kMaxTopLogprobs = 64;
 // Most SamplingParams.stop_token_ids.
 constexpr int kMaxStopTokens = 64;
+// SamplingParams.logit_bias: entries at most, and the bias bound (OpenAI's)
+constexpr int kMaxLogitBias = 1024;
+constexpr float kMaxBias = 100.0f;
 // The boundary bundle's one tensor in schema v1.
 inline constexpr const char * kResidual = "residual";
 // Schema versions accepted without a capability: [min, max].

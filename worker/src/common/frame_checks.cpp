@@ -2,7 +2,9 @@
 // check_request), the sampling contract's ranges, and the ErrorReason -> gRPC code map.
 #include "common/bundle.h"
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 namespace dgr::bundle {
 
@@ -84,6 +86,28 @@ Result check_sampling(const pb::SamplingParams & s, uint32_t n_vocab) {
             return err(bad_req, "stop token id " + std::to_string(t) + " outside [0, " +
                                     (n_vocab ? std::to_string(n_vocab) : std::string("n_vocab")) + ")");
         }
+    }
+    if (s.logit_bias_size() > kMaxLogitBias) {
+        return err(bad_req, std::to_string(s.logit_bias_size()) + " logit_bias entries, at most " +
+                                std::to_string(kMaxLogitBias));
+    }
+    std::vector<int32_t> seen;
+    seen.reserve(s.logit_bias_size());
+    for (const auto & b : s.logit_bias()) {
+        const int32_t t = b.token_id();
+        if (t < 0 || (n_vocab && uint32_t(t) >= n_vocab)) {
+            return err(bad_req, "logit_bias token id " + std::to_string(t) + " outside [0, " +
+                                    (n_vocab ? std::to_string(n_vocab) : std::string("n_vocab")) + ")");
+        }
+        if (!(b.bias() >= -kMaxBias && b.bias() <= kMaxBias)) {  // (NaN fails both)
+            return err(bad_req, "logit_bias of token " + std::to_string(t) + " outside [-100, 100]");
+        }
+        seen.push_back(t);
+    }
+    std::sort(seen.begin(), seen.end());
+    if (std::adjacent_find(seen.begin(), seen.end()) != seen.end()) {
+        return err(bad_req, "logit_bias names token " + std::to_string(*std::adjacent_find(seen.begin(), seen.end())) +
+                                " twice");
     }
     return std::nullopt;
 }

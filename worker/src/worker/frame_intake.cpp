@@ -32,6 +32,7 @@ SamplingConfig to_config(const pb::SamplingParams & p) {
     c.top_logprobs = p.top_logprobs();
     c.ignore_eog = p.ignore_eog();
     c.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+    for (const auto & b : p.logit_bias()) c.logit_bias.emplace_back(b.token_id(), b.bias());
     return c;
 }
 

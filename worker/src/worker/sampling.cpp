@@ -16,19 +16,31 @@ double SamplingRng::uniform() {
 
 SampleResult sample_logits(const float * logits, int32_t n_vocab, const SamplingConfig & c, SamplingRng & rng) {
     SampleResult r;
-    // log-softmax of the raw logits (for logprobs)
+    // the token is chosen from `sel`: the raw logits, or a copy with logit_bias added
+    const float * raw = logits;
+    std::vector<float> biased;
+    if (!c.logit_bias.empty()) {
+        biased.assign(logits, logits + n_vocab);
+        for (const auto & [id, b] : c.logit_bias) {
+            if (id >= 0 && id < n_vocab) biased[id] += b;  // (checked at intake; kept safe here)
+        }
+    }
+    const float * sel = biased.empty() ? logits : biased.data();
     float mx = -INFINITY;
     int32_t arg = 0;
     for (int32_t v = 0; v < n_vocab; ++v) {
-        if (logits[v] > mx) { mx = logits[v]; arg = v; }
+        if (sel[v] > mx) { mx = sel[v]; arg = v; }
     }
     if (!c.stochastic && c.top_logprobs == 0) {
         r.token = arg;  // plain greedy: no softmax needed (logprob is only reported with top_logprobs)
         return r;
     }
+    // log-softmax of the raw logits (for logprobs)
+    float raw_mx = -INFINITY;
+    for (int32_t v = 0; v < n_vocab; ++v) raw_mx = std::max(raw_mx, raw[v]);
     double z = 0.0;
-    for (int32_t v = 0; v < n_vocab; ++v) z += std::exp((double) logits[v] - mx);
-    const double lse = mx + std::log(z);
+    for (int32_t v = 0; v < n_vocab; ++v) z += std::exp((double) raw[v] - raw_mx);
+    const double lse = raw_mx + std::log(z);
 
     if (!c.stochastic) {
         r.token = arg;
@@ -36,14 +48,14 @@ SampleResult sample_logits(const float * logits, int32_t n_vocab, const Sampling
         std::vector<int32_t> idx(n_vocab);
         std::iota(idx.begin(), idx.end(), 0);
         // ties broken by the lower id, so the order is total and deterministic
-        auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+        auto better = [&](int32_t a, int32_t b) { return sel[a] > sel[b] || (sel[a] == sel[b] && a < b); };
         size_t keep = (size_t) n_vocab;
         if (c.top_k > 0 && c.top_k < keep) keep = c.top_k;
         std::partial_sort(idx.begin(), idx.begin() + keep, idx.end(), better);
         idx.resize(keep);
         std::vector<double> p(keep);
         double s = 0.0;
-        for (size_t i = 0; i < keep; ++i) { p[i] = std::exp((double) logits[idx[i]] - mx); s += p[i]; }
+        for (size_t i = 0; i < keep; ++i) { p[i] = std::exp((double) sel[idx[i]] - mx); s += p[i]; }
         for (auto & x : p) x /= s;
         if (c.top_p > 0.0f && c.top_p < 1.0f) {
             double cum = 0.0;
@@ -60,7 +72,7 @@ SampleResult sample_logits(const float * logits, int32_t n_vocab, const Sampling
         std::vector<double> w(keep);
         double ws = 0.0;
         for (size_t i = 0; i < keep; ++i) {
-            w[i] = std::exp(((double) logits[idx[i]] - mx) / c.temperature);
+            w[i] = std::exp(((double) sel[idx[i]] - mx) / c.temperature);
             ws += w[i];
         }
         double u = rng.uniform() * ws;

@@ -1,5 +1,6 @@
-// The tail's sampling contract (dgr.shard.v1.SamplingParams): greedy, or top_k -> top_p ->
-// min_p -> temperature and a draw from a generator seeded once per (session, epoch).
+// The tail's sampling contract (dgr.shard.v1.SamplingParams): logit_bias, then greedy, or
+// top_k -> top_p -> min_p -> temperature and a draw from a generator seeded once per (session,
+// epoch). Log-probabilities are those of the raw logits, before any of it.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +21,7 @@ struct SamplingConfig {
     uint32_t top_logprobs = 0;
     bool ignore_eog = false;
     std::vector<int32_t> stop_token_ids;
+    std::vector<std::pair<int32_t, float>> logit_bias;  // added to the logits the token is chosen from
 };
 
 // splitmix64-based generator: portable, so a seed gives the same tokens on every platform.

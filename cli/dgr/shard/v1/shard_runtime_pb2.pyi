@@ -348,7 +348,7 @@ class FrameHeader(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., compatibility_fingerprint: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., effective_start: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Union[PositionRange, _Mapping]] = ..., step: _Optional[int] = ..., cache_expectation: _Optional[_Union[CacheExpectation, _Mapping]] = ..., compression: _Optional[_Union[Compression, str]] = ..., payload_checksum: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("mode", "temperature", "top_k", "top_p", "min_p", "seed", "top_logprobs", "ignore_eog", "stop_token_ids")
+    __slots__ = ("mode", "temperature", "top_k", "top_p", "min_p", "seed", "top_logprobs", "ignore_eog", "stop_token_ids", "logit_bias")
     MODE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +358,7 @@ class SamplingParams(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOG_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     mode: SamplingMode
     temperature: float
     top_k: int
@@ -367,7 +368,16 @@ class SamplingParams(_message.Message):
     top_logprobs: int
     ignore_eog: bool
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, mode: _Optional[_Union[SamplingMode, str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., ignore_eog: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logit_bias: _containers.RepeatedCompositeFieldContainer[TokenBias]
+    def __init__(self, mode: _Optional[_Union[SamplingMode, str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., ignore_eog: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Iterable[_Union[TokenBias, _Mapping]]] = ...) -> None: ...
+
+class TokenBias(_message.Message):
+    __slots__ = ("token_id", "bias")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    bias: float
+    def __init__(self, token_id: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
 
 class StepFrame(_message.Message):
     __slots__ = ("header", "tokens", "bundle", "sampling", "sample", "downstream", "generate", "pipelined", "batch")
