@@ -57,6 +57,16 @@ def test_targets_pair_each_repeat_and_judge_the_median():
     assert "MISS 8 sessions" in text and "busy share 0.50/0.50" in text
 
 
+def test_the_replica_ceiling_is_judged_per_repeat_when_measured():
+    doc = _doc()
+    doc["by_rtt"]["0"]["replicas"] = {"8": [{"decode_tok_s": 125.0}, {"decode_tok_s": 150.0}]}
+    t = {x["target"].split(":")[0]: x for x in targets(doc)}
+    rep = t["8 sessions against replicas, no added latency"]
+    assert rep["per_repeat"] == [120 / 125, 120 / 150] and rep["least"] == 0.92
+    assert rep["median"] == pytest.approx((0.96 + 0.8) / 2) and not rep["met"]
+    assert "16 sessions against replicas, no added latency" not in t      # not measured: no line
+
+
 def test_a_target_without_its_lane_is_not_judged():
     doc = {"one_host": {"llama_bench": [{"tg_tok_s": 90.0, "pp_long_tok_s": 100.0}], "batched_bench": []},
            "by_rtt": {"10": {"route": {"8": []}, "rpc": []}}, "long_prompt": 512, "hosts": 2,

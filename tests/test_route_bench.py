@@ -156,10 +156,12 @@ def test_bench_route_runs_end_to_end(native_bin: Path, smollm2_path: Path, tmp_p
     for c in ("1", "2"):
         for lane in ("route", "whole_worker", "llama_server"):
             cad = doc["cadence"][c][lane]
-            # the driver hands over every token as its own answer; llama-server's events may merge
-            # a character split over tokens
-            least = 0.75 if lane == "llama_server" else 1.0
-            assert cad["tokens"] == int(c) * 8 and cad["chunks_per_token"] >= least, (c, lane, cad)
+            # the driver hands over every token as its own answer, llama-server's events may merge
+            # a character split over tokens; chunks are told apart by arrival time (100 us), and a
+            # driver descheduled on a loaded host reads two answers back to back (seen in CI: 7
+            # chunks for 8 tokens), so this asserts no systematic pairing (0.5), not an exact 1.0:
+            # the figure itself is the bench's measurement
+            assert cad["tokens"] == int(c) * 8 and cad["chunks_per_token"] >= 0.75, (c, lane, cad)
             assert cad["itl_p50_s"] > 0
     assert doc["llama_server"]["1"]["decode_tok_s"] > 0
 

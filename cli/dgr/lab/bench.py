@@ -26,6 +26,7 @@ bench_report.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import platform
@@ -36,6 +37,7 @@ from typing import Any
 
 from ..errors import DgrError
 from .bench_report import baseline, targets
+from .config import parse_cpus
 
 _log = logging.getLogger(__name__)
 
@@ -218,6 +220,57 @@ def measure(endpoints: list[str], direct: list[str], tls: Any, *, n_prompt: int,
             "wall_s": wall, "where": _where(m0, m1, wall, decode)}
 
 
+def measure_replicas(replicas: list[tuple[list[str], list[str]]], tls: Any, *, n_prompt: int, n_gen: int,
+                     sessions: int, seed: int) -> dict[str, Any]:
+    """The replica ceiling: the whole model on each host at once, the sessions spread evenly
+    over them (``replicas``: each one's endpoints and direct targets), all driven together; the
+    aggregate decode is the sum of the replicas' concurrent rates."""
+    from ..bench.route import synthetic_prompt
+    from ..route.driver import Sampling
+    from ..route.sessions import run_sessions
+
+    n = len(replicas)
+    share = [sessions // n + (1 if i < sessions % n else 0) for i in range(n)]
+    used = [(r, k) for r, k in zip(replicas, share) if k > 0]
+
+    async def all_at_once() -> list[Any]:
+        return await asyncio.gather(*(
+            run_sessions(eps, [""] * k, token_prompts=[synthetic_prompt(n_prompt, seed + 1000 * j + i) for i in range(k)],
+                         max_tokens=n_gen, sampling=Sampling(ignore_eog=True), stop_on_eog=False,
+                         label="bench-replica", tls=tls, timeout=120.0)
+            for j, ((eps, _), k) in enumerate(used)))
+
+    t0 = time.perf_counter()
+    reps = asyncio.run(all_at_once())
+    wall = time.perf_counter() - t0
+    bad = [s.error for rep in reps for s in rep.sessions if s.error]
+    if bad:
+        raise DgrError("a replica session failed: " + "; ".join(bad))
+    per = [(rep.sessions[0].decode_tok_s if k == 1 else (rep.concurrent_decode_tok_s or rep.aggregate_decode_tok_s))
+           for rep, (_, k) in zip(reps, used)]
+    return {"sessions": sessions, "replicas": n, "sessions_per_replica": [k for _, k in used],
+            "per_replica_decode_tok_s": per, "decode_tok_s": sum(per), "wall_s": wall,
+            "ttft_s": sum(rep.mean_ttft_s for rep in reps) / len(reps)}
+
+
+class _Pinned:
+    """The bench's own process (the driver) on the head's host's CPUs while it measures, as a
+    deployment runs the driver or gateway next to the head; the affinity is restored after."""
+
+    def __init__(self, cpus: list[int]) -> None:
+        self.cpus, self.before = set(cpus), None
+
+    def __enter__(self) -> "_Pinned":
+        if hasattr(os, "sched_setaffinity") and self.cpus:
+            self.before = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self.cpus)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.before is not None:
+            os.sched_setaffinity(0, self.before)
+
+
 # ---- stock llama.cpp on one host -----------------------------------------------------------
 
 def _tool(name: str, backend: str, rpc: bool = False) -> Path:
@@ -340,6 +393,7 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
     for rtt in cfg.rtts_ms:
         key = f"{rtt:g}"
         res: dict[str, Any] = {"route": {str(c): [] for c in cfg.sessions}, "whole_worker": {str(c): [] for c in cfg.sessions},
+                               "replicas": {str(c): [] for c in cfg.sessions if c >= cfg.hosts},
                                "route_long_prefill": [], "whole_long_prefill": [], "rpc": []}
         lcfg = LabConfig(hosts=cfg.hosts, name=cfg.lab_name, cores_per_host=1, threads=1, rtt_ms=rtt)
         say(f"lab: {cfg.hosts} hosts, 1 core/1 thread each, added RTT {rtt:g} ms")
@@ -352,7 +406,17 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
                              + (("--keep-warm-ms", str(cfg.keep_warm_ms)) if cfg.keep_warm_ms else ()))
             whole = LabRoute(lab, model, [(0, n_layer)], placement=["h1"], slices=False, memory_budget=False,
                              max_sessions=max_s, ctx_per_session=ctx, backend=cfg.backend)
-            with route, whole:
+            # the replica ceiling: the whole model on every host (h1's is `whole`)
+            others = [LabRoute(lab, model, [(0, n_layer)], placement=[f"h{i}"], slices=False, memory_budget=False,
+                               max_sessions=max_s, ctx_per_session=ctx, backend=cfg.backend)
+                      for i in range(2, cfg.hosts + 1)]
+            with route, whole, contextlib.ExitStack() as stack, \
+                    _Pinned(parse_cpus(lab.host("h1").cpus)) as pinned:
+                for o in others:
+                    stack.enter_context(o)
+                res["driver_cpus"] = sorted(pinned.cpus)
+                replicas = [(whole.endpoints, [p.direct for p in whole.placed])] + \
+                    [(o.endpoints, [p.direct for p in o.placed]) for o in others]
                 res["route_placement"], res["whole_placement"] = route.describe(), whole.describe()
                 rd, wd = [p.direct for p in route.placed], [p.direct for p in whole.placed]
                 tls = route.tls
@@ -387,6 +451,12 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
                                                                 n_gen=cfg.n_gen, sessions=c, seed=rep * 100))
                             res["whole_worker"][str(c)].append(measure(whole.endpoints, wd, tls, n_prompt=cfg.n_prompt,
                                                                        n_gen=cfg.n_gen, sessions=c, seed=rep * 100))
+                            if str(c) in res["replicas"]:
+                                say(f"[rtt {key} ms] repeat {rep + 1}/{cfg.repeats}: {c} sessions over "
+                                    f"{cfg.hosts} whole-model replicas")
+                                res["replicas"][str(c)].append(measure_replicas(
+                                    replicas, tls, n_prompt=cfg.n_prompt, n_gen=cfg.n_gen, sessions=c,
+                                    seed=rep * 100))
                         say(f"[rtt {key} ms] repeat {rep + 1}/{cfg.repeats}: {cfg.long_prompt}-token prefill")
                         res["route_long_prefill"].append(measure(route.endpoints, rd, tls, n_prompt=cfg.long_prompt,
                                                                  n_gen=2, sessions=1, seed=7 + rep))

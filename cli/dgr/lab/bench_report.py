@@ -86,6 +86,13 @@ def _targets(doc: dict[str, Any], lb: list[dict[str, Any]], bb: list[dict[str, A
             _pair(dec(r0, 1), [x["tg_tok_s"] for x in lb]), 0.97)
         add(f"prefill of a {doc['long_prompt']}-token prompt on {doc['hosts']} hosts >= 1.5x one host (llama-bench pp)",
             _pair([r["prefill_tok_s"] for r in r0["route_long_prefill"]], [x["pp_long_tok_s"] for x in lb]), 1.5)
+    if r0:
+        for c in (8, 16):
+            rep = [r["decode_tok_s"] for r in r0.get("replicas", {}).get(str(c), [])]
+            if rep:   # (runs before the replica lane have none: not judged)
+                add(f"{c} sessions against replicas, no added latency: route aggregate decode >= 0.92x the replica ceiling "
+                    f"(the whole model on each of the {doc['hosts']} hosts at once, the sessions spread over them)",
+                    _pair(dec(r0, c), rep), 0.92)
     if r10:
         bound = [1.0 / (1.0 / x["tg_tok_s"] + 0.010) for x in lb]
         add("10 ms RTT: 1-session decode >= 0.9x 1/(t_compute + RTT)", _pair(dec(r10, 1), bound), 0.9,
@@ -132,6 +139,10 @@ def summary(doc: dict[str, Any]) -> str:
             for c, runs in res[kind].items():
                 parts.append(f"{c}s {_med([r['decode_tok_s'] for r in runs]):.1f}")
             lines.append(f"  {kind.replace('_', ' ')} decode tok/s: " + ", ".join(parts))
+        reps = {c: runs for c, runs in res.get("replicas", {}).items() if runs}
+        if reps:
+            lines.append(f"  replica ceiling ({doc['hosts']} whole models at once) decode tok/s: "
+                         + ", ".join(f"{c}s {_med([r['decode_tok_s'] for r in runs]):.1f}" for c, runs in reps.items()))
         for c, runs in res["route"].items():
             ws = [r["where"] for r in runs]
             if not ws or not ws[0]["stages"]:
