@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import statistics
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DgrError
+from .hf_export import sha256_file
 
 _log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
         "config": {"levels": levels, "prompt_tokens": cfg.prompt_tokens, "gen_tokens": cfg.gen_tokens,
                    "threads": cfg.threads, "repeats": cfg.repeats},
         # the binary measured (a paired run compares two builds: they differ here, not in "git")
-        "worker_binary": {"path": str(worker_bin), "sha256": _sha256(worker_bin)},
+        "worker_binary": {"path": str(worker_bin), "sha256": sha256_file(worker_bin)},
         "host": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": list(os.getloadavg())},
         "levels": rows,
         "saturation_sessions": saturation(rows),
@@ -236,14 +236,6 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
         "meets_target": meets(rows),
         "stepwise_meets_target": meets(rows, "stepwise"),
     }
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def saturation(rows: Sequence[dict], mode: str | None = None) -> int | None:
