@@ -111,10 +111,34 @@ void test_step_moves() {
     CHECK(!s.busy(), "answered: still busy");
 }
 
+void test_link_moves() {
+    using L = ChainLink;
+    const L all[] = {L::none, L::linked, L::forwarding, L::broken};
+    int allowed = 0;
+    for (L a : all) {
+        for (L b : all) allowed += link_move_allowed(a, b);
+    }
+    CHECK(allowed == 4, "%d allowed chain-link moves (expected the 4 written down)", allowed);
+    CHECK(link_move_allowed(L::none, L::linked) && link_move_allowed(L::linked, L::forwarding) &&
+              link_move_allowed(L::linked, L::broken) && link_move_allowed(L::forwarding, L::broken),
+          "a written-down chain-link move is refused");
+    CHECK(!link_move_allowed(L::broken, L::forwarding) && !link_move_allowed(L::forwarding, L::linked) &&
+              !link_move_allowed(L::none, L::forwarding) && !link_move_allowed(L::broken, L::broken),
+          "a chain-link move that is not written down is allowed");
+    SessionTable t(1, 1);
+    Session & s = t.open("s", 1);
+    CHECK(s.chain.link == L::none, "a new session is %s", chain_link_name(s.chain.link));
+    move_link(s, L::linked);
+    move_link(s, L::forwarding);
+    move_link(s, L::broken);
+    CHECK(s.chain.link == L::broken, "ended %s", chain_link_name(s.chain.link));
+}
+
 }  // namespace
 
 int main() {
     test_step_moves();
+    test_link_moves();
     test_kv_accounting_follows_a_session_life();
     test_sequence_ids_and_tombstones();
     test_lru_and_ttl_skip_busy_sessions();

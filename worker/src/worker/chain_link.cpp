@@ -99,6 +99,7 @@ void Scheduler::open_chain(Session & s, const pb::StepFrame & sf) {
         peers_.stub(peers_.check(hop.endpoint())), hop.endpoint(),
         [this, sid, gen](pb::SessionResponse r) { post_downstream(sid, gen, std::move(r)); },
         [this, sid, gen](const grpc::Status & st) { post_downstream_end(sid, gen, st); });
+    move_link(s, ChainLink::linked);
 }
 
 void Scheduler::queue_prefill(Session & s, std::unique_ptr<Work> w) {
@@ -122,15 +123,15 @@ void Scheduler::forward(Session & s, Work & w, pb::SessionResponse & r, uint32_t
         c.pending_t0 = w.t0;
         w.ticket.release();  // in flight downstream, no longer queued here
     }
-    if (!c.failed.empty()) {
+    if (c.link == ChainLink::broken) {  // the answer is the link's error; the session ends with it
         DownReplyEvent ev{s.id, s.generation, {}};
         *ev.resp.mutable_error() = make_error(c.failed_reason, c.failed, true);
-        c.failed.clear();  // the message is in the answer already
         return on(ev);
     }
     pb::SessionRequest fr;
     const uint32_t crc = r.header().payload_checksum().value();
-    const bool full = !c.opened || !w.decode || !w.sample || c.fwd_sampling;
+    const bool opening = c.link == ChainLink::linked;  // the first frame down opens the session there
+    const bool full = opening || !w.decode || !w.sample || c.fwd_sampling;
     if (full) {
         auto * f = fr.mutable_step();
         auto * h = f->mutable_header();
@@ -145,7 +146,7 @@ void Scheduler::forward(Session & s, Work & w, pb::SessionResponse & r, uint32_t
         h->mutable_positions()->set_start(w.pos0);
         h->mutable_positions()->set_end(w.pos0 + w.n);
         h->set_step(c.step);
-        if (!c.opened) {
+        if (opening) {
             h->mutable_cache_expectation()->set_kind(pb::CACHE_EXPECTATION_KIND_EMPTY);
         } else {
             h->mutable_cache_expectation()->set_kind(pb::CACHE_EXPECTATION_KIND_POSITION);
@@ -160,7 +161,7 @@ void Scheduler::forward(Session & s, Work & w, pb::SessionResponse & r, uint32_t
             c.fwd_sampling.reset();
         }
         f->set_sample(w.sample);
-        if (!c.opened) {
+        if (opening) {
             for (const auto & hop : c.rest) *f->add_downstream() = hop;
             f->set_pipelined(paced_by_pipeline(s));
         }
@@ -182,7 +183,7 @@ void Scheduler::forward(Session & s, Work & w, pb::SessionResponse & r, uint32_t
         }
     }
     c.step++;
-    c.opened = true;
+    if (opening) move_link(s, ChainLink::forwarding);
     c.sent_t0 = Clock::now();
     c.sent_decode = w.decode;
     const size_t bytes = c.down->send(std::move(fr));
@@ -253,6 +254,8 @@ void Scheduler::on(DownEndEvent & ev) {
         *rep.resp.mutable_error() = make_error(reason, why, true);  // blamed on the hop there
         return on(rep);
     }
+    if (s->chain.link == ChainLink::broken) return;  // (reported once)
+    move_link(*s, ChainLink::broken);
     s->chain.failed = why;
     s->chain.failed_reason = reason;
 }

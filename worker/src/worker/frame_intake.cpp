@@ -331,7 +331,7 @@ bool Scheduler::check_session_state(FrameEvent & ev, Intake & in, Session * s, b
         *opening = true;
     } else {
         // the same (session, epoch); on a second stream only replays make sense
-        if (!s->chain.failed.empty()) {
+        if (s->chain.link == ChainLink::broken) {
             pb::ShardError e = make_error(s->chain.failed_reason, s->chain.failed, true);
             blame_downstream(*s, e);
             const std::string why = e.message();

@@ -42,6 +42,37 @@ void move_step(Session & s, StepState to) {
     s.step = to;
 }
 
+bool link_move_allowed(ChainLink from, ChainLink to) {
+    switch (from) {
+        case ChainLink::none: return to == ChainLink::linked;
+        case ChainLink::linked: return to == ChainLink::forwarding || to == ChainLink::broken;
+        case ChainLink::forwarding: return to == ChainLink::broken;
+        case ChainLink::broken: return false;
+    }
+    return false;
+}
+
+const char * chain_link_name(ChainLink s) {
+    switch (s) {
+        case ChainLink::none: return "none";
+        case ChainLink::linked: return "linked";
+        case ChainLink::forwarding: return "forwarding";
+        case ChainLink::broken: return "broken";
+    }
+    return "?";
+}
+
+void move_link(Session & s, ChainLink to) {
+#ifndef NDEBUG
+    if (!link_move_allowed(s.chain.link, to)) {
+        std::fprintf(stderr, "dgr-worker: internal error: session %s: chain link %s -> %s\n", s.id.c_str(),
+                     chain_link_name(s.chain.link), chain_link_name(to));
+        std::abort();
+    }
+#endif
+    s.chain.link = to;
+}
+
 SessionTable::SessionTable(uint32_t max_sessions, uint32_t max_tombstones)
     : max_sessions_(max_sessions), max_tombstones_(max_tombstones) {
     for (int32_t s = (int32_t) max_sessions - 1; s >= 0; --s) free_seqs_.push_back(s);

@@ -53,17 +53,32 @@ struct PartialStep {
 };
 
 // Chained route: this worker sends its boundary output to the next Shard itself.
+// A chained session's link to the next Shard (chain_link.cpp):
+//   none: not chained (the tail, or a route driven step by step)
+//   linked: the stream to the next Shard is open; no frame went down yet (the first one opens
+//           the session there: CACHE_EXPECTATION_KIND_EMPTY and the rest of the hops)
+//   forwarding: the session is open downstream; later steps go as they complete
+//   broken: the stream ended while no step was downstream; the session's next frame is answered
+//           with that error and the session ends
+// The allowed moves (link_move_allowed, checked by move_link in debug builds and the tests):
+//   none -> linked           an opening frame names downstream hops
+//   linked -> forwarding     the first step went down
+//   linked/forwarding -> broken   the stream ended with no step downstream
+enum class ChainLink { none, linked, forwarding, broken };
+bool link_move_allowed(ChainLink from, ChainLink to);
+const char * chain_link_name(ChainLink s);
+
 struct ChainState {
     std::shared_ptr<DownstreamLink> down;
+    ChainLink                       link = ChainLink::none;  // move_link() only
     pb::ChainHop                    hop;
     std::vector<pb::ChainHop>       rest;        // carried by the opening forwarded frame
     uint64_t                        step = 0;    // next step number downstream
-    bool                            opened = false;
     bool                            colocated = false;  // every hop is on this host (shares our cores)
     uint32_t                        stages = 0;  // Shards of the route from this one on (this one included)
     uint32_t                        pieces_in_flight = 0;  // forwarded PREFILL pieces before the step's last
     pb::ResponseHeader              piece_header;          // their step's header (for errors)
-    std::string                     failed;      // the link ended: the next frame gets this error
+    std::string                     failed;      // broken: the error the next frame gets
     pb::ErrorReason                 failed_reason = pb::ERROR_REASON_UNAVAILABLE;  // ... with this reason
     std::unique_ptr<pb::SamplingParams> fwd_sampling;  // goes with the next forwarded StepFrame
     // a forwarded step (StepState::downstream) is answered with this header
@@ -114,6 +129,8 @@ struct Session {
 
 // Moves the session's step to `to` (debug builds abort on a move step_move_allowed refuses).
 void move_step(Session & s, StepState to);
+// Moves the session's chain link to `to` (debug builds abort on a move link_move_allowed refuses).
+void move_link(Session & s, ChainLink to);
 
 class SessionTable {
 public:
