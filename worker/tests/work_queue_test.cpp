@@ -23,8 +23,13 @@ WorkPtr step(const std::string & sid, bool decode, uint32_t n, bool with_ticket 
     w->n = n;
     w->tokens.assign(n, 7);
     w->sample = true;
-    if (with_ticket) w->ticket = FrameTicket::take(g_tickets, 1000);
-    w->internal = !with_ticket;
+    if (with_ticket) {
+        ClientStep c;
+        c.ticket = FrameTicket::take(g_tickets, 1000);
+        w->origin = std::move(c);
+    } else {
+        w->origin = GeneratedStep{};
+    }
     return w;
 }
 
@@ -90,7 +95,8 @@ void test_split_prefill_goes_one_piece_per_batch() {
     WorkQueue::Batch b = q.take(64, 16, 0, kNotChained);
     CHECK(ids(b) == "s,t", "one piece of s, then t: %s", ids(b).c_str());
     const Work & p0 = *b.items[0];
-    CHECK(p0.piece && p0.piece_more && p0.internal && !p0.sample && !p0.ticket.held(), "an early piece carries no frame");
+    CHECK(p0.piece() && p0.more_pieces() && p0.internal() && !p0.sample && std::holds_alternative<EarlyPiece>(p0.origin),
+          "an early piece carries no frame");
     CHECK(p0.pos0 == 5 && p0.n == 4 && p0.tokens.front() == 0 && p0.tokens.back() == 3, "piece 0 rows");
     q.piece_ready("s", Clock::time_point{} + std::chrono::seconds(3));
     CHECK(q.has_client_step("s"), "the last piece still carries the client's frame");
@@ -99,7 +105,8 @@ void test_split_prefill_goes_one_piece_per_batch() {
     CHECK(b.items[0]->t_ready == Clock::time_point{} + std::chrono::seconds(3), "piece_ready sets the next piece's wait");
     b = q.take(64, 16, 0, kNotChained);
     const Work & last = *b.items[0];
-    CHECK(last.piece && !last.piece_more && !last.internal && last.sample && last.ticket.held() && last.n == 2,
+    CHECK(last.piece() && !last.more_pieces() && !last.internal() && last.sample && last.client() &&
+              last.client()->ticket.held() && last.client()->last_piece && last.n == 2,
           "the last piece carries the frame");
     CHECK(!q.has_client_step("s"), "nothing of s is queued");
 }
@@ -133,11 +140,13 @@ void test_tickets_go_back_once_whichever_way_a_step_leaves() {
         q.push_prefill_pieces(std::move(w), 3, 0);
         WorkQueue::Batch b = q.take(64, 16, 0, kNotChained);  // b, g, piece 0 of s
         Work & p0 = *b.items.back();
-        CHECK(p0.session_id == "s" && p0.piece_more && !p0.ticket.held(), "piece 0 of s");
+        CHECK(p0.session_id == "s" && p0.more_pieces() && !p0.client(), "piece 0 of s");
         q.absorb_pieces(p0);
-        CHECK(!p0.piece_more && !p0.internal && p0.ticket.held(), "the failed piece answers the frame");
+        CHECK(!p0.more_pieces() && !p0.internal() && p0.client() && p0.client()->ticket.held(),
+              "the failed piece answers the frame");
         CHECK(q.empty(), "the later pieces left");
-        p0.ticket.release();
+        p0.release_ticket();
+        p0.release_ticket();  // a second release gives nothing back
         CHECK(g_tickets.load() == before + 1, "b's ticket is still out (in the batch)");
     }
     CHECK(g_tickets.load() == before, "every ticket back: %u out", g_tickets.load() - before);
@@ -147,8 +156,9 @@ void test_upstream_batch_hint() {
     WorkQueue q;
     auto row = [](const char * s, uint64_t batch, uint32_t rows) {
         WorkPtr w = step(s, true, 1);
-        w->up_batch = batch;
-        w->up_rows = rows;
+        ClientStep & c = std::get<ClientStep>(w->origin);
+        c.up_batch = batch;
+        c.up_rows = rows;
         return w;
     };
     q.push_decode(row("a", 7, 2));

@@ -1,46 +1,36 @@
-// Step completion, and server-side generation (StepFrame.generate): each sampled token is fed
-// back as the session's next DECODE row (an internal step, batched with everything else) until
-// max_tokens answers or a finish reason; budgets apply to every internal step.
+// Server-side generation (generation.h): what follows a sampled token.
+#include "worker/generation.h"
+
 #include "worker/errors.h"
-#include "worker/scheduler.h"
+
+#include <algorithm>
+#include <string>
 
 namespace dgr::worker {
 
-void Scheduler::complete_step(Session & s, pb::SessionResponse r, const pb::ResponseHeader & hdr,
-                              Clock::time_point t0, bool internal, int32_t sampled, bool finished) {
-    s.stored = r;
-    s.has_stored = true;
-    metrics_.steps++;
-    metrics_.step_latency.observe(std::chrono::duration<double>(Clock::now() - t0).count());
-    if (s.sink) {
-        if (holds_answer(s, internal, finished)) {
-            s.sink->hold(std::move(r), s.gen.per_answer);
-        } else {
-            s.sink->deliver(std::move(r), false, grpc::Status::OK, !internal);
-        }
-    }
-    if (!s.gen.active) return;
-    if (sampled >= 0) {
-        continue_generation(s, hdr, sampled, finished);
-    } else {
-        s.gen.active = false;
-    }
+void Generation::start(GenerationState & g, const pb::GenerateParams & p) {
+    g.active = true;
+    g.left = std::max<uint32_t>(1, p.max_tokens());
+    g.continue_after_finish = p.continue_after_finish();
+    g.per_answer = std::max<uint32_t>(1, p.tokens_per_answer());
 }
 
-bool Scheduler::holds_answer(const Session & s, bool internal, bool finished) {
-    // a generated token (not the frame's own first one) that more tokens will follow
-    return internal && s.gen.active && s.gen.per_answer > 1 && s.gen.left > 1 && !finished;
+bool Generation::holds_answer(const GenerationState & g, bool internal, bool finished) {
+    return internal && g.active && g.per_answer > 1 && g.left > 1 && !finished;
 }
 
-void Scheduler::continue_generation(Session & s, const pb::ResponseHeader & last, int32_t token, bool finished) {
+GenerationStep Generation::after_token(Session & s, const pb::ResponseHeader & last, int32_t token,
+                                       bool finished) const {
     GenerationState & g = s.gen;
-    if (!g.active) return;
+    if (!g.active) return StopGenerating{};
     if (g.left > 0) g.left--;
     if (g.left == 0 || (finished && !g.continue_after_finish)) {
         g.active = false;
-        return;
+        return StopGenerating{};
     }
-    pb::ResponseHeader hdr;
+    NextRow row;
+    row.token = token;
+    pb::ResponseHeader & hdr = row.header;
     hdr.set_schema_version(pb::SCHEMA_VERSION_V1);
     hdr.set_request_id(last.request_id());
     hdr.set_session_id(s.id);
@@ -52,42 +42,18 @@ void Scheduler::continue_generation(Session & s, const pb::ResponseHeader & last
     hdr.set_compression(pb::COMPRESSION_NONE);
     hdr.set_cache_result(pb::CACHE_RESULT_HIT);
     *hdr.mutable_computed_range() = last.computed_range();
-    auto stop = [&](pb::ShardError e) {
+    if (token < 0 || (uint32_t) token >= n_vocab_) {
         g.active = false;
-        if (s.sink) answer_error(*s.sink, hdr, std::move(e), Clock::now(), pb::CACHE_RESULT_UNSPECIFIED, true);
-    };
-    if (token < 0 || (uint32_t) token >= info_.n_vocab) {
-        return stop(make_error(pb::ERROR_REASON_TOKEN_OUT_OF_VOCAB, "generation got token id " + std::to_string(token)));
+        return GenerationRefused{
+            hdr, make_error(pb::ERROR_REASON_TOKEN_OUT_OF_VOCAB, "generation got token id " + std::to_string(token)), false};
     }
-    if ((uint64_t) s.positions + 1 > opts_.max_session_positions) {
+    if ((uint64_t) s.positions + 1 > max_positions_) {
+        g.active = false;
         pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET, "generation reached max_session_positions");
-        e.set_limit(opts_.max_session_positions);
-        metrics_.rejected_kv++;
-        return stop(e);
+        e.set_limit(max_positions_);
+        return GenerationRefused{hdr, e, true};
     }
-    if (!make_room(1, false, s.id)) {
-        pb::ShardError e = make_error(pb::ERROR_REASON_OVER_BUDGET, "KV cells budget exhausted while generating");
-        e.set_limit(opts_.kv_cells);
-        metrics_.rejected_kv++;
-        return stop(e);
-    }
-    auto w = std::make_unique<Work>();
-    w->session_id = s.id;
-    w->generation = s.generation;
-    w->decode = true;
-    w->tokens.push_back(token);
-    w->pos0 = s.positions;
-    w->n = 1;
-    w->sample = true;
-    w->internal = true;
-    w->header = hdr;
-    w->t0 = Clock::now();
-    w->t_ready = w->t0;
-    move_step(s, StepState::queued);
-    table_.reserve(s, 1);
-    metrics_.generated_tokens++;
-    note_decode_arrival(s);
-    queue_.push_decode(std::move(w));
+    return row;
 }
 
 }  // namespace dgr::worker

@@ -53,7 +53,7 @@ struct PartialStep {
 };
 
 // Chained route: this worker sends its boundary output to the next Shard itself.
-// A chained session's link to the next Shard (chain_link.cpp):
+// A chained session's link to the next Shard (chain_forwarder.h, step_flow.h):
 //   none: not chained (the tail, or a route driven step by step)
 //   linked: the stream to the next Shard is open; no frame went down yet (the first one opens
 //           the session there: CACHE_EXPECTATION_KIND_EMPTY and the rest of the hops)
@@ -106,7 +106,7 @@ struct Session {
     uint32_t    effective_start = 0;
     int64_t     last_step = -1;
     // the last completed step's answer (replayed when the step is resent by the owner with the
-    // same content: one digest per frame of that step, frame_digest() in frame_intake.cpp)
+    // same content: one digest per frame of that step, frame_digest() in frame_intake.h)
     bool                has_stored = false;
     pb::SessionResponse stored;
     int64_t             digest_step = -1;

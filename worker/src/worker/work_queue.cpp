@@ -29,10 +29,15 @@ uint32_t WorkQueue::push_prefill_pieces(WorkPtr w, uint32_t piece, uint32_t n_em
         p->header = w->header;
         p->t0 = w->t0;
         p->t_ready = w->t_ready;
-        p->internal = last ? w->internal : true;
-        if (last) p->ticket = std::move(w->ticket);
-        p->piece = true;
-        p->piece_more = !last;
+        if (!last) {
+            p->origin = EarlyPiece{};
+        } else if (auto * c = std::get_if<ClientStep>(&w->origin)) {
+            ClientStep frame = std::move(*c);
+            frame.last_piece = true;
+            p->origin = std::move(frame);
+        } else {
+            p->origin = std::move(w->origin);
+        }
         prefill_.push_back(std::move(p));
         count++;
     }
@@ -68,8 +73,8 @@ WorkQueue::Batch WorkQueue::take(uint32_t max_rows, uint32_t prefill_chunk, uint
     }
     for (auto it = prefill_.begin(); it != prefill_.end();) {
         Work & w = **it;
-        if (w.piece && std::any_of(b.items.begin(), b.items.end(),
-                                   [&](const WorkPtr & x) { return x->piece && x->session_id == w.session_id; })) {
+        if (w.piece() && std::any_of(b.items.begin(), b.items.end(),
+                                     [&](const WorkPtr & x) { return x->piece() && x->session_id == w.session_id; })) {
             ++it;
             continue;
         }
@@ -109,24 +114,20 @@ size_t WorkQueue::purge(const std::string & session_id) {
 }
 
 void WorkQueue::absorb_pieces(Work & w) {
-    if (!w.piece || !w.piece_more) return;
+    if (!w.more_pieces()) return;
     for (auto it = prefill_.begin(); it != prefill_.end();) {
-        if ((*it)->session_id == w.session_id && (*it)->piece) {
-            if (!(*it)->internal) {  // this failure answers the client's frame
-                w.internal = false;
-                w.ticket = std::move((*it)->ticket);
-            }
+        if ((*it)->session_id == w.session_id && (*it)->piece()) {
+            if (!(*it)->internal()) w.origin = std::move((*it)->origin);  // this failure answers the client's frame
             it = prefill_.erase(it);
         } else {
             ++it;
         }
     }
-    w.piece_more = false;
 }
 
 void WorkQueue::piece_ready(const std::string & session_id, Clock::time_point t) {
     for (auto & q : prefill_) {
-        if (q->session_id == session_id && q->piece) {
+        if (q->session_id == session_id && q->piece()) {
             q->t_ready = t;
             return;
         }
@@ -136,7 +137,7 @@ void WorkQueue::piece_ready(const std::string & session_id, Clock::time_point t)
 bool WorkQueue::has_client_step(const std::string & session_id) const {
     for (const auto * q : {&decode_, &prefill_}) {
         for (const auto & w : *q) {
-            if (w->session_id == session_id && !w->internal) return true;
+            if (w->session_id == session_id && !w->internal()) return true;
         }
     }
     return false;
@@ -146,10 +147,11 @@ bool WorkQueue::upstream_batch_incomplete() const {
     // (id, rows hinted, rows queued); a handful of batches at most
     std::vector<std::pair<uint64_t, std::pair<uint32_t, uint32_t>>> seen;
     for (const auto & w : decode_) {
-        if (w->up_rows <= 1) continue;
-        auto it = std::find_if(seen.begin(), seen.end(), [&](const auto & x) { return x.first == w->up_batch; });
+        const ClientStep * c = w->client();
+        if (!c || c->up_rows <= 1) continue;
+        auto it = std::find_if(seen.begin(), seen.end(), [&](const auto & x) { return x.first == c->up_batch; });
         if (it == seen.end()) {
-            seen.push_back({w->up_batch, {w->up_rows, 1}});
+            seen.push_back({c->up_batch, {c->up_rows, 1}});
         } else {
             it->second.second++;
         }

@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <variant>
 #include <vector>
 
 namespace dgr::worker {
@@ -27,8 +28,28 @@ namespace dgr::worker {
 namespace pb = ::dgr::shard::v1;
 using Clock = std::chrono::steady_clock;
 
-// One queued step of a session: a client frame, an internal step of server-side generation, or
-// a piece of a split PREFILL step.
+// Where a queued step comes from. Each kind carries what only it has, so no field of a step
+// means one thing for one kind and another for the next:
+//   ClientStep     a client frame's step; its ticket goes back when the step is answered or
+//                  leaves this Shard (frame_ticket.h). The last piece of a split PREFILL step is
+//                  one too (last_piece): it carries the frame.
+//   GeneratedStep  fed back by server-side generation: no client frame behind it
+//   EarlyPiece     a piece of a split PREFILL step (pipeline.h prefill_piece_rows) that more
+//                  pieces follow: no client frame behind it
+struct ClientStep {
+    FrameTicket ticket;
+    bool last_piece = false;
+    // StepFrame.batch of a forwarded DECODE row: the upstream batch it was computed in and how
+    // many rows that batch forwarded here (rows <= 1: no hint)
+    uint64_t up_batch = 0;
+    uint32_t up_rows = 0;
+};
+struct GeneratedStep {};
+struct EarlyPiece {};
+using StepOrigin = std::variant<ClientStep, GeneratedStep, EarlyPiece>;
+
+// One queued step of a session: its rows and where they go (common to every kind), and where it
+// comes from.
 struct Work {
     std::string session_id;
     uint64_t generation = 0;
@@ -41,18 +62,20 @@ struct Work {
     pb::ResponseHeader header;
     Clock::time_point t0;
     Clock::time_point t_ready;
-    bool internal = false;  // fed back by server-side generation (no client frame behind it)
-    // a piece of a split PREFILL step (pipeline.h prefill_piece_rows); more pieces follow
-    // unless it is the last (which carries the client's frame: internal == false)
-    bool piece = false;
-    bool piece_more = false;
-    // StepFrame.batch of a forwarded DECODE row: the upstream batch it was computed in and how
-    // many rows that batch forwarded here (0: no hint)
-    uint64_t up_batch = 0;
-    uint32_t up_rows = 0;
-    // the client frame behind this step (none when internal, or for an early piece); it goes
-    // back when the step is answered or leaves this Shard (frame_ticket.h)
-    FrameTicket ticket;
+    StepOrigin origin;
+
+    const ClientStep * client() const { return std::get_if<ClientStep>(&origin); }
+    // no client frame behind it (server-side generation, an early piece): its answer does not
+    // let the stream read a next frame
+    bool internal() const { return client() == nullptr; }
+    // a piece of a split PREFILL step (an early one, or the last)
+    bool piece() const { return std::holds_alternative<EarlyPiece>(origin) || (client() && client()->last_piece); }
+    // more pieces of its step follow it
+    bool more_pieces() const { return std::holds_alternative<EarlyPiece>(origin); }
+    // the frame behind it is answered or left this Shard: its ticket goes back (none: nothing)
+    void release_ticket() {
+        if (auto * c = std::get_if<ClientStep>(&origin)) c->ticket.release();
+    }
 };
 
 using WorkPtr = std::unique_ptr<Work>;
