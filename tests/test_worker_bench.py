@@ -87,3 +87,28 @@ def test_paired_ratio_pairs_each_repeat_with_its_own_reference():
     assert row["stepwise"]["paired_ratio"] == pytest.approx(sorted([80 / 105, 70 / 120, 75 / 95])[1])
     # the target is judged on the best-of ratio; the paired one is reported next to it
     assert wb.meets([row]) == (row["ratio"] >= wb.TARGET_RATIO)
+
+
+def test_bench_worker_measures_the_worker_every_command_runs(tmp_path: Path, monkeypatch):
+    """$DGR_WORKER_BIN picks the worker for `dgr bench worker` too (the one locator), so a paired
+    run of two builds measures the two binaries it names; the JSON records which one it was."""
+    from typer.testing import CliRunner
+
+    from dgr.main import app
+
+    other = tmp_path / "dgr-worker-other"
+    other.write_bytes(b"#!/bin/sh\n")
+    other.chmod(0o755)
+    seen = {}
+
+    def fake_run(model, cfg, *, worker_bin, batched_bench):
+        seen["worker_bin"] = worker_bin
+        return {"levels": [], "saturation_sessions": None}
+
+    monkeypatch.setenv("DGR_WORKER_BIN", str(other))
+    monkeypatch.setattr(wb, "run_worker_bench", fake_run)
+    monkeypatch.setattr(wb, "summary", lambda doc: "ok")
+    out = tmp_path / "w.json"
+    r = CliRunner().invoke(app, ["bench", "worker", "--sessions", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert seen["worker_bin"] == other

@@ -270,8 +270,11 @@ def worker(
     levels = tuple(int(x) for x in sessions.split(",") if x.strip())
     cfg = wb.WorkerBenchConfig(levels=levels, prompt_tokens=n_prompt, gen_tokens=n_gen, threads=threads,
                                repeats=repeats)
+    from ..upstream.build import worker_binary
+
     bin_dir = paths.backend_build_dir("cpu") / "bin"
-    doc = wb.run_worker_bench(resolve_model(model), cfg, worker_bin=bin_dir / "dgr-worker",
+    # the worker measured is the one every command runs ($DGR_WORKER_BIN, else the build's)
+    doc = wb.run_worker_bench(resolve_model(model), cfg, worker_bin=worker_binary("cpu"),
                               batched_bench=bin_dir / "llama-batched-bench")
     _write(out, doc, wb.summary(doc))
 

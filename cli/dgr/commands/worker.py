@@ -9,8 +9,8 @@ from typing import Optional
 
 import typer
 
-from .. import paths
 from ..errors import DgrError
+from ..upstream.build import worker_binary_path
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -63,7 +63,7 @@ def serve(
 
     An option left out takes the worker's default: `dgr worker options` lists them with their
     bounds, from the worker's own table (the bounds checked here are tested against it)."""
-    binary = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+    binary = worker_binary_path(backend)
     if fake_model == (model is not None):
         raise DgrError("give exactly one of --model FILE or --fake-model")
     from ..route.supervisor import WorkerArgs
@@ -123,7 +123,7 @@ def memory(
     if layers:
         r = LayerRange.parse(layers)
         rng = (r.start, r.end)
-    binary = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+    binary = worker_binary_path(backend)
     plan = plan_memory(path, rng, max_sessions=max_sessions, ctx_per_session=ctx_per_session,
                        memory_budget_mb=memory_budget_mb, binary=binary)
     out: dict = {"plan": asdict(plan)}
@@ -154,7 +154,7 @@ def options(
     """The worker's options, defaults and bounds, read from the worker's own table."""
     from ..route.worker_options import worker_options
 
-    binary = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
+    binary = worker_binary_path(backend)
     table = worker_options(binary)
     if as_json:
         from dataclasses import asdict
