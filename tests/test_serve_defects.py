@@ -295,10 +295,9 @@ def test_a_client_that_leaves_at_once_leaves_nothing_generating(gw, shards, stre
 # ---- fields the gateway does not implement ----------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [
-    ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
-    ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repeat_penalty", 1.1),
+    ("top_logprobs", 3),
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("suffix", "end"), ("best_of", 2), ("mirostat", 2), ("grammar", "root ::= \"a\""),
+    ("suffix", "end"), ("best_of", 2), ("mirostat", 2), ("dry_multiplier", 0.8),
 ])
 def test_a_field_that_is_not_implemented_is_refused_not_ignored(gw, field, value):
     # (top_logprobs is chat's: completions ask with logprobs: k; test_serve_logprobs.py)
@@ -309,9 +308,9 @@ def test_a_field_that_is_not_implemented_is_refused_not_ignored(gw, field, value
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field and r.json()["error"]["code"] == "unsupported_parameter"
     # its default asks for nothing and is accepted (clients send defaults explicitly)
-    defaults = {"logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "frequency_penalty": 0,
-                "presence_penalty": 0, "repeat_penalty": 1, "logit_bias": {}, "tools": [],
-                "suffix": "", "best_of": 1, "mirostat": None, "grammar": None}
+    # (response_format, the penalties and grammar are supported: tests/test_serve_constrained.py)
+    defaults = {"logprobs": False, "top_logprobs": 0, "logit_bias": {}, "tools": [],
+                "suffix": "", "best_of": 1, "mirostat": None, "dry_multiplier": None}
     r = _post(gw, path, {**body, field: defaults[field]})
     assert r.status_code == 200, r.text
 

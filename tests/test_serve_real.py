@@ -98,3 +98,68 @@ def test_logit_bias_through_the_split_matches_the_whole_model(routes):
             assert banned.choices[0].text != plain.choices[0].text
             answers.append(banned.choices[0].text)
     assert answers[0] == answers[1]
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                         "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_constrained_answers_follow_their_schema_and_grammar(routes):
+    """response_format json_schema: the answer parses and has exactly the schema's fields and types
+    (bounded schema: it always completes), over the split as on the whole model; json_object: an
+    object; llama-server's grammar: one of its alternatives."""
+    import json
+
+    r, w = routes
+    answers = []
+    for eps in (r.endpoints, w.endpoints):
+        with Gateway(eps, model_id="smollm2") as gw:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+            msgs = [{"role": "user", "content": "What is the capital of France and how many people live there?"}]
+            out = c.chat.completions.create(model="smollm2", temperature=0, max_tokens=96, messages=msgs,
+                                            response_format={"type": "json_schema", "json_schema": {
+                                                "name": "city", "schema": CITY, "strict": True}})
+            ch = out.choices[0]
+            assert ch.finish_reason == "stop", ch
+            obj = json.loads(ch.message.content)
+            assert set(obj) == {"city", "population"}, obj
+            assert isinstance(obj["city"], str) and len(obj["city"]) <= 24
+            assert isinstance(obj["population"], int) and not isinstance(obj["population"], bool)
+            answers.append(ch.message.content)
+            # streamed, the same answer
+            parts = [e.choices[0].delta.content or "" for e in c.chat.completions.create(
+                model="smollm2", temperature=0, max_tokens=96, messages=msgs, stream=True,
+                response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}})
+                if e.choices]
+            assert "".join(parts) == ch.message.content
+            anyobj = c.chat.completions.create(model="smollm2", temperature=0, max_tokens=160, messages=msgs,
+                                               response_format={"type": "json_object"}).choices[0]
+            assert anyobj.message.content.lstrip().startswith("{"), anyobj
+            if anyobj.finish_reason == "stop":
+                assert isinstance(json.loads(anyobj.message.content), dict)
+            yn = c.completions.create(model="smollm2", prompt="Is Paris in France? Answer:", max_tokens=4,
+                                      temperature=0, extra_body={"grammar": 'root ::= " yes" | " no"'})
+            assert yn.choices[0].text in (" yes", " no") and yn.choices[0].finish_reason == "stop"
+            bad = c.with_options(max_retries=0)
+            with pytest.raises(openai.BadRequestError) as e:
+                bad.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4,
+                                            response_format={"type": "json_schema", "json_schema": {
+                                                "name": "x", "schema": {"type": "object", "$ref": "#/nowhere"}}})
+            assert e.value.body["param"] == "response_format"
+    assert answers[0] == answers[1]
+
+
+def test_penalties_over_the_split_equal_the_whole_model(routes):
+    r, w = routes
+    answers = []
+    for eps in (r.endpoints, w.endpoints):
+        with Gateway(eps, model_id="smollm2") as gw:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+            kw = dict(model="smollm2", prompt="One, two, three, four,", max_tokens=16, temperature=0)
+            plain = c.completions.create(**kw).choices[0].text
+            pen = c.completions.create(**kw, frequency_penalty=1.5, presence_penalty=0.5,
+                                       extra_body={"repeat_penalty": 1.2}).choices[0].text
+            answers.append((plain, pen))
+    assert answers[0] == answers[1]
+    assert answers[0][0] != answers[0][1]      # counting on, greedy repeats digits the penalties push away

@@ -23,6 +23,12 @@ MAX_STOP_TOKENS = 64
 #: SamplingParams.logit_bias: entries at most, and the bound of each bias.
 MAX_LOGIT_BIAS = 1024
 MAX_BIAS = 100.0
+#: SamplingParams penalties: the window's length at most, and each penalty's bound.
+MAX_PENALTY_LAST_N = 4096
+MAX_REPEAT_PENALTY = 10.0
+MAX_FREQUENCY_PENALTY = 2.0      # frequency_penalty and presence_penalty in [-2, 2]
+#: SamplingParams.grammar / json_schema: bytes at most (UTF-8).
+MAX_GRAMMAR_BYTES = 65536
 _ROW_PHASES = (pb.PHASE_PREFILL, pb.PHASE_DECODE)
 _KNOWN_PHASES = (pb.PHASE_PREFILL, pb.PHASE_DECODE, pb.PHASE_TRUNCATE, pb.PHASE_RELEASE)
 _KNOWN_EXPECTATIONS = (pb.CACHE_EXPECTATION_KIND_UNSPECIFIED, pb.CACHE_EXPECTATION_KIND_EMPTY,
@@ -67,6 +73,28 @@ def check_sampling(s: pb.SamplingParams, n_vocab: int = 0) -> None:
         if b.token_id in seen:
             raise _req(bad, f"logit_bias names token {b.token_id} twice")
         seen.add(b.token_id)
+    if not (s.repeat_penalty == 0 or 0 < s.repeat_penalty <= MAX_REPEAT_PENALTY):
+        raise _req(bad, "repeat_penalty outside (0, 10]")
+    if not abs(s.frequency_penalty) <= MAX_FREQUENCY_PENALTY:
+        raise _req(bad, "frequency_penalty outside [-2, 2]")
+    if not abs(s.presence_penalty) <= MAX_FREQUENCY_PENALTY:
+        raise _req(bad, "presence_penalty outside [-2, 2]")
+    if s.penalty_last_n > MAX_PENALTY_LAST_N:
+        raise _req(bad, f"penalty_last_n {s.penalty_last_n} above {MAX_PENALTY_LAST_N}")
+    if len(s.penalty_prompt_tokens) > s.penalty_last_n:
+        raise _req(bad, f"{len(s.penalty_prompt_tokens)} penalty_prompt_tokens, more than penalty_last_n "
+                        f"{s.penalty_last_n}")
+    for t in s.penalty_prompt_tokens:
+        if t < 0 or (n_vocab and t >= n_vocab):
+            raise _req(bad, f"penalty prompt token id {t} outside [0, {n_vocab or 'n_vocab'})")
+    if s.grammar and s.json_schema:
+        raise _req(bad, "grammar and json_schema are exclusive: send one")
+    g, j = len(s.grammar.encode("utf-8")), len(s.json_schema.encode("utf-8"))
+    if max(g, j) > MAX_GRAMMAR_BYTES:
+        raise _req(bad, f"{'json_schema' if not s.grammar else 'grammar'} of {max(g, j)} bytes, "
+                        f"at most {MAX_GRAMMAR_BYTES}")
+    if s.ignore_eog and (s.grammar or s.json_schema):
+        raise _req(bad, "a grammar ends the answer where it is complete: not together with ignore_eog")
 
 
 def check_header(req: pb.SessionRequest, capability: pb.GetCapabilityResponse | None = None) -> None:

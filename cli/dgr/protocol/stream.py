@@ -41,8 +41,8 @@ class Sampling:
 
     ``ignore_eog`` is False by default: generation stops at end-of-generation (and at
     ``stop_token_ids``). Pass ``ignore_eog=True`` to generate through them. In greedy mode the
-    stochastic fields (temperature, top_k, top_p, min_p, seed) are not sent; ``logit_bias``
-    applies in both modes.
+    stochastic fields (temperature, top_k, top_p, min_p, seed) are not sent; ``logit_bias``, the
+    penalties and the grammar apply in both modes.
     """
 
     temperature: float = 0.0
@@ -55,11 +55,30 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     # (token id, bias) pairs added to the logits the token is chosen from, greedy or not
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # penalties on the last ``penalty_last_n`` tokens (llama.cpp's penalties sampler), greedy or
+    # not: ``penalty_prompt`` holds the prompt's last tokens, which the tail never sees
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 0
+    penalty_prompt: tuple[int, ...] = ()
+    # constrained sampling: a GBNF grammar (root rule "root") or a JSON schema (JSON text)
+    grammar: str = ""
+    json_schema: str = ""
+
+    def penalized(self) -> bool:
+        return self.penalty_last_n > 0 and (self.repeat_penalty != 1 or self.frequency_penalty != 0
+                                            or self.presence_penalty != 0)
 
     def to_proto(self) -> pb.SamplingParams:
         common = dict(top_logprobs=self.top_logprobs, ignore_eog=self.ignore_eog,
                       stop_token_ids=list(self.stop_token_ids),
-                      logit_bias=[pb.TokenBias(token_id=t, bias=b) for t, b in self.logit_bias])
+                      logit_bias=[pb.TokenBias(token_id=t, bias=b) for t, b in self.logit_bias],
+                      grammar=self.grammar, json_schema=self.json_schema)
+        if self.penalized():
+            common.update(repeat_penalty=self.repeat_penalty, frequency_penalty=self.frequency_penalty,
+                          presence_penalty=self.presence_penalty, penalty_last_n=self.penalty_last_n,
+                          penalty_prompt_tokens=list(self.penalty_prompt[-self.penalty_last_n:]))
         if self.temperature <= 0:
             return pb.SamplingParams(mode=pb.SAMPLING_MODE_GREEDY, **common)
         return pb.SamplingParams(mode=pb.SAMPLING_MODE_STOCHASTIC, temperature=self.temperature, top_k=self.top_k,

@@ -340,7 +340,7 @@ class RouteDriver:
             shard = await self._silent_shard()
         if shard is None or shard is self.head:
             return exc
-        return RouteSessionError(shard, exc.reason, exc.detail, grpc_code=exc.grpc_code)
+        return RouteSessionError(shard, exc.reason, exc.detail, grpc_code=exc.grpc_code, field=exc.field)
 
     @property
     def active_sessions(self) -> dict[str, int]:

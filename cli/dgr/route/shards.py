@@ -25,10 +25,13 @@ class RouteSessionError(DgrError):
     it is attributed to (``shard_endpoint``, ``shard_range``) and the worker's words
     (``detail``, for people only). ``failed_endpoint``/``failed_range``: the Shard further down
     the chain that the answering Shard named as the one that failed (ShardError's
-    ``failed_endpoint``), None when it named none."""
+    ``failed_endpoint``), None when it named none. ``field``: the request field a BAD_REQUEST
+    names (ShardError's ``field``, e.g. ``"sampling.json_schema"``), None when none."""
 
     def __init__(self, shard: "ShardHandle", reason: Reason | str, message: str, *, grpc_code: int | None = None,
-                 failed_endpoint: str | None = None, failed_range: tuple[int, int] | None = None) -> None:
+                 failed_endpoint: str | None = None, failed_range: tuple[int, int] | None = None,
+                 field: str | None = None) -> None:
+        self.field = field or None
         self.shard_endpoint = shard.endpoint
         self.shard_range = (shard.start, shard.end)
         self.reason = as_reason(reason)
@@ -74,7 +77,8 @@ def route_error(shard: ShardHandle, exc: Exception) -> RouteSessionError:
     if isinstance(exc, ShardError):
         p = exc.proto
         return RouteSessionError(shard, exc.kind, p.message, grpc_code=exc.grpc_code,
-                                 failed_endpoint=p.failed_endpoint, failed_range=(p.failed_start, p.failed_end))
+                                 failed_endpoint=p.failed_endpoint, failed_range=(p.failed_start, p.failed_end),
+                                 field=p.field)
     if isinstance(exc, StepTimeout):
         return RouteSessionError(shard, Reason.DEADLINE_EXCEEDED, f"no answer within {exc.timeout:.0f}s")
     if isinstance(exc, StreamClosed):

@@ -7,6 +7,7 @@ a client asks for is silently ignored.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any, Callable, Literal, Optional, Union
@@ -22,16 +23,16 @@ MAX_BIAS = 100.0
 MAX_TOP_LOGPROBS = 20         # alternatives per token (OpenAI's bound for chat; the worker's is 64)
 LOGPROB_FLOOR = -9999.0       # what a logprob of -inf (a token masked out) reads as in JSON
 SEED_MAX = 2**64 - 1          # the sampling contract's seed is a uint64
+MAX_PENALTY_LAST_N = 4096     # repeat_last_n (the sampling contract's window bound)
+DEFAULT_PENALTY_LAST_N = 64   # llama-server's repeat_last_n
+MAX_GRAMMAR_BYTES = 65536     # a grammar or a JSON schema (UTF-8 bytes of its JSON text)
+MAX_GRAMMAR_NESTING = 64      # brackets deep (the tail's bound: both are parsed recursively there)
 
 # Request fields that would change the answer and that this gateway does not implement: refused
 # with a 400 naming the field unless the value asks for nothing (its default). Nothing a client
 # asks for is silently ignored (docs/serve.md, "Request fields").
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "top_logprobs": lambda v: v is None or v == 0,     # (on completions; chat has it)
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "frequency_penalty": lambda v: v is None or v == 0,
-    "presence_penalty": lambda v: v is None or v == 0,
-    "repeat_penalty": lambda v: v is None or v == 1,
     "tools": lambda v: v is None or v == [],
     "tool_choice": lambda v: v is None or v == "none",
     "functions": lambda v: v is None or v == [],
@@ -81,6 +82,34 @@ def text_field(value: str, param: str) -> str:
     return value
 
 
+def _check_nesting(text: str, param: str, *, gbnf: bool) -> None:
+    """A 400 when brackets nest deeper than the tail parses (outside quoted strings and, in GBNF,
+    character classes; the same count as worker/src/worker/grammar.cpp)."""
+    depth = most = 0
+    quote = ""
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif c == quote:
+                quote = ""
+        elif c == '"':
+            quote = '"'
+        elif gbnf and c == "[":
+            quote = "]"
+        elif c in ("(" if gbnf else "{["):
+            depth += 1
+            most = max(most, depth)
+        elif c in (")" if gbnf else "}]") and depth > 0:
+            depth -= 1
+        i += 1
+    if most > MAX_GRAMMAR_NESTING:
+        raise GatewayError(400, f"{param} nests {most} levels deep, at most {MAX_GRAMMAR_NESTING}", param=param,
+                           code="invalid_value")
+
+
 class ApiRequest(BaseModel):
     # unknown fields are accepted by the parser and then refused unless they ask for nothing
     # (_refuse_extras); NaN and infinities are no numbers a request may carry
@@ -100,6 +129,13 @@ class ApiRequest(BaseModel):
     stream_options: Optional[dict[str, Any]] = None
     ignore_eos: bool = False       # llama-server's extension: generate through end-of-generation tokens
     logit_bias: Optional[dict[str, float]] = None   # token id (a decimal string) -> bias in [-100, 100]
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repeat_penalty: Optional[float] = Field(None, gt=0, le=10)               # llama-server's: 1 is off
+    repeat_last_n: Optional[int] = Field(None, ge=0, le=MAX_PENALTY_LAST_N)  # llama-server's window
+    response_format: Optional[dict[str, Any]] = None   # text, json_object or json_schema
+    grammar: Optional[str] = None                      # llama-server's GBNF grammar (root rule "root")
+    json_schema: Optional[dict[str, Any]] = None       # llama-server's schema extension
 
     def params(self) -> Params:
         _refuse_extras(self.model_extra)
@@ -110,7 +146,64 @@ class ApiRequest(BaseModel):
                       temperature=1.0 if self.temperature is None else self.temperature,
                       top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                       min_p=self.min_p or 0.0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-                      logprobs=self.logprobs_wanted(), logit_bias=self.biases())
+                      logprobs=self.logprobs_wanted(), logit_bias=self.biases(),
+                      repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
+                      frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                      repeat_last_n=DEFAULT_PENALTY_LAST_N if self.repeat_last_n is None else self.repeat_last_n,
+                      **self.constraint())
+
+    def constraint(self) -> dict[str, str]:
+        """The grammar or JSON schema the answer is constrained to (``{}``: none), from
+        ``response_format`` (OpenAI's), ``grammar`` or ``json_schema`` (llama-server's)."""
+        asked: list[tuple[str, dict[str, str]]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":     # any JSON object (llama-server: an optional "schema" narrows it)
+                schema = rf.get("schema", {"type": "object"})
+                asked.append(("response_format", {"json_schema": self._schema_text(schema, "response_format")}))
+            elif kind == "json_schema":
+                wrapper = rf.get("json_schema")
+                if not isinstance(wrapper, dict) or not isinstance(wrapper.get("schema"), dict):
+                    raise GatewayError(400, "response_format json_schema needs json_schema.schema (a JSON schema "
+                                       "object)", param="response_format", code="invalid_value")
+                asked.append(("response_format",
+                              {"json_schema": self._schema_text(wrapper["schema"], "response_format")}))
+            elif kind != "text":
+                raise GatewayError(400, f"response_format type {ascii(kind)} is not one of text, json_object, "
+                                   "json_schema", param="response_format", code="invalid_value")
+        if self.json_schema is not None:
+            asked.append(("json_schema", {"json_schema": self._schema_text(self.json_schema, "json_schema")}))
+        if self.grammar:
+            g = text_field(self.grammar, "grammar")
+            if len(g.encode("utf-8")) > MAX_GRAMMAR_BYTES:
+                raise GatewayError(400, f"grammar is {len(g.encode('utf-8'))} bytes, at most {MAX_GRAMMAR_BYTES}",
+                                   param="grammar", code="invalid_value")
+            _check_nesting(g, "grammar", gbnf=True)
+            asked.append(("grammar", {"grammar": g}))
+        if len(asked) > 1:
+            raise GatewayError(400, f"{asked[0][0]} and {asked[1][0]} both constrain the answer: send one",
+                               param=asked[1][0], code="invalid_value")
+        if asked and self.ignore_eos:
+            raise GatewayError(400, "a constrained answer ends where its grammar is complete: not together with "
+                               "ignore_eos", param=asked[0][0], code="invalid_value")
+        return {**asked[0][1], "constraint_param": asked[0][0]} if asked else {}
+
+    @staticmethod
+    def _schema_text(schema: Any, param: str) -> str:
+        if not isinstance(schema, dict):
+            raise GatewayError(400, f"{param}: the schema must be a JSON object", param=param, code="invalid_value")
+        try:
+            text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
+            size = len(text.encode("utf-8"))
+        except (ValueError, UnicodeEncodeError, RecursionError) as exc:
+            raise GatewayError(400, f"{param}: the schema is not JSON text: {exc}", param=param,
+                               code="invalid_value") from None
+        if size > MAX_GRAMMAR_BYTES:
+            raise GatewayError(400, f"{param}: the schema is {size} bytes of JSON, at most {MAX_GRAMMAR_BYTES}",
+                               param=param, code="invalid_value")
+        _check_nesting(text, param, gbnf=False)
+        return text
 
     def biases(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias) pairs, checked here but for the vocabulary (the

@@ -64,16 +64,30 @@ class Params:
     # None: no logprobs; k >= 0: each token's logprob and its k most likely alternatives
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias): added before the choice
+    # llama-server's penalties over the last ``repeat_last_n`` tokens, the prompt's included
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repeat_last_n: int = 64
+    # constrained sampling (response_format, llama-server's grammar): at most one of them
+    grammar: str = ""
+    json_schema: str = ""
+    constraint_param: str = ""     # the request field that asked for the grammar or schema
 
-    def sampling(self) -> Sampling:
+    def sampling(self, prompt_ids: Sequence[int] = ()) -> Sampling:
         # the sampled token's own logprob comes with top_logprobs >= 1 (SampledToken.logprob)
         top = 0 if self.logprobs is None else max(1, self.logprobs)
+        n = self.repeat_last_n
+        common = dict(ignore_eog=self.ignore_eos, top_logprobs=top, logit_bias=self.logit_bias,
+                      repeat_penalty=self.repeat_penalty, frequency_penalty=self.frequency_penalty,
+                      presence_penalty=self.presence_penalty, penalty_last_n=n,
+                      penalty_prompt=tuple(prompt_ids[-n:]) if n else (), grammar=self.grammar,
+                      json_schema=self.json_schema)
         if self.temperature <= 0:
-            return Sampling(ignore_eog=self.ignore_eos, top_logprobs=top, logit_bias=self.logit_bias)
+            return Sampling(**common)
         seed = self.seed if self.seed is not None else random.randrange(1, 2**31)
         return Sampling(temperature=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, top_k=self.top_k,
-                        min_p=self.min_p, seed=seed, ignore_eog=self.ignore_eos, top_logprobs=top,
-                        logit_bias=self.logit_bias)
+                        min_p=self.min_p, seed=seed, **common)
 
 
 @dataclass
@@ -247,7 +261,7 @@ class Generation:
                                f"{eng.max_positions} positions a session may hold", code="context_length_exceeded",
                                param="max_tokens")
         try:   # checked here, before anything runs: the route would fail on it later
-            sampling = self.params.sampling()
+            sampling = self.params.sampling(self.prompt_ids)
             sampling.to_proto()
         except ValueError as exc:
             raise GatewayError(400, f"invalid sampling parameters: {exc}", code="invalid_value") from None
@@ -324,7 +338,7 @@ class Generation:
             except (WorkerError, DgrError) as exc:   # e.g. the head refused the stream
                 raise GatewayError(502, f"route failure: {exc}", kind="server_error", code="route_error") from None
             if isinstance(res.error, RouteSessionError):
-                raise _session_error(res.error)
+                raise _session_error(res.error, self.params.constraint_param)
             if res.error is not None:   # failover found no route, or gave up after its restarts
                 raise GatewayError(502, f"route failure: {res.error}", kind="server_error", code="route_error")
             out = text.push(b"", final=True)
@@ -352,12 +366,19 @@ class Generation:
         return "".join(parts), lps
 
 
-def _session_error(exc: RouteSessionError) -> GatewayError:
+# the sampling fields the tail names when it refuses a constraint (ShardError.field)
+_CONSTRAINT_FIELDS = ("sampling.json_schema", "sampling.grammar")
+
+
+def _session_error(exc: RouteSessionError, constraint_param: str = "") -> GatewayError:
     reason = exc.reason
     if reason in (Reason.OVER_BUDGET, Reason.RESOURCE_EXHAUSTED):
         return GatewayError(429, f"over capacity on shard {exc.shard_endpoint}: {exc.detail}",
                             kind="rate_limit_exceeded", code="over_capacity", retry_after=RETRY_AFTER_S)
     if reason in (Reason.TOKEN_OUT_OF_VOCAB, Reason.BAD_REQUEST, Reason.CHUNK_TOO_LARGE, Reason.INVALID_ARGUMENT):
+        if exc.field in _CONSTRAINT_FIELDS and constraint_param:
+            return GatewayError(400, f"{constraint_param}: {exc.detail}", param=constraint_param,
+                                code="invalid_value")
         return GatewayError(400, f"the route refused the prompt: {exc.detail}", param="prompt", code="invalid_value")
     if reason == Reason.CANCELLED:
         return GatewayError(499, "the request was cancelled", kind="cancelled", code="cancelled")

@@ -33,6 +33,12 @@ constexpr int kMaxStopTokens = 64;
 // SamplingParams.logit_bias: entries at most, and the bias bound (OpenAI's)
 constexpr int kMaxLogitBias = 1024;
 constexpr float kMaxBias = 100.0f;
+// SamplingParams penalties: the window's length at most, and the bounds of each penalty
+constexpr uint32_t kMaxPenaltyLastN = 4096;
+constexpr float kMaxRepeatPenalty = 10.0f;
+constexpr float kMaxFrequencyPenalty = 2.0f;  // frequency_penalty and presence_penalty in [-2, 2]
+// SamplingParams.grammar / json_schema: bytes at most
+constexpr size_t kMaxGrammarBytes = 65536;
 // The boundary bundle's one tensor in schema v1.
 inline constexpr const char * kResidual = "residual";
 // Schema versions accepted without a capability: [min, max].

@@ -3,6 +3,7 @@
 #include "common/bundle.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -108,6 +109,41 @@ Result check_sampling(const pb::SamplingParams & s, uint32_t n_vocab) {
     if (std::adjacent_find(seen.begin(), seen.end()) != seen.end()) {
         return err(bad_req, "logit_bias names token " + std::to_string(*std::adjacent_find(seen.begin(), seen.end())) +
                                 " twice");
+    }
+    if (!(s.repeat_penalty() == 0 || (s.repeat_penalty() > 0 && s.repeat_penalty() <= kMaxRepeatPenalty))) {
+        return err(bad_req, "repeat_penalty outside (0, 10]");
+    }
+    if (!(std::fabs(s.frequency_penalty()) <= kMaxFrequencyPenalty)) {
+        return err(bad_req, "frequency_penalty outside [-2, 2]");
+    }
+    if (!(std::fabs(s.presence_penalty()) <= kMaxFrequencyPenalty)) {
+        return err(bad_req, "presence_penalty outside [-2, 2]");
+    }
+    if (s.penalty_last_n() > kMaxPenaltyLastN) {
+        return err(bad_req, "penalty_last_n " + std::to_string(s.penalty_last_n()) + " above " +
+                                std::to_string(kMaxPenaltyLastN));
+    }
+    if (uint32_t(s.penalty_prompt_tokens_size()) > s.penalty_last_n()) {
+        return err(bad_req, std::to_string(s.penalty_prompt_tokens_size()) +
+                                " penalty_prompt_tokens, more than penalty_last_n " +
+                                std::to_string(s.penalty_last_n()));
+    }
+    for (int32_t t : s.penalty_prompt_tokens()) {
+        if (t < 0 || (n_vocab && uint32_t(t) >= n_vocab)) {
+            return err(bad_req, "penalty prompt token id " + std::to_string(t) + " outside [0, " +
+                                    (n_vocab ? std::to_string(n_vocab) : std::string("n_vocab")) + ")");
+        }
+    }
+    if (!s.grammar().empty() && !s.json_schema().empty()) {
+        return err(bad_req, "grammar and json_schema are exclusive: send one");
+    }
+    if (s.grammar().size() > kMaxGrammarBytes || s.json_schema().size() > kMaxGrammarBytes) {
+        return err(bad_req, std::string(s.grammar().empty() ? "json_schema" : "grammar") + " of " +
+                                std::to_string(std::max(s.grammar().size(), s.json_schema().size())) +
+                                " bytes, at most " + std::to_string(kMaxGrammarBytes));
+    }
+    if (s.ignore_eog() && (!s.grammar().empty() || !s.json_schema().empty())) {
+        return err(bad_req, "a grammar ends the answer where it is complete: not together with ignore_eog");
     }
     return std::nullopt;
 }

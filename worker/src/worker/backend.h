@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+struct llama_vocab;
+
 namespace dgr::worker {
 
 // What the loaded model is; served by GetCapability and checked against every frame.
@@ -85,6 +87,8 @@ public:
     virtual std::string detokenize(const std::vector<int32_t> & tokens, bool remove_special,
                                    bool unparse_special) = 0;
     virtual bool is_eog(int32_t token) const = 0;
+    // The model's vocabulary (a grammar constrains tokens over it); nullptr: none (the fake model).
+    virtual const llama_vocab * vocab() const { return nullptr; }
     // The chat template (GGUF tokenizer.chat_template or a built-in name); empty: none.
     virtual std::string chat_template() const { return {}; }
 

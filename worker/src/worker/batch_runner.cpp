@@ -75,7 +75,7 @@ pb::SessionResponse BatchRunner::answer(const Step & step, int32_t * sampled, bo
         return r;
     }
     const float * logits = backend_.output_row(last_row);
-    SampleResult sr = sample_logits(logits, (int32_t) info_.n_vocab, s.sampling, s.rng);
+    SampleResult sr = sample_logits(logits, (int32_t) info_.n_vocab, s.sampling, s.rng, &s.sampler);
     auto * t = tail->add_tokens();
     t->set_token_id(sr.token);
     t->set_position(w.pos0 + w.n);
@@ -88,7 +88,7 @@ pb::SessionResponse BatchRunner::answer(const Step & step, int32_t * sampled, bo
         }
     }
     // ignore_eog: EOG tokens are ordinary tokens; explicit stop tokens still finish
-    if (!s.sampling.ignore_eog && backend_.is_eog(sr.token)) {
+    if (sr.constraint_ended || (!s.sampling.ignore_eog && backend_.is_eog(sr.token))) {
         t->set_finish_reason(pb::FINISH_REASON_EOG);
     } else if (std::find(s.sampling.stop_token_ids.begin(), s.sampling.stop_token_ids.end(), sr.token) !=
                s.sampling.stop_token_ids.end()) {

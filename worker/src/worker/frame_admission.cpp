@@ -2,6 +2,7 @@
 #include "worker/frame_admission.h"
 
 #include "worker/errors.h"
+#include "worker/grammar.h"
 
 #include <algorithm>
 #include <cstring>
@@ -103,6 +104,25 @@ void FrameAdmission::on(FrameEvent & ev) {
     const bool gen_req = !in.fast && sf->has_generate();
     if (refuse(st_.intake.generate(in, chain_req || (s && !opening && s->chain.down)))) return;
 
+    // ---- the tail's sampling contract: a new one (grammar compiled) before anything is admitted ----
+    std::unique_ptr<TokenConstraint> constraint;
+    std::string sampling_key;
+    bool new_contract = false;
+    if (sampling_applies && st_.info.tail) {
+        sf->sampling().SerializeToString(&sampling_key);
+        new_contract = opening || !s || s->sampler.key != sampling_key;
+        if (new_contract) {
+            std::string why, field;
+            constraint = constraint_for(st_.backend.vocab(), sf->sampling().grammar(), sf->sampling().json_schema(),
+                                        &why, &field);
+            if (!why.empty()) {
+                pb::ShardError e = make_error(pb::ERROR_REASON_BAD_REQUEST, field + ": " + why);
+                e.set_field(field);
+                return refuse_frame(ev, in.hdr, Refusal{e});
+            }
+        }
+    }
+
     // ---- admission: session slot and KV cells ----
     if (!st_.make_room(n, opening, in.sid)) {
         const bool sessions_full = opening && st_.table.full();
@@ -121,6 +141,10 @@ void FrameAdmission::on(FrameEvent & ev) {
         if (st_.info.tail) {
             if (opening || sampling.seed != s->sampling.seed) s->rng.seed(sampling.seed);
             s->sampling = sampling;
+            if (new_contract) {
+                s->sampler.reset(sampling, std::move(constraint));
+                s->sampler.key = std::move(sampling_key);
+            }
         } else if (opening) {
             s->rng.seed(0);
         }

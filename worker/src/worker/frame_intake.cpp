@@ -85,6 +85,11 @@ SamplingConfig sampling_config(const pb::SamplingParams & p) {
     c.ignore_eog = p.ignore_eog();
     c.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
     for (const auto & b : p.logit_bias()) c.logit_bias.emplace_back(b.token_id(), b.bias());
+    c.repeat_penalty = p.repeat_penalty() == 0.0f ? 1.0f : p.repeat_penalty();
+    c.frequency_penalty = p.frequency_penalty();
+    c.presence_penalty = p.presence_penalty();
+    c.penalty_last_n = p.penalty_last_n();
+    c.penalty_prompt.assign(p.penalty_prompt_tokens().begin(), p.penalty_prompt_tokens().end());
     return c;
 }
 

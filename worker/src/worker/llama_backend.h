@@ -49,6 +49,7 @@ public:
     std::string detokenize(const std::vector<int32_t> & tokens, bool remove_special,
                            bool unparse_special) override;
     bool is_eog(int32_t token) const override;
+    const llama_vocab * vocab() const override { return vocab_; }
     std::string chat_template() const override;  // chat_template.cpp
 
     // bytes one KV cell takes (K + V, f16, every owned layer): sizes --kv-budget-mb

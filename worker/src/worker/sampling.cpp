@@ -14,26 +14,84 @@ double SamplingRng::uniform() {
     return (double) (z >> 11) * (1.0 / 9007199254740992.0);
 }
 
-SampleResult sample_logits(const float * logits, int32_t n_vocab, const SamplingConfig & c, SamplingRng & rng) {
-    SampleResult r;
-    // the token is chosen from `sel`: the raw logits, or a copy with logit_bias added
-    const float * raw = logits;
-    std::vector<float> biased;
-    if (!c.logit_bias.empty()) {
-        biased.assign(logits, logits + n_vocab);
-        for (const auto & [id, b] : c.logit_bias) {
-            if (id >= 0 && id < n_vocab) biased[id] += b;  // (checked at intake; kept safe here)
-        }
+void TokenWindow::reset(uint32_t n, const std::vector<int32_t> & oldest_first) {
+    n_ = n;
+    q_.clear();
+    counts_.clear();
+    for (int32_t t : oldest_first) push(t);
+}
+
+void TokenWindow::push(int32_t token) {
+    if (n_ == 0) return;
+    q_.push_back(token);
+    counts_[token]++;
+    while (q_.size() > n_) {
+        auto it = counts_.find(q_.front());
+        if (--it->second == 0) counts_.erase(it);
+        q_.pop_front();
     }
-    const float * sel = biased.empty() ? logits : biased.data();
+}
+
+void SamplerState::reset(const SamplingConfig & c, std::unique_ptr<TokenConstraint> constraint_for_c) {
+    recent.reset(c.penalties() ? c.penalty_last_n : 0, c.penalty_prompt);
+    constraint = std::move(constraint_for_c);
+}
+
+void apply_penalties(float * sel, int32_t n_vocab, const SamplingConfig & c,
+                     const std::unordered_map<int32_t, int> & counts) {
+    // as llama.cpp's llama_sampler_penalties (src/llama-sampler.cpp), on every token counted
+    for (const auto & [id, count] : counts) {
+        if (id < 0 || id >= n_vocab || count <= 0) continue;
+        float & l = sel[id];
+        if (l <= 0) {
+            l *= c.repeat_penalty;
+        } else {
+            l /= c.repeat_penalty;
+        }
+        l -= float(count) * c.frequency_penalty + float(count > 0) * c.presence_penalty;
+    }
+}
+
+SampleResult sample_logits(const float * logits, int32_t n_vocab, const SamplingConfig & c, SamplingRng & rng,
+                           SamplerState * state) {
+    SampleResult r;
+    const bool penalize = state && c.penalties() && state->recent.size() > 0;
+    TokenConstraint * constraint = state ? state->constraint.get() : nullptr;
+    // the token is chosen from `sel`: the raw logits, or a copy with logit_bias added, the
+    // penalties applied and the constraint's mask set
+    const float * raw = logits;
+    std::vector<float> local;
+    std::vector<float> & buf = state ? state->scratch : local;
+    const float * sel = logits;
+    if (!c.logit_bias.empty() || penalize || constraint) {
+        buf.assign(logits, logits + n_vocab);
+        for (const auto & [id, b] : c.logit_bias) {
+            if (id >= 0 && id < n_vocab) buf[id] += b;  // (checked at intake; kept safe here)
+        }
+        if (penalize) apply_penalties(buf.data(), n_vocab, c, state->recent.counts());
+        if (constraint) constraint->mask(buf.data(), n_vocab);
+        sel = buf.data();
+    }
+    auto chosen = [&](SampleResult & res) -> SampleResult & {
+        if (!state) return res;
+        if (constraint && !res.constraint_ended) constraint->accept(res.token);
+        state->recent.push(res.token);
+        return res;
+    };
     float mx = -INFINITY;
     int32_t arg = 0;
+    bool any = false;
     for (int32_t v = 0; v < n_vocab; ++v) {
-        if (sel[v] > mx) { mx = sel[v]; arg = v; }
+        if (sel[v] > mx) { mx = sel[v]; arg = v; any = true; }
     }
-    if (!c.stochastic && c.top_logprobs == 0) {
+    if (constraint && !any) {
+        // nothing is allowed (a grammar this vocabulary cannot complete): the answer ends here
+        r.token = constraint->end_token();
+        r.constraint_ended = true;
+    }
+    if (!r.constraint_ended && !c.stochastic && c.top_logprobs == 0) {
         r.token = arg;  // plain greedy: no softmax needed (logprob is only reported with top_logprobs)
-        return r;
+        return chosen(r);
     }
     // log-softmax of the raw logits (for logprobs)
     float raw_mx = -INFINITY;
@@ -42,7 +100,9 @@ SampleResult sample_logits(const float * logits, int32_t n_vocab, const Sampling
     for (int32_t v = 0; v < n_vocab; ++v) z += std::exp((double) raw[v] - raw_mx);
     const double lse = raw_mx + std::log(z);
 
-    if (!c.stochastic) {
+    if (r.constraint_ended) {
+        // (token set above)
+    } else if (!c.stochastic) {
         r.token = arg;
     } else {
         std::vector<int32_t> idx(n_vocab);
@@ -53,6 +113,8 @@ SampleResult sample_logits(const float * logits, int32_t n_vocab, const Sampling
         if (c.top_k > 0 && c.top_k < keep) keep = c.top_k;
         std::partial_sort(idx.begin(), idx.begin() + keep, idx.end(), better);
         idx.resize(keep);
+        // a token masked out (-inf) is never drawn, not even by rounding at the end of the draw
+        while (keep > 1 && !(sel[idx[keep - 1]] > -INFINITY)) --keep;
         std::vector<double> p(keep);
         double s = 0.0;
         for (size_t i = 0; i < keep; ++i) { p[i] = std::exp((double) sel[idx[i]] - mx); s += p[i]; }
@@ -93,7 +155,7 @@ SampleResult sample_logits(const float * logits, int32_t n_vocab, const Sampling
         });
         for (size_t i = 0; i < k; ++i) r.top.emplace_back(idx[i], (float) (logits[idx[i]] - lse));
     }
-    return r;
+    return chosen(r);
 }
 
 }  // namespace dgr::worker

@@ -113,6 +113,7 @@ struct Session {
     std::vector<std::string> step_digests;
     SamplingConfig      sampling;
     SamplingRng         rng;
+    SamplerState        sampler;  // penalties' window, grammar (tail)
     std::shared_ptr<StreamSink> sink;
     Clock::time_point   last_used;
     StepState step = StepState::idle;  // move_step() only

@@ -348,7 +348,7 @@ class FrameHeader(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., compatibility_fingerprint: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., effective_start: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Union[PositionRange, _Mapping]] = ..., step: _Optional[int] = ..., cache_expectation: _Optional[_Union[CacheExpectation, _Mapping]] = ..., compression: _Optional[_Union[Compression, str]] = ..., payload_checksum: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("mode", "temperature", "top_k", "top_p", "min_p", "seed", "top_logprobs", "ignore_eog", "stop_token_ids", "logit_bias")
+    __slots__ = ("mode", "temperature", "top_k", "top_p", "min_p", "seed", "top_logprobs", "ignore_eog", "stop_token_ids", "logit_bias", "repeat_penalty", "frequency_penalty", "presence_penalty", "penalty_last_n", "penalty_prompt_tokens", "grammar", "json_schema")
     MODE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +359,13 @@ class SamplingParams(_message.Message):
     IGNORE_EOG_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     mode: SamplingMode
     temperature: float
     top_k: int
@@ -369,7 +376,14 @@ class SamplingParams(_message.Message):
     ignore_eog: bool
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias: _containers.RepeatedCompositeFieldContainer[TokenBias]
-    def __init__(self, mode: _Optional[_Union[SamplingMode, str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., ignore_eog: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Iterable[_Union[TokenBias, _Mapping]]] = ...) -> None: ...
+    repeat_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    penalty_last_n: int
+    penalty_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    grammar: str
+    json_schema: str
+    def __init__(self, mode: _Optional[_Union[SamplingMode, str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., ignore_eog: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Iterable[_Union[TokenBias, _Mapping]]] = ..., repeat_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., penalty_prompt_tokens: _Optional[_Iterable[int]] = ..., grammar: _Optional[str] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
 class TokenBias(_message.Message):
     __slots__ = ("token_id", "bias")
@@ -516,7 +530,7 @@ class TailOutput(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
 
 class ShardError(_message.Message):
-    __slots__ = ("reason", "grpc_code", "message", "session_terminated", "current_epoch", "cached_positions", "last_step", "limit", "failed_endpoint", "failed_start", "failed_end")
+    __slots__ = ("reason", "grpc_code", "message", "session_terminated", "current_epoch", "cached_positions", "last_step", "limit", "failed_endpoint", "failed_start", "failed_end", "field")
     REASON_FIELD_NUMBER: _ClassVar[int]
     GRPC_CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -528,6 +542,7 @@ class ShardError(_message.Message):
     FAILED_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     FAILED_START_FIELD_NUMBER: _ClassVar[int]
     FAILED_END_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
     reason: ErrorReason
     grpc_code: int
     message: str
@@ -539,7 +554,8 @@ class ShardError(_message.Message):
     failed_endpoint: str
     failed_start: int
     failed_end: int
-    def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., grpc_code: _Optional[int] = ..., message: _Optional[str] = ..., session_terminated: _Optional[bool] = ..., current_epoch: _Optional[int] = ..., cached_positions: _Optional[int] = ..., last_step: _Optional[int] = ..., limit: _Optional[int] = ..., failed_endpoint: _Optional[str] = ..., failed_start: _Optional[int] = ..., failed_end: _Optional[int] = ...) -> None: ...
+    field: str
+    def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., grpc_code: _Optional[int] = ..., message: _Optional[str] = ..., session_terminated: _Optional[bool] = ..., current_epoch: _Optional[int] = ..., cached_positions: _Optional[int] = ..., last_step: _Optional[int] = ..., limit: _Optional[int] = ..., failed_endpoint: _Optional[str] = ..., failed_start: _Optional[int] = ..., failed_end: _Optional[int] = ..., field: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("header", "boundary", "tail", "error")
