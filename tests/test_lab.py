@@ -43,7 +43,7 @@ def lab_build(tmp_path, monkeypatch):
 def leftovers(name: str) -> list[str]:
     out = [n for n in sx.netns_list() if n.startswith(f"{sx.NETNS_PREFIX}{name}-")]
     out += [n for n in sx.links_with_prefix(f"{sx.LINK_PREFIX}{name}")]
-    for root in (sx.CGROUP_ROOT / "cpuset", sx.CGROUP_ROOT / "memory", sx.CGROUP_ROOT):
+    for root in (sx.CGROUP_ROOT / "cpuset", sx.CGROUP_ROOT / "memory", sx.CGROUP_ROOT / "cpu", sx.CGROUP_ROOT):
         out += [str(p) for p in root.glob(f"{sx.CGROUP_PREFIX}{name}-*")]
     return out
 
@@ -66,6 +66,32 @@ def test_config_validation():
             bad.validate()
     LabConfig(hosts=2, cpus=["0,2-3", "1"], rtt_ms=60_000, rate_mbit=100_000, threads=256,
               subnet="198.19.7.0/24").validate()
+
+
+def test_unequal_hosts_config():
+    from dgr.lab.config import per_host
+
+    assert per_host("2", "--threads", int) == (2, None)
+    assert per_host("2;1;-", "--memory-mb", int) == (None, [2, 1, None])
+    assert per_host(None, "--cpu-quota", float) == (None, None)
+    assert per_host("1; 0.4", "--cpu-quota", float) == (None, [1.0, 0.4])
+    for text in ("x", "1;y", "-"):
+        with pytest.raises(DgrError):
+            per_host(text, "--threads", int)
+    for bad in (LabConfig(hosts=2, threads_per_host=[1]), LabConfig(hosts=2, threads_per_host=[1, 0]),
+                LabConfig(hosts=2, memory_mb_per_host=[64, 8]), LabConfig(hosts=2, cpu_quota=[1.0]),
+                LabConfig(hosts=2, cpu_quota=[1.0, 0.001]), LabConfig(hosts=2, cpu_quota=[1.0, float("nan")]),
+                LabConfig(hosts=2, cpu_quota=[1.0, float("inf")])):
+        with pytest.raises(DgrError):
+            bad.validate()
+    cfg = LabConfig(hosts=3, threads=2, memory_mb=512, threads_per_host=[2, 1, 1], memory_mb_per_host=[900, None, 300],
+                    cpu_quota=[None, 0.5, 0.25])
+    cfg.validate()
+    assert [cfg.host_threads(i, "0") for i in range(3)] == [2, 1, 1]
+    assert [cfg.host_memory_mb(i) for i in range(3)] == [900, None, 300]
+    assert [cfg.host_cpu_quota(i) for i in range(3)] == [None, 0.5, 0.25]
+    plain = LabConfig(hosts=2, memory_mb=256)
+    assert plain.host_threads(1, "0,1") == 2 and plain.host_memory_mb(1) == 256 and plain.host_cpu_quota(0) is None
 
 
 def test_cpus_checked_before_anything_exists():
@@ -223,6 +249,47 @@ def test_up_confines_shapes_and_down_leaves_nothing(lab_build):
     assert not (lab_build / "pt1.json").exists() and not (lab_build / "pt1").exists()
 
 
+def test_unequal_hosts_get_their_own_quota_threads_and_memory(lab_build):
+    """A fast and a slow host on one machine: h2's CPU time is capped (cgroup cpu quota), and a
+    busy loop there is held back by it (the kernel's throttled time grows; h1's does not exist)."""
+    cfg = LabConfig(hosts=2, name="pt7", cpus=["0", "0"], threads_per_host=[2, 1], memory_mb_per_host=[256, 128],
+                    cpu_quota=[None, 0.2])
+    if not sx.cpu_quota_available(sx.cgroup_mode()):
+        with pytest.raises(DgrError, match="cpu controller"):
+            Lab.up(cfg)
+        assert leftovers("pt7") == []
+        pytest.skip(f"no cgroup cpu controller here ({sx.cgroup_mode()}): the refusal is what was checked")
+    lab = Lab.up(cfg)
+    try:
+        h1, h2 = lab.hosts
+        assert (h1.threads, h2.threads) == (2, 1) and (h1.memory_mb, h2.memory_mb) == (256, 128)
+        assert (h1.cpu_quota, h2.cpu_quota) == (None, 0.2)
+        def quota_us(cg: str) -> tuple[int, int] | None:
+            p = Path(cg)
+            if (p / "cpu.max").exists():
+                q, period = (p / "cpu.max").read_text().split()
+                return None if q == "max" else (int(q), int(period))
+            if (p / "cpu.cfs_quota_us").exists():
+                q = int((p / "cpu.cfs_quota_us").read_text())
+                return None if q < 0 else (q, int((p / "cpu.cfs_period_us").read_text()))
+            return None
+        capped = [cg for cg in h2.cgroups if quota_us(cg)]
+        assert [quota_us(cg) for cg in capped] == [(20000, 100000)]
+        assert not any(quota_us(cg) for cg in h1.cgroups)
+        cg = capped[0]
+        before = sx.cpu_throttled_us(cg)
+        assert before is not None
+        # half a second of CPU work (bounded: 2 s at most) where only 20 ms per 100 ms may run
+        r = lab.run("h2", [sys.executable, "-c", "import time\nt=time.process_time()\ne=time.monotonic()+2\n"
+                                                 "while time.process_time()-t<0.5 and time.monotonic()<e: pass"])
+        assert r.returncode == 0
+        assert sx.cpu_throttled_us(cg) > before, "the quota held the busy loop back"
+        assert lab.status()["hosts"][1]["cpu_quota"] == 0.2
+    finally:
+        res = lab.down()
+    assert res["left"] == [] and leftovers("pt7") == []
+
+
 @pytest.mark.lab
 def test_failed_up_rolls_back(lab_build):
     with pytest.raises(DgrError, match="not available"):
@@ -323,3 +390,14 @@ def test_cli_ca_for_physical_machines(tmp_path):
     assert (tmp_path / "pki" / "client.pem").is_file() and (tmp_path / "pki" / "ca.pem").is_file()
     r = CliRunner().invoke(app, ["lab", "ca", "--host", "a", "--out", str(tmp_path / "x")])
     assert r.exit_code != 0 and "NAME=IP" in str(r.exception)
+
+
+def test_cli_per_host_values_are_checked_before_anything_exists(tmp_path):
+    env = {**os.environ, "DGR_BUILD_DIR": str(tmp_path / "build")}
+    for args, words in ((["--threads", "1;x"], "not a number"), (["--threads", "1;-"], "needs a thread count"),
+                        (["--cpu-quota", "0"], "--cpu-quota must be"), (["--hosts", "3", "--memory-mb", "64;64"],
+                                                                 "2 values for 3 hosts")):
+        r = subprocess.run([sys.executable, "-m", "dgr.main", "lab", "up", "--name", "pt8", *args], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert not (tmp_path / "build" / "lab" / "pt8.json").exists()

@@ -25,8 +25,9 @@ def up(
     name: str = typer.Option("lab", "--name", help=NAME_HELP),
     cores_per_host: int = typer.Option(1, "--cores-per-host", min=1, help="CPUs per host, handed out round robin."),
     cpus: Optional[str] = typer.Option(None, "--cpus", help="Explicit CPU sets, one per host, ';'-separated (e.g. '0;1')."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads per host (default: its CPU count)."),
-    memory_mb: Optional[int] = typer.Option(None, "--memory-mb", min=1, help="Memory limit per host in MiB (cgroup; workers get it as their budget)."),
+    threads: Optional[str] = typer.Option(None, "--threads", help="Compute threads per host (default: its CPU count); one value for all, or one per host ';'-separated (e.g. '2;1')."),
+    memory_mb: Optional[str] = typer.Option(None, "--memory-mb", help="Memory limit per host in MiB (cgroup; workers get it as their budget); one value for all, or one per host ';'-separated, '-' for none."),
+    cpu_quota: Optional[str] = typer.Option(None, "--cpu-quota", help="CPU time per host in cores (cgroup cpu quota, e.g. 0.5: half a core; a fast and a slow host: '1;0.4'); one value for all, or one per host ';'-separated, '-' for none."),
     rate_mbit: Optional[float] = typer.Option(None, "--rate-mbit", min=0.001, help="Link rate per host, Mbit/s (tc tbf, both directions)."),
     rtt_ms: float = typer.Option(0.0, "--rtt-ms", min=0.0, help="Round trip added on every connection into a host."),
     jitter_ms: float = typer.Option(0.0, "--jitter-ms", min=0.0, help="Round-trip jitter (uniform, order kept)."),
@@ -36,12 +37,20 @@ def up(
     as_json: bool = typer.Option(False, "--json", help="Print the lab state as JSON."),
 ) -> None:
     """Create simulated hosts; they stay up until `dgr lab down` (Ctrl-C during creation rolls back)."""
+    from ..lab.config import per_host
     from ..lab.hosts import Lab, LabConfig
 
+    threads_all, threads_each = per_host(threads, "--threads", int)
+    memory_all, memory_each = per_host(memory_mb, "--memory-mb", int)
+    quota_all, quota_each = per_host(cpu_quota, "--cpu-quota", float)
+    if threads_each is not None and None in threads_each:
+        raise DgrError("--threads: every host needs a thread count ('-' is not one)")
     cfg = LabConfig(hosts=hosts, name=name, cores_per_host=cores_per_host,
-                    cpus=[c.strip() for c in cpus.split(";")] if cpus else None, threads=threads,
-                    memory_mb=memory_mb, rate_mbit=rate_mbit, rtt_ms=rtt_ms, jitter_ms=jitter_ms, loss=loss,
-                    shaper=shaper, subnet=subnet)
+                    cpus=[c.strip() for c in cpus.split(";")] if cpus else None, threads=threads_all,
+                    memory_mb=memory_all, rate_mbit=rate_mbit, rtt_ms=rtt_ms, jitter_ms=jitter_ms, loss=loss,
+                    shaper=shaper, subnet=subnet, threads_per_host=threads_each, memory_mb_per_host=memory_each,
+                    cpu_quota=quota_each if quota_each is not None else
+                    (None if quota_all is None else [quota_all] * hosts))
     lab = Lab.up(cfg)
     if as_json:
         typer.echo(json.dumps(lab.status(), indent=2))

@@ -22,6 +22,7 @@ MAX_THREADS = 256
 MAX_MEMORY_MB = 16 << 20          # 16 TiB
 MAX_RATE_MBIT = 100_000.0         # 100 Gbit/s
 MAX_DELAY_MS = 60_000.0           # a minute of round trip or jitter
+MIN_CPU_QUOTA = 0.01              # cores: 1 ms of CPU time per 100 ms period
 
 
 def lab_dir() -> Path:
@@ -44,6 +45,23 @@ class LabConfig:
     loss: float = 0.0                      # probability per chunk (proxy) / per packet (netem)
     shaper: str = "auto"                   # auto | netem | proxy
     subnet: str | None = None              # a /24 inside 198.18.0.0/15 (default: derived from name)
+    # unequal hosts: per host (one entry each), overriding `threads` / `memory_mb` for that host;
+    # cpu_quota: the CPU time a host may use, in cores (cgroup cpu quota; None: its CPUs' all)
+    threads_per_host: list[int] | None = None
+    memory_mb_per_host: list[int | None] | None = None
+    cpu_quota: list[float | None] | None = None
+
+    def host_threads(self, i: int, cpus: str) -> int:
+        """Compute threads of host i (0-based): its own, else `threads`, else its CPU count."""
+        if self.threads_per_host is not None:
+            return self.threads_per_host[i]
+        return self.threads or len(parse_cpus(cpus))
+
+    def host_memory_mb(self, i: int) -> int | None:
+        return self.memory_mb_per_host[i] if self.memory_mb_per_host is not None else self.memory_mb
+
+    def host_cpu_quota(self, i: int) -> float | None:
+        return self.cpu_quota[i] if self.cpu_quota is not None else None
 
     def validate(self) -> None:
         if not NAME_RE.match(self.name):
@@ -60,6 +78,20 @@ class LabConfig:
             raise DgrError(f"--threads must be 1..{MAX_THREADS}, got {self.threads}")
         if self.memory_mb is not None and not 16 <= self.memory_mb <= MAX_MEMORY_MB:
             raise DgrError(f"--memory-mb must be 16..{MAX_MEMORY_MB}, got {self.memory_mb}")
+        for flag, values in (("--threads", self.threads_per_host), ("--memory-mb", self.memory_mb_per_host),
+                             ("--cpu-quota", self.cpu_quota)):
+            if values is not None and len(values) != self.hosts:
+                raise DgrError(f"{flag} names {len(values)} values for {self.hosts} hosts (one per host, "
+                               "separated by ';')")
+        for t in self.threads_per_host or []:
+            if not 1 <= t <= MAX_THREADS:
+                raise DgrError(f"--threads must be 1..{MAX_THREADS} per host, got {t}")
+        for m in self.memory_mb_per_host or []:
+            if m is not None and not 16 <= m <= MAX_MEMORY_MB:
+                raise DgrError(f"--memory-mb must be 16..{MAX_MEMORY_MB} per host, got {m}")
+        for q in self.cpu_quota or []:
+            if q is not None and not (math.isfinite(q) and MIN_CPU_QUOTA <= q <= MAX_THREADS):
+                raise DgrError(f"--cpu-quota must be {MIN_CPU_QUOTA:g}..{MAX_THREADS} cores per host, got {q}")
         if self.rate_mbit is not None and not (math.isfinite(self.rate_mbit) and 0 < self.rate_mbit <= MAX_RATE_MBIT):
             raise DgrError(f"--rate-mbit must be > 0 and at most {MAX_RATE_MBIT:g}, got {self.rate_mbit}")
         for flag, v in (("--rtt-ms", self.rtt_ms), ("--jitter-ms", self.jitter_ms)):
@@ -89,6 +121,7 @@ class Host:
     memory_mb: int | None
     cgroups: list[str] = field(default_factory=list)
     shares_cpus_with: list[str] = field(default_factory=list)
+    cpu_quota: float | None = None     # cores of CPU time (cgroup cpu quota); None: its CPUs' all
 
     @property
     def worker_budget_mb(self) -> int | None:
@@ -98,6 +131,27 @@ class Host:
 
 
 CPU_LIST_RE = re.compile(r"^\d{1,4}(-\d{1,4})?(,\d{1,4}(-\d{1,4})?)*$")
+
+
+def per_host(text: str | None, flag: str, conv):
+    """A knob given once for every host ("2") or once per host ("2;1;1"; "-" leaves a host
+    without it) -> (the value for all, or None; the per-host list, or None)."""
+    if text is None or not text.strip():
+        return None, None
+    def one(part: str):
+        part = part.strip()
+        if part == "-":
+            return None
+        try:
+            return conv(part)
+        except ValueError:
+            raise DgrError(f"{flag}: {part!r} is not a number") from None
+    if ";" not in text:
+        v = one(text)
+        if v is None:
+            raise DgrError(f"{flag}: '-' (none) only stands for one host of several")
+        return v, None
+    return None, [one(p) for p in text.split(";")]
 
 
 def parse_cpus(text: str) -> list[int]:

@@ -150,6 +150,10 @@ class Lab:
         st["subnet"], st["gateway"] = str(net), str(hosts_ip[0])
         allowed = sorted(os.sched_getaffinity(0))
         mode = sx.cgroup_mode()
+        if any(q is not None for q in cfg.cpu_quota or []) and not sx.cpu_quota_available(mode):
+            raise DgrError("--cpu-quota needs the cgroup cpu controller (v1: the cpu hierarchy with CFS bandwidth; "
+                           f"v2: cpu enabled in {sx.CGROUP_ROOT}/cgroup.subtree_control); cgroups here: {mode}",
+                           hint="give the hosts fewer CPUs or threads instead (--cpus, --threads)")
         netem = sx.netem_available()
         if cfg.shaper == "netem" and not netem:
             raise DgrError("--shaper netem: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM)",
@@ -185,7 +189,12 @@ class Lab:
             else:
                 k = cfg.cores_per_host
                 cpus = ",".join(str(allowed[((i - 1) * k + j) % len(allowed)]) for j in range(k))
-            threads = cfg.threads or len(parse_cpus(cpus))
+            threads = cfg.host_threads(i - 1, cpus)
+            memory_mb = cfg.host_memory_mb(i - 1)
+            quota = cfg.host_cpu_quota(i - 1)
+            if quota is not None and quota > len(parse_cpus(cpus)):
+                raise DgrError(f"--cpu-quota {quota:g} cores for {name}, which has {len(parse_cpus(cpus))} CPU(s) "
+                               f"({cpus}): a quota caps CPU time within the host's CPUs")
             sx.run(["ip", "netns", "add", ns])
             self._created("netns", ns)
             sx.run(["ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p"])
@@ -199,16 +208,17 @@ class Lab:
             sx.run(["ip", "-n", ns, "link", "set", "lo", "up"])
             self._shape(ns, veth, cfg, mech)
             cg_name = f"{sx.CGROUP_PREFIX}{cfg.name}-{name}"
-            cgs = sx.make_cgroups(cg_name, cpus, cfg.memory_mb, mode)
+            cgs = sx.make_cgroups(cg_name, cpus, memory_mb, mode, cpu_quota=quota)
             for cg in cgs:
                 self._created("cgroup", cg)
             shares = [other for other, c in used.items() if set(parse_cpus(c)) & set(parse_cpus(cpus))]
             used[name] = cpus
-            h = Host(name, ns, veth, ip, cpus, threads, cfg.memory_mb, cgs, shares)
+            h = Host(name, ns, veth, ip, cpus, threads, memory_mb, cgs, shares, cpu_quota=quota)
             st["hosts"].append(asdict(h))
             self._save()
             _log.info(f"  {name}: netns {ns}, {ip}, CPUs {cpus}{' (shared with ' + ','.join(shares) + ')' if shares else ''}, "
-                f"{threads} thread(s)" + (f", memory {cfg.memory_mb} MiB" if cfg.memory_mb else ""))
+                f"{threads} thread(s)" + (f", memory {memory_mb} MiB" if memory_mb else "")
+                + (f", CPU time {quota:g} core(s)" if quota is not None else ""))
         from .pki import make_pki
 
         pki = make_pki(self.dir / "pki", {h["name"]: [h["ip"]] for h in st["hosts"]})

@@ -199,6 +199,7 @@ class LabRoute:
         """Per shard: host, CPUs, threads, budget, pid, addresses and the exact worker command."""
         return [{"range": f"{p.range[0]}:{p.range[1]}", "host": p.host.name, "netns": p.host.netns, "ip": p.host.ip,
                  "cpus": p.host.cpus, "threads": p.host.threads, "memory_mb": p.host.memory_mb,
+                 "cpu_quota": p.host.cpu_quota,
                  "worker_budget_mb": p.host.worker_budget_mb if self.memory_budget else None,
                  "pid": p.worker.pid, "direct": p.direct, "endpoint": p.endpoint, "relay": p.relay,
                  "file": str(self.files[i]) if self.files else None,

@@ -23,7 +23,7 @@ def stray_objects() -> dict[str, list[str]]:
     ns = [n for n in sx.netns_list() if n.startswith(sx.NETNS_PREFIX) and n not in known_ns]
     links = [n for n in sx.links_with_prefix() if n not in known_links and not n.endswith("p")]
     cgs = []
-    for root in (sx.CGROUP_ROOT / "cpuset", sx.CGROUP_ROOT / "memory", sx.CGROUP_ROOT):
+    for root in (sx.CGROUP_ROOT / "cpuset", sx.CGROUP_ROOT / "memory", sx.CGROUP_ROOT / "cpu", sx.CGROUP_ROOT):
         if root.is_dir():
             cgs += [str(p) for p in root.glob(f"{sx.CGROUP_PREFIX}*") if p.is_dir() and str(p) not in known_cg]
     return {"netns": ns, "links": links, "cgroups": cgs}

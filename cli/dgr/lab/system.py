@@ -110,9 +110,26 @@ def cgroup_mode() -> str:
     return "none"
 
 
-def make_cgroups(name: str, cpus: str, memory_mb: int | None, mode: str) -> list[str]:
-    """Creates the host's cgroup(s); returns their directories (for the tasks files and teardown)."""
+CPU_PERIOD_US = 100_000   # the quota's period: 100 ms, the kernel's default
+
+
+def cpu_quota_available(mode: str) -> bool:
+    """Whether a host's CPU time can be capped: the cgroup cpu controller (v1: its hierarchy
+    with CFS bandwidth files; v2: enabled for children of the unified root)."""
+    if mode == "v1":
+        return (CGROUP_ROOT / "cpu" / "cpu.cfs_quota_us").is_file()
+    if mode == "v2":
+        ctl = CGROUP_ROOT / "cgroup.subtree_control"
+        return ctl.is_file() and "cpu" in ctl.read_text().split()
+    return False
+
+
+def make_cgroups(name: str, cpus: str, memory_mb: int | None, mode: str,
+                 cpu_quota: float | None = None) -> list[str]:
+    """Creates the host's cgroup(s); returns their directories (for the tasks files and teardown).
+    ``cpu_quota``: cores of CPU time per period (cpu_quota_available(mode) must hold)."""
     assert name.startswith(CGROUP_PREFIX)
+    quota_us = None if cpu_quota is None else max(1000, int(round(cpu_quota * CPU_PERIOD_US)))
     if mode == "v1":
         cs = CGROUP_ROOT / "cpuset" / name
         cs.mkdir(exist_ok=True)
@@ -123,15 +140,42 @@ def make_cgroups(name: str, cpus: str, memory_mb: int | None, mode: str) -> list
         mem.mkdir(exist_ok=True)
         if memory_mb:
             (mem / "memory.limit_in_bytes").write_text(str(memory_mb << 20))
-        return [str(cs), str(mem)]
+        out = [str(cs), str(mem)]
+        if quota_us is not None:
+            cpu = CGROUP_ROOT / "cpu" / name
+            cpu.mkdir(exist_ok=True)
+            try:
+                (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                (cpu / "cpu.cfs_quota_us").write_text(str(quota_us))
+            except OSError:
+                remove_cgroup(str(cpu))
+                raise
+            out.append(str(cpu))
+        return out
     if mode == "v2":
         d = CGROUP_ROOT / name
         d.mkdir(exist_ok=True)
         (d / "cpuset.cpus").write_text(cpus)
         if memory_mb:
             (d / "memory.max").write_text(str(memory_mb << 20))
+        if quota_us is not None:
+            (d / "cpu.max").write_text(f"{quota_us} {CPU_PERIOD_US}")
         return [str(d)]
     return []
+
+
+def cpu_throttled_us(cg: str) -> int | None:
+    """CPU time a host's cgroup was held back by its quota so far, in µs (cpu.stat; None: not a
+    cpu cgroup)."""
+    try:
+        stat = dict(line.split() for line in (Path(cg) / "cpu.stat").read_text().splitlines() if line.strip())
+    except (OSError, ValueError):
+        return None
+    if "throttled_usec" in stat:
+        return int(stat["throttled_usec"])
+    if "throttled_time" in stat:           # v1: nanoseconds
+        return int(stat["throttled_time"]) // 1000
+    return None
 
 
 def tasks_file(cg: str) -> str:
