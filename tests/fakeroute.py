@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from dgr.route.supervisor import WorkerArgs, WorkerProcess
 
@@ -38,6 +40,21 @@ def run_alone(client, prompt, n=N_GEN, sampling=None):
 
 def start_fake(native_bin: Path, *args: str) -> WorkerProcess:
     return WorkerProcess.start(WorkerArgs(fake_model=True, extra=args), binary=native_bin / "dgr-worker")
+
+
+@contextmanager
+def fake_split_gateway(native_bin: Path, **gateway_kw) -> Iterator:
+    """`dgr serve`'s Gateway over a 2-shard fake route (layers 0:4 | 4:8); the workers are
+    killed on exit."""
+    from dgr.serve.server import Gateway
+
+    ws = [start_fake(native_bin, "--layers", r) for r in ("0:4", "4:8")]
+    try:
+        with Gateway([w.target for w in ws], **gateway_kw) as g:
+            yield g
+    finally:
+        for w in ws:
+            w.kill()
 
 
 def start_fake_routes(native_bin: Path) -> dict[str, WorkerProcess]:

@@ -15,8 +15,7 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from dgr.serve.server import Gateway  # noqa: E402
-from fakeroute import start_fake  # noqa: E402
+from fakeroute import fake_split_gateway  # noqa: E402
 
 pytestmark = pytest.mark.native
 
@@ -27,13 +26,8 @@ MSG = [{"role": "user", "content": "tell me about logprobs"}]
 
 @pytest.fixture(scope="module")
 def gw(native_bin):
-    ws = [start_fake(native_bin, "--layers", r) for r in ("0:4", "4:8")]
-    try:
-        with Gateway([w.target for w in ws], model_id=MODEL, api_key=KEY) as g:
-            yield g
-    finally:
-        for w in ws:
-            w.kill()
+    with fake_split_gateway(native_bin, model_id=MODEL, api_key=KEY) as g:
+        yield g
 
 
 def _client(gw):
