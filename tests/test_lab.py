@@ -79,6 +79,7 @@ def test_unequal_hosts_config():
         with pytest.raises(DgrError):
             per_host(text, "--threads", int)
     for bad in (LabConfig(hosts=2, threads_per_host=[1]), LabConfig(hosts=2, threads_per_host=[1, 0]),
+                LabConfig(hosts=2, threads_per_host=[1, None]),
                 LabConfig(hosts=2, memory_mb_per_host=[64, 8]), LabConfig(hosts=2, cpu_quota=[1.0]),
                 LabConfig(hosts=2, cpu_quota=[1.0, 0.001]), LabConfig(hosts=2, cpu_quota=[1.0, float("nan")]),
                 LabConfig(hosts=2, cpu_quota=[1.0, float("inf")])):

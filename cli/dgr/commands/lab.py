@@ -43,8 +43,6 @@ def up(
     threads_all, threads_each = per_host(threads, "--threads", int)
     memory_all, memory_each = per_host(memory_mb, "--memory-mb", int)
     quota_all, quota_each = per_host(cpu_quota, "--cpu-quota", float)
-    if threads_each is not None and None in threads_each:
-        raise DgrError("--threads: every host needs a thread count ('-' is not one)")
     cfg = LabConfig(hosts=hosts, name=name, cores_per_host=cores_per_host,
                     cpus=[c.strip() for c in cpus.split(";")] if cpus else None, threads=threads_all,
                     memory_mb=memory_all, rate_mbit=rate_mbit, rtt_ms=rtt_ms, jitter_ms=jitter_ms, loss=loss,

@@ -84,6 +84,8 @@ class LabConfig:
                 raise DgrError(f"{flag} names {len(values)} values for {self.hosts} hosts (one per host, "
                                "separated by ';')")
         for t in self.threads_per_host or []:
+            if t is None:
+                raise DgrError("--threads: every host needs a thread count ('-' is not one)")
             if not 1 <= t <= MAX_THREADS:
                 raise DgrError(f"--threads must be 1..{MAX_THREADS} per host, got {t}")
         for m in self.memory_mb_per_host or []:
