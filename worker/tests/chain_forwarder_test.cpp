@@ -160,10 +160,5 @@ int main() {
     test_hops();
     test_frames();
     test_blame_and_end_reasons();
-    if (g_failures) {
-        std::fprintf(stderr, "chain_forwarder_test: %d failure(s)\n", g_failures);
-        return 1;
-    }
-    std::printf("chain_forwarder_test: ok\n");
-    return 0;
+    finish_grpc_test("chain_forwarder_test");
 }

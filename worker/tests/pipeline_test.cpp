@@ -314,10 +314,5 @@ int main() {
     test_head_splits_chained_decode_rows_into_groups();
     test_one_group_keeps_the_tokens();
     test_long_prompt_goes_down_the_route_in_pieces();
-    if (g_failures) {
-        std::fprintf(stderr, "pipeline_test: %d failure(s)\n", g_failures);
-        return 1;
-    }
-    std::printf("pipeline_test: ok\n");
-    return 0;
+    finish_grpc_test("pipeline_test");
 }

@@ -590,10 +590,5 @@ int main() {
     test_admission_over_budget();
     test_sessions_are_owned_by_their_stream();
     test_release_of_a_queued_step_returns_its_ticket_once();
-    if (g_failures) {
-        std::fprintf(stderr, "scheduler_test: %d failure(s)\n", g_failures);
-        return 1;
-    }
-    std::printf("scheduler_test: ok\n");
-    return 0;
+    finish_grpc_test("scheduler_test");
 }
