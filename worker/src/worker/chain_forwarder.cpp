@@ -69,8 +69,7 @@ void ChainForwarder::open(Session & s, const pb::StepFrame & sf, DownstreamLink:
     s.chain.rest.assign(sf.downstream().begin() + 1, sf.downstream().end());
     s.chain.stages = 2 + (uint32_t) s.chain.rest.size();
     s.chain.colocated = colocated(sf);
-    s.chain.down = DownstreamLink::open(peers_.stub(peers_.check(hop.endpoint())), hop.endpoint(), std::move(on_reply),
-                                        std::move(on_end));
+    s.chain.down = peers_.open(peers_.check(hop.endpoint()), hop.endpoint(), std::move(on_reply), std::move(on_end));
     move_link(s, ChainLink::linked);
 }
 

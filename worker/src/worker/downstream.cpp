@@ -1,13 +1,37 @@
 #include "worker/downstream.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 
 namespace dgr::worker {
 
+void LinkCount::add(int d) {
+    std::lock_guard<std::mutex> lk(mu_);
+    n_ += d;
+    if (n_ == 0) cv_.notify_all();
+}
+
+bool LinkCount::wait_zero(int ms) {
+    std::unique_lock<std::mutex> lk(mu_);
+    return cv_.wait_for(lk, std::chrono::milliseconds(ms), [this] { return n_ == 0; });
+}
+
 ChainPeers::ChainPeers(ChainOptions o) : opts_(std::move(o)) {
     std::string err;
     if (!allow_.build(opts_.peers, &err)) allow_ = AddressAllowlist();  // fail closed (serve.cpp checked it)
+}
+
+ChainPeers::~ChainPeers() {
+    // links end within the keepalive bound once closed (a closed link's downstream answers the
+    // half-close or is cut as silent); 5 s covers that on a loaded host
+    if (links_->wait_zero(5000)) return;
+    for (auto & [key, stub] : stubs_) (void) stub.release();  // see the class comment
+}
+
+std::shared_ptr<DownstreamLink> ChainPeers::open(const PeerCheck & peer, std::string endpoint,
+                                                 DownstreamLink::OnReply on_reply, DownstreamLink::OnEnd on_end) {
+    return DownstreamLink::open(stub(peer), links_, std::move(endpoint), std::move(on_reply), std::move(on_end));
 }
 
 PeerCheck ChainPeers::check(const std::string & endpoint) const {
@@ -44,9 +68,11 @@ PeerCheck ChainPeers::check(const std::string & endpoint) const {
     return c;
 }
 
-std::shared_ptr<DownstreamLink> DownstreamLink::open(pb::ShardRuntimeService::Stub * stub, std::string endpoint,
+std::shared_ptr<DownstreamLink> DownstreamLink::open(pb::ShardRuntimeService::Stub * stub,
+                                                     std::shared_ptr<LinkCount> count, std::string endpoint,
                                                      OnReply on_reply, OnEnd on_end) {
-    std::shared_ptr<DownstreamLink> l(new DownstreamLink(std::move(endpoint), std::move(on_reply), std::move(on_end)));
+    std::shared_ptr<DownstreamLink> l(
+        new DownstreamLink(std::move(count), std::move(endpoint), std::move(on_reply), std::move(on_end)));
     l->self_ = l;
     stub->async()->Session(&l->ctx_, l.get());
     l->StartRead(&l->resp_);

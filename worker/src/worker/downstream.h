@@ -9,6 +9,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <map>
@@ -42,6 +43,29 @@ struct PeerCheck {
     std::string tls_name;        // host name for TLS verification when dialling an address
 };
 
+// The links of one ChainPeers still alive (see ~ChainPeers). A link holds one count from
+// before its call starts until after its ClientContext, and with it the context's reference to
+// the channel, is gone.
+class LinkCount {
+public:
+    class Hold {
+    public:
+        explicit Hold(std::shared_ptr<LinkCount> c) : c_(std::move(c)) { c_->add(1); }
+        ~Hold() { c_->add(-1); }
+        Hold(const Hold &) = delete;
+        Hold & operator=(const Hold &) = delete;
+    private:
+        std::shared_ptr<LinkCount> c_;
+    };
+    // Waits up to `ms` for every link to be gone; false on time-out.
+    bool wait_zero(int ms);
+private:
+    void add(int d);
+    std::mutex mu_;
+    std::condition_variable cv_;
+    int n_ = 0;
+};
+
 class DownstreamLink : public grpc::ClientBidiReactor<pb::SessionRequest, pb::SessionResponse>,
                        public std::enable_shared_from_this<DownstreamLink> {
 public:
@@ -49,7 +73,8 @@ public:
     using OnEnd = std::function<void(const grpc::Status &)>;
 
     // Starts the stream (connects lazily); callbacks run on gRPC threads.
-    static std::shared_ptr<DownstreamLink> open(pb::ShardRuntimeService::Stub * stub, std::string endpoint,
+    static std::shared_ptr<DownstreamLink> open(pb::ShardRuntimeService::Stub * stub,
+                                                std::shared_ptr<LinkCount> count, std::string endpoint,
                                                 OnReply on_reply, OnEnd on_end);
     // Queues one frame; returns its serialized size.
     size_t send(pb::SessionRequest req);
@@ -65,8 +90,9 @@ public:
     void OnDone(const grpc::Status & s) override;
 
 private:
-    DownstreamLink(std::string endpoint, OnReply r, OnEnd e)
-        : endpoint_(std::move(endpoint)), on_reply_(std::move(r)), on_end_(std::move(e)) {}
+    DownstreamLink(std::shared_ptr<LinkCount> count, std::string endpoint, OnReply r, OnEnd e)
+        : hold_(std::move(count)), endpoint_(std::move(endpoint)), on_reply_(std::move(r)), on_end_(std::move(e)) {}
+    LinkCount::Hold hold_;  // first member: released last, after ctx_
     std::string endpoint_;
     OnReply on_reply_;
     OnEnd on_end_;
@@ -82,16 +108,31 @@ private:
 };
 
 // Channels and stubs per downstream endpoint, shared by sessions.
+//
+// The channels must not be released last on a gRPC callback thread. With gRPC's callback API on
+// a poller without background threads (epoll1), every server and channel shares one
+// process-wide completion queue with its own "nexting" threads. When the last of them goes
+// away there, the queue is shut down and deleted from one of its own threads, which then reads
+// it again (abort in grpc_cq_internal_unref; seen in pipeline_test, which starts and stops
+// workers in one process). A link's ClientContext holds a reference to its channel and is
+// destroyed on such a thread, in OnDone. So the destructor waits for every link opened here to
+// be gone before the stubs, and with them the channels, go; a link still alive after the wait
+// (a downstream that never ends its stream) keeps its channel alive for the rest of the process.
 class ChainPeers {
 public:
     // Builds the allowlist (names resolved once, here; a name that does not resolve admits nothing).
     explicit ChainPeers(ChainOptions o);
+    ~ChainPeers();
     const ChainOptions & options() const { return opts_; }
     // Parses `endpoint` and checks every address it stands for; never resolves a name that is
     // not in the list (no DNS on the scheduler thread), except with "*".
     PeerCheck check(const std::string & endpoint) const;
-    pb::ShardRuntimeService::Stub * stub(const PeerCheck & peer);
+    // Opens a session's stream to an allowed peer (DownstreamLink::open on its channel).
+    std::shared_ptr<DownstreamLink> open(const PeerCheck & peer, std::string endpoint,
+                                         DownstreamLink::OnReply on_reply, DownstreamLink::OnEnd on_end);
 private:
+    pb::ShardRuntimeService::Stub * stub(const PeerCheck & peer);
+    std::shared_ptr<LinkCount> links_ = std::make_shared<LinkCount>();
     ChainOptions opts_;
     AddressAllowlist allow_;
     std::mutex mu_;
