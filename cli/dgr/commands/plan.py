@@ -1,0 +1,88 @@
+"""`dgr plan`: the split of a route over unequal hosts, from their measured capabilities."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def plan(
+    capabilities: Path = typer.Option(..., "--capabilities", "-c", help="The hosts' capabilities (JSON, "
+                                      "schema dgr.capabilities.v1; docs/multi-host.md), in route order: the "
+                                      "first host kept is the head."),
+    model: Optional[str] = typer.Option(None, "--model", help="GGUF file (or any part of a split set), or a "
+                                        "packaged model (default: the embedded SmolLM2-135M Q4_1)."),
+    sessions: int = typer.Option(8, "--sessions", min=1, max=4096, help="Concurrent sessions to plan for."),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", min=1, max=1 << 20, help="Prompt length per session."),
+    ctx: int = typer.Option(2048, "--ctx", min=1, max=1 << 20, help="KV cells per session (memory)."),
+    rtt_ms: Optional[float] = typer.Option(None, "--rtt-ms", min=0.0, max=10000.0,
+                                           help="Round trip between consecutive hosts (default: the file's "
+                                           "link, else 0.5 ms)."),
+    bandwidth_mbit: Optional[float] = typer.Option(None, "--bandwidth-mbit", min=0.001,
+                                                   help="Link bandwidth (default: the file's link, else 1000)."),
+    latency_bound: float = typer.Option(2.0, "--latency-bound", min=1.0, max=1000.0,
+                                        help="A session's time between tokens may be at most this many times "
+                                        "the least any candidate offers for the same load."),
+    compare: Optional[str] = typer.Option(None, "--compare", help="Also predict this split (e.g. 0:15,15:30) "
+                                          "over all the listed hosts, at its best group count; 'even': layers in "
+                                          "equal parts."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+) -> None:
+    """Choose the layer ranges and pipeline groups with the highest predicted aggregate decode,
+    within each host's memory; print the predicted TTFT, decode rates and each stage's busy
+    share, and name any host left out and why. Predictions, not measurements: see
+    docs/multi-host.md for the cost model and its limits."""
+    from ..errors import DgrError
+    from ..gguf.models import resolve_model
+    from ..route.local import parse_split
+    from ..route.planner import Link, Workload, even_ranges, load_capabilities, model_shape, plan_route, predict
+
+    hosts, file_link = load_capabilities(capabilities)
+    link = file_link or Link()
+    link = Link(rtt_s=link.rtt_s if rtt_ms is None else rtt_ms / 1e3,
+                bandwidth_bytes_s=link.bandwidth_bytes_s if bandwidth_mbit is None else bandwidth_mbit * 1e6 / 8)
+    shape = model_shape(resolve_model(model))
+    work = Workload(sessions=sessions, prompt_tokens=prompt_tokens, ctx_per_session=ctx)
+    p = plan_route(shape, hosts, link, work, latency_bound=latency_bound)
+    cmp = None
+    if compare:
+        rng = even_ranges(shape.n_layer, len(hosts)) if compare == "even" else parse_split(compare)
+        if len(rng) != len(hosts):
+            raise DgrError(f"--compare {compare} has {len(rng)} ranges for {len(hosts)} hosts")
+        if rng[-1][1] != shape.n_layer:
+            raise DgrError(f"--compare {compare} ends at layer {rng[-1][1]}; the model has {shape.n_layer}")
+        cmp = max((predict(shape, hosts, rng, link, work, g) for g in range(1, min(sessions, len(hosts) + 1) + 1)),
+                  key=lambda c: c.aggregate_tok_s)
+    if as_json:
+        out = {"schema": "dgr.plan.v1", "model": shape.name, "n_layer": shape.n_layer,
+               "workload": {"sessions": sessions, "prompt_tokens": prompt_tokens, "ctx_per_session": ctx},
+               "link": {"rtt_ms": link.rtt_s * 1e3, "bandwidth_mbit": link.bandwidth_bytes_s * 8 / 1e6},
+               "kind": "prediction", **p.to_json()}
+        if cmp is not None:
+            from dataclasses import asdict
+            out["compare"] = {"split": compare, "prediction": asdict(cmp)}
+        typer.echo(json.dumps(out, indent=2))
+        return
+    pr = p.prediction
+    typer.echo(f"model {shape.name}: {shape.n_layer} layers; {sessions} session{'' if sessions == 1 else 's'}, "
+               f"{prompt_tokens}-token prompts; "
+               f"link {link.rtt_s * 1e3:g} ms RTT, {link.bandwidth_bytes_s * 8 / 1e6:g} Mbit/s")
+    typer.echo(f"split {p.split} over {', '.join(p.hosts)}; {pr.groups} pipeline group(s) of {pr.rows_per_group} row(s)")
+    typer.echo(f"  {'host':<16} {'layers':<9} {'ms/step':>8} {'busy':>6} {'memory':>17}")
+    for s in pr.stages:
+        typer.echo(f"  {s.host:<16} {s.layers[0]}:{s.layers[1]:<7} {s.decode_s * 1e3:>8.2f} {s.busy_share:>6.0%} "
+                   f"{s.memory_bytes / 2**30:>6.2f}/{s.memory_budget_bytes / 2**30:.2f} GiB")
+    typer.echo(f"predicted: aggregate decode {pr.aggregate_tok_s:.1f} tok/s, {pr.session_tok_s:.1f} tok/s per session "
+               f"({pr.single_session_tok_s:.1f} alone); TTFT {pr.ttft_s * 1e3:.0f} ms alone, "
+               f"{pr.ttft_all_s * 1e3:.0f} ms for the last of {sessions} together")
+    typer.echo(f"token-latency bound: {p.latency_bound_s * 1e3:.1f} ms ({latency_bound:g}x the least of "
+               f"{p.candidates} candidates)")
+    for d in p.dropped:
+        typer.echo(f"left out: {d['host']}: {d['why']}")
+    if cmp is not None:
+        typer.echo(f"compare {compare} ({cmp.groups} group(s)): aggregate {cmp.aggregate_tok_s:.1f} tok/s, "
+                   f"{cmp.single_session_tok_s:.1f} tok/s alone "
+                   f"(planned/compared: {pr.aggregate_tok_s / cmp.aggregate_tok_s:.2f}x)")

@@ -1,0 +1,519 @@
+"""Route planning for unequal hosts: a cost model of a chained route and the split it suggests
+(``dgr plan``; docs/multi-host.md, "Choosing a split").
+
+Inputs:
+
+- each host's **capability** for this model: what one of its layers costs per decode step at a
+  few batch sizes, per prompt token, and what the output matrix and the token embedding cost,
+  with the memory it may use (:class:`HostCapability`; a JSON file, see :func:`load_capabilities`);
+- the **link** between consecutive hosts (round trip, bandwidth);
+- the **model's shape** read from its GGUF (layers' weights, the output matrix, the KV cache per
+  cell) (:func:`model_shape`);
+- the **workload** (concurrent sessions, prompt length, context per session).
+
+The cost model (:func:`predict`) is a pipeline of stages. A stage's time for a batch of ``b`` rows
+is its layers' cost at ``b`` (each layer weighted by its share of the model's mean layer weights),
+plus the output matrix on the tail and the embedding lookup on the head; each hop adds half a
+round trip and the rows' bytes over the bandwidth. With ``G`` pipeline groups of ``b = S / G``
+rows, one round (every session one token) takes ``max(cycle(b), G * slowest stage(b))``, where
+``cycle(b)`` is one group's trip through every stage and back. A stage's busy share is its
+``G * stage(b)`` over the round.
+
+The planner (:func:`plan_route`) keeps the hosts' order (the first listed is the head) and tries
+every subset of them: for each, and each group count, a dynamic program finds the contiguous
+ranges whose slowest stage is the least among those that fit every host's memory; the candidate
+with the highest predicted aggregate decode wins, among those that keep a session's token
+latency within the stated bound. A host left out is named with the reason (it does not fit, or
+the route is faster without it).
+
+Written here rather than taken from a library: the figures are dgr's own (its workers, its
+wire format); the search is a few dozen lines of prefix sums."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from itertools import combinations
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import DgrError
+
+BATCH_SIZES = (1, 4, 8, 16)
+CAPABILITY_SCHEMA = "dgr.capabilities.v1"
+
+
+@dataclass(frozen=True)
+class HostCapability:
+    """What one host measured for one model (its backend and thread count), in seconds.
+
+    ``layer_decode_s``: one mean layer's decode step at each batch size (rows) measured;
+    ``layer_prefill_s``: one mean layer per prompt token; ``output_decode_s`` / ``output_prefill_s``:
+    the output matrix (and final norm) per step / per prompt token (sampling counts per row);
+    ``embed_s``: the head's embedding lookup per step; ``memory_bytes``: what the host lets a
+    Shard use (weights, KV cache, compute buffers)."""
+    name: str
+    layer_decode_s: dict[int, float]
+    layer_prefill_s: float
+    output_decode_s: dict[int, float]
+    output_prefill_s: float
+    memory_bytes: int
+    embed_s: float = 0.0
+    endpoint: str = ""
+
+    def validate(self) -> None:
+        where = f"host {self.name!r}"
+        if not self.name:
+            raise DgrError("a host capability needs a name")
+        for what, table in (("layer_decode_s", self.layer_decode_s), ("output_decode_s", self.output_decode_s)):
+            if not table:
+                raise DgrError(f"{where}: {what} is empty (give at least the batch size 1)")
+            for b, s in table.items():
+                if not isinstance(b, int) or b < 1:
+                    raise DgrError(f"{where}: {what} batch size {b!r} is not a positive integer")
+                if not _positive(s):
+                    raise DgrError(f"{where}: {what}[{b}] = {s!r} is not a positive number of seconds")
+        for what, s in (("layer_prefill_s", self.layer_prefill_s), ("output_prefill_s", self.output_prefill_s)):
+            if not _positive(s):
+                raise DgrError(f"{where}: {what} = {s!r} is not a positive number of seconds")
+        if not (isinstance(self.embed_s, (int, float)) and math.isfinite(self.embed_s) and self.embed_s >= 0):
+            raise DgrError(f"{where}: embed_s = {self.embed_s!r} is not a number of seconds >= 0")
+        if not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
+            raise DgrError(f"{where}: memory_bytes = {self.memory_bytes!r} is not a positive integer")
+
+    def layer_at(self, rows: int) -> float:
+        return _interpolate(self.layer_decode_s, rows)
+
+    def output_at(self, rows: int) -> float:
+        return _interpolate(self.output_decode_s, rows)
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link between consecutive hosts: round trip and bandwidth (both directions alike)."""
+    rtt_s: float = 0.0005
+    bandwidth_bytes_s: float = 125e6   # 1 Gbit/s
+
+    def validate(self) -> None:
+        if not (isinstance(self.rtt_s, (int, float)) and math.isfinite(self.rtt_s) and 0 <= self.rtt_s <= 10):
+            raise DgrError(f"link round trip {self.rtt_s!r} s is not within 0..10 s")
+        if not _positive(self.bandwidth_bytes_s):
+            raise DgrError(f"link bandwidth {self.bandwidth_bytes_s!r} B/s is not a positive number")
+
+    def hop_s(self, nbytes: float) -> float:
+        return self.rtt_s / 2 + nbytes / self.bandwidth_bytes_s
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs of a model: per layer its weight elements (cost) and bytes
+    (memory), the output matrix's and embedding's bytes, the KV cache per cell and layer, and the
+    width of a boundary row."""
+    name: str
+    layer_elements: tuple[int, ...]
+    layer_bytes: tuple[int, ...]
+    output_bytes: int
+    embed_bytes: int
+    tied: bool                 # the output matrix is the embedding (head and tail both hold it)
+    kv_bytes_per_cell_layer: int
+    n_embd: int
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layer_elements)
+
+    @classmethod
+    def uniform(cls, n_layer: int, *, layer_bytes: int, output_bytes: int, embed_bytes: int, n_embd: int,
+                kv_bytes_per_cell_layer: int, tied: bool = False, name: str = "uniform") -> "ModelShape":
+        return cls(name, (1,) * n_layer, (layer_bytes,) * n_layer, output_bytes, embed_bytes, tied,
+                   kv_bytes_per_cell_layer, n_embd)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Concurrent sessions, their prompt length, and the context each may use (KV cells)."""
+    sessions: int = 8
+    prompt_tokens: int = 512
+    ctx_per_session: int = 2048
+
+    def validate(self) -> None:
+        if not 1 <= self.sessions <= 4096:
+            raise DgrError(f"sessions {self.sessions} is not within 1..4096")
+        if not 1 <= self.prompt_tokens <= 1 << 20:
+            raise DgrError(f"prompt length {self.prompt_tokens} is not within 1..1048576 tokens")
+        if not 1 <= self.ctx_per_session <= 1 << 20:
+            raise DgrError(f"context {self.ctx_per_session} is not within 1..1048576 cells")
+
+
+@dataclass
+class StagePlan:
+    host: str
+    layers: tuple[int, int]
+    decode_s: float            # this stage's compute for one group's batch
+    decode_1_s: float          # the same for one row (a session alone)
+    prefill_s: float           # one prompt through this stage
+    busy_share: float
+    memory_bytes: int
+    memory_budget_bytes: int
+
+
+@dataclass
+class Prediction:
+    groups: int
+    rows_per_group: int
+    aggregate_tok_s: float     # every session together
+    session_tok_s: float       # one session's rate under this load
+    single_session_tok_s: float  # a session alone on the route
+    token_latency_s: float     # one session's time between tokens under this load
+    ttft_s: float              # one prompt alone
+    ttft_all_s: float          # the last of `sessions` prompts arriving together
+    round_s: float
+    stages: list[StagePlan]
+
+
+@dataclass
+class Plan:
+    split: str                 # "A:B,B:C" in stage order
+    hosts: list[str]
+    prediction: Prediction
+    latency_bound_s: float
+    dropped: list[dict[str, str]] = field(default_factory=list)
+    candidates: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"split": self.split, "hosts": self.hosts, "latency_bound_s": self.latency_bound_s,
+                "dropped": self.dropped, "candidates": self.candidates, "prediction": asdict(self.prediction)}
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _interpolate(table: dict[int, float], rows: int) -> float:
+    """Linear in the rows between the measured batch sizes; beyond the largest, the last
+    segment's per-row slope (never below the largest's time); below the smallest, its time."""
+    pts = sorted(table.items())
+    if rows <= pts[0][0]:
+        return pts[0][1]
+    for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+        if rows <= b1:
+            return s0 + (s1 - s0) * (rows - b0) / (b1 - b0)
+    if len(pts) == 1:
+        return pts[0][1] * rows
+    (b0, s0), (b1, s1) = pts[-2], pts[-1]
+    return max(s1, s1 + max(0.0, (s1 - s0) / (b1 - b0)) * (rows - b1))
+
+
+# ---------------------------------------------------------------- the model's shape
+
+
+def model_shape(path: Path) -> ModelShape:
+    """The shape of a GGUF (a single file or any part of a split set); DgrError when unreadable."""
+    from ..gguf.gguf_set import open_model
+    from ..gguf.inspect import layer_of
+
+    try:
+        with open_model(path) as gf:
+            n_layer = int(gf.n_layer)
+            n_embd = int(gf.hparam("embedding_length"))
+            n_head = int(gf.hparam("attention.head_count", 1) or 1)
+            n_head_kv = gf.hparam("attention.head_count_kv", n_head)
+            n_head_kv = int(max(n_head_kv) if isinstance(n_head_kv, (list, tuple)) else n_head_kv)
+            k_len = int(gf.hparam("attention.key_length", n_embd // max(1, n_head)))
+            v_len = int(gf.hparam("attention.value_length", k_len))
+            elems, nbytes = [0] * n_layer, [0] * n_layer
+            for t in gf.tensors:
+                i = layer_of(t.name)
+                if i is not None and i < n_layer:
+                    elems[i] += t.n_elements
+                    nbytes[i] += t.n_bytes
+            tied = not gf.has_tensor("output.weight")
+            embed = gf.tensor("token_embd.weight").n_bytes if gf.has_tensor("token_embd.weight") else 0
+            output = embed if tied else gf.tensor("output.weight").n_bytes
+    except DgrError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DgrError(f"cannot read the model's shape from {path}: {exc}") from None
+    if n_layer < 1 or not any(elems):
+        raise DgrError(f"{path}: no layer tensors found")
+    # f16 K and V per cell, per layer (llama.cpp's default cache type)
+    kv = 2 * n_head_kv * (k_len + v_len)
+    return ModelShape(Path(path).name, tuple(max(1, e) for e in elems), tuple(nbytes), output, embed, tied, kv, n_embd)
+
+
+# ---------------------------------------------------------------- capabilities
+
+
+def load_capabilities(path: Path) -> tuple[list[HostCapability], Link | None]:
+    """A capabilities file: ``{"schema": "dgr.capabilities.v1", "hosts": [...], "link": {...}}``,
+    each host ``{"name", "layer_decode_s": {"1": s, "4": s, ...}, "layer_prefill_s",
+    "output_decode_s": {...}, "output_prefill_s", "embed_s", "memory_bytes"}``; ``link`` (optional)
+    ``{"rtt_ms", "bandwidth_mbit"}``. DgrError naming the first bad field."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise DgrError(f"cannot read {path}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DgrError(f"{path} is not JSON: {exc}") from None
+    return parse_capabilities(doc, str(path))
+
+
+def parse_capabilities(doc: Any, where: str = "capabilities") -> tuple[list[HostCapability], Link | None]:
+    if not isinstance(doc, dict):
+        raise DgrError(f"{where}: expected an object with 'hosts'")
+    if doc.get("schema", CAPABILITY_SCHEMA) != CAPABILITY_SCHEMA:
+        raise DgrError(f"{where}: schema {doc.get('schema')!r} is not {CAPABILITY_SCHEMA!r}")
+    raw = doc.get("hosts")
+    if not isinstance(raw, list) or not raw:
+        raise DgrError(f"{where}: 'hosts' must be a non-empty list")
+    if len(raw) > 16:
+        raise DgrError(f"{where}: {len(raw)} hosts; the planner takes at most 16")
+    hosts = []
+    for i, h in enumerate(raw):
+        if not isinstance(h, dict):
+            raise DgrError(f"{where}: hosts[{i}] is not an object")
+        try:
+            cap = HostCapability(
+                name=str(h.get("name") or f"host{i}"),
+                layer_decode_s=_batch_table(h.get("layer_decode_s"), f"hosts[{i}].layer_decode_s"),
+                layer_prefill_s=h.get("layer_prefill_s"),
+                output_decode_s=_batch_table(h.get("output_decode_s"), f"hosts[{i}].output_decode_s"),
+                output_prefill_s=h.get("output_prefill_s"),
+                memory_bytes=h.get("memory_bytes"),
+                embed_s=h.get("embed_s", 0.0),
+                endpoint=str(h.get("endpoint", "")))
+        except TypeError as exc:
+            raise DgrError(f"{where}: hosts[{i}]: {exc}") from None
+        cap.validate()
+        hosts.append(cap)
+    names = [h.name for h in hosts]
+    if len(set(names)) != len(names):
+        raise DgrError(f"{where}: host names must be distinct ({', '.join(names)})")
+    link = None
+    if "link" in doc:
+        ln = doc["link"]
+        if not isinstance(ln, dict):
+            raise DgrError(f"{where}: 'link' is not an object")
+        rtt, bw = ln.get("rtt_ms", 0.5), ln.get("bandwidth_mbit", 1000)
+        if not (_positive(rtt) or rtt == 0) or not _positive(bw):
+            raise DgrError(f"{where}: link rtt_ms {rtt!r} / bandwidth_mbit {bw!r} are not numbers > 0")
+        link = Link(rtt_s=float(rtt) / 1e3, bandwidth_bytes_s=float(bw) * 1e6 / 8)
+        link.validate()
+    return hosts, link
+
+
+def _batch_table(v: Any, where: str) -> dict[int, float]:
+    if not isinstance(v, dict) or not v:
+        raise DgrError(f"{where}: expected an object of batch size -> seconds")
+    out = {}
+    for k, s in v.items():
+        try:
+            b = int(k)
+        except (TypeError, ValueError):
+            raise DgrError(f"{where}: batch size {k!r} is not an integer") from None
+        if not 1 <= b <= 4096:
+            raise DgrError(f"{where}: batch size {b} is not within 1..4096")
+        if not _positive(s):
+            raise DgrError(f"{where}[{k}] = {s!r} is not a positive number of seconds")
+        out[b] = float(s)
+    return out
+
+
+# ---------------------------------------------------------------- the cost model
+
+
+class _Costs:
+    """Prefix sums of one host's costs over the layers, at one batch size."""
+
+    def __init__(self, model: ModelShape, host: HostCapability, rows: int) -> None:
+        mean = sum(model.layer_elements) / model.n_layer
+        per_row = host.layer_at(rows)
+        self.dec = [0.0]
+        self.pre = [0.0]
+        self.dec1 = [0.0]
+        per_1 = host.layer_at(1)
+        for e in model.layer_elements:
+            w = e / mean
+            self.dec.append(self.dec[-1] + per_row * w)
+            self.dec1.append(self.dec1[-1] + per_1 * w)
+            self.pre.append(self.pre[-1] + host.layer_prefill_s * w)
+
+
+def _stage_memory(model: ModelShape, a: int, b: int, workload: Workload, prefix: Sequence[int] | None = None) -> int:
+    weights = prefix[b] - prefix[a] if prefix is not None else sum(model.layer_bytes[a:b])
+    if a == 0:
+        weights += model.embed_bytes
+    if b == model.n_layer and not (model.tied and a == 0):
+        weights += model.output_bytes
+    kv = workload.sessions * workload.ctx_per_session * model.kv_bytes_per_cell_layer * (b - a)
+    # compute buffers: a batch of rows through the widest matrices; llama.cpp's own estimate is
+    # exact only at load, so a margin of a tenth of the weights stands in for it here
+    return int(weights + kv + weights // 10)
+
+
+def predict(model: ModelShape, hosts: Sequence[HostCapability], ranges: Sequence[tuple[int, int]], link: Link,
+            workload: Workload, groups: int = 1) -> Prediction:
+    """The cost model's figures for ``hosts[k]`` serving ``ranges[k]`` (contiguous, covering every
+    layer) with ``groups`` pipeline groups."""
+    if len(hosts) != len(ranges) or not hosts:
+        raise DgrError("one layer range per host")
+    if ranges[0][0] != 0 or ranges[-1][1] != model.n_layer or \
+            any(r0[1] != r1[0] for r0, r1 in zip(ranges, ranges[1:])) or any(a >= b for a, b in ranges):
+        raise DgrError(f"ranges {ranges} do not cover 0:{model.n_layer} contiguously")
+    groups = max(1, min(groups, workload.sessions))
+    rows = math.ceil(workload.sessions / groups)
+    row_bytes = 4 * model.n_embd
+    stages, dec, dec1, pre = [], [], [], []
+    for k, (h, (a, b)) in enumerate(zip(hosts, ranges)):
+        c = _Costs(model, h, rows)
+        d, d1, p = c.dec[b] - c.dec[a], c.dec1[b] - c.dec1[a], workload.prompt_tokens * (c.pre[b] - c.pre[a])
+        if a == 0:
+            d, d1 = d + h.embed_s, d1 + h.embed_s
+        if b == model.n_layer:
+            d, d1 = d + h.output_at(rows), d1 + h.output_at(1)
+            p += h.output_prefill_s
+        dec.append(d)
+        dec1.append(d1)
+        pre.append(p)
+        stages.append(StagePlan(h.name, (a, b), d, d1, p, 0.0, _stage_memory(model, a, b, workload), h.memory_bytes))
+    hops = len(hosts) - 1
+    back = link.hop_s(8 * rows) if hops else 0.0   # sampled tokens back to the head
+    cycle = sum(dec) + hops * link.hop_s(rows * row_bytes) + back
+    cycle1 = sum(dec1) + (hops * link.hop_s(row_bytes) + link.hop_s(8) if hops else 0.0)
+    round_s = max(cycle, groups * max(dec))
+    for s, d in zip(stages, dec):
+        s.busy_share = min(1.0, groups * d / round_s)
+    prompt_hop = link.hop_s(workload.prompt_tokens * row_bytes) if hops else 0.0
+    ttft = sum(pre) + hops * prompt_hop + back
+    # prompts arriving together flow through the stages one after another (no chunked overlap)
+    ttft_all = ttft + (workload.sessions - 1) * max(max(pre), prompt_hop if hops else 0.0)
+    return Prediction(groups=groups, rows_per_group=rows, aggregate_tok_s=workload.sessions / round_s,
+                      session_tok_s=1.0 / round_s, single_session_tok_s=1.0 / cycle1, token_latency_s=round_s,
+                      ttft_s=ttft, ttft_all_s=ttft_all, round_s=round_s, stages=stages)
+
+
+# ---------------------------------------------------------------- the search
+
+
+def _best_ranges(model: ModelShape, hosts: Sequence[HostCapability], rows: int,
+                 workload: Workload) -> list[tuple[int, int]] | None:
+    """Contiguous ranges (every host at least one layer) whose slowest stage at ``rows`` is the
+    least, among those that fit each host's memory; None when none fits."""
+    n, m = model.n_layer, len(hosts)
+    if m > n:
+        return None
+    costs = [_Costs(model, h, rows) for h in hosts]
+    inf = float("inf")
+    prefix = [0]
+    for x in model.layer_bytes:
+        prefix.append(prefix[-1] + x)
+
+    def stage(k: int, a: int, b: int) -> float:
+        if _stage_memory(model, a, b, workload, prefix) > hosts[k].memory_bytes:
+            return inf
+        c = costs[k].dec[b] - costs[k].dec[a]
+        if a == 0:
+            c += hosts[k].embed_s
+        if b == n:
+            c += hosts[k].output_at(rows)
+        return c
+
+    best = [[inf] * (n + 1) for _ in range(m + 1)]
+    cut = [[0] * (n + 1) for _ in range(m + 1)]
+    best[0][0] = 0.0
+    for k in range(1, m + 1):
+        for i in range(k, n - (m - k) + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf:
+                    continue
+                c = max(best[k - 1][j], stage(k - 1, j, i))
+                if c < best[k][i]:
+                    best[k][i], cut[k][i] = c, j
+    if best[m][n] == inf:
+        return None
+    cuts, i = [n], n
+    for k in range(m, 0, -1):
+        i = cut[k][i]
+        cuts.append(i)
+    cuts.reverse()
+    return list(zip(cuts, cuts[1:]))
+
+
+def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, workload: Workload, *,
+               latency_bound: float = 2.0, max_groups: int | None = None) -> Plan:
+    """The split (and pipeline groups) with the highest predicted aggregate decode for
+    ``workload``, over ordered subsets of ``hosts`` (the first listed that is kept is the head).
+    ``latency_bound``: a session's time between tokens under the load may be at most this many
+    times the least any candidate offers for the same load (pipeline groups trade a session's
+    latency for aggregate throughput; this caps the trade). DgrError when no subset of the hosts
+    can hold the model."""
+    for h in hosts:
+        h.validate()
+    link.validate()
+    workload.validate()
+    if not hosts:
+        raise DgrError("no hosts to plan for")
+    if len({h.name for h in hosts}) != len(hosts):
+        raise DgrError("host names must be distinct")
+    if not (_positive(latency_bound) and latency_bound >= 1.0):
+        raise DgrError(f"latency bound {latency_bound!r} must be a number >= 1")
+    m = len(hosts)
+    subsets: list[tuple[int, ...]] = []
+    if m <= 8:
+        for r in range(1, m + 1):
+            subsets.extend(combinations(range(m), r))
+    else:   # many hosts: all of them, and all but one
+        subsets = [tuple(range(m))] + [tuple(i for i in range(m) if i != d) for d in range(m)]
+    group_caps = max_groups or 0
+    scored: list[tuple[Prediction, tuple[int, ...], list[tuple[int, int]]]] = []
+    for sub in subsets:
+        hs = [hosts[i] for i in sub]
+        limit = min(workload.sessions, group_caps or len(hs) + 1)
+        seen: set[tuple[tuple[int, int], ...]] = set()
+        for g in range(1, limit + 1):
+            ranges = _best_ranges(model, hs, math.ceil(workload.sessions / g), workload)
+            if ranges is None:
+                continue
+            for gg in range(1, limit + 1):   # the ranges found for one group count, at every count
+                key = (tuple(ranges), gg)
+                if key in seen:
+                    continue
+                seen.add(key)
+                scored.append((predict(model, hs, ranges, link, workload, gg), sub, ranges))
+    if not scored:
+        need = _stage_memory(model, 0, model.n_layer, workload)
+        raise DgrError(f"no subset of the {m} hosts holds {model.name} for {workload.sessions} sessions of "
+                       f"{workload.ctx_per_session} cells (the whole model needs about {need / 2**30:.1f} GiB; "
+                       f"the hosts offer {sum(h.memory_bytes for h in hosts) / 2**30:.1f} GiB together)")
+    bound_s = latency_bound * min(p.token_latency_s for p, _, _ in scored)
+    ok = [t for t in scored if t[0].token_latency_s <= bound_s * (1 + 1e-9)]
+    # the highest aggregate; then fewer hosts; then the lower token latency
+    pred, sub, ranges = max(ok, key=lambda t: (round(t[0].aggregate_tok_s, 9), -len(t[1]), -t[0].token_latency_s))
+    dropped = []
+    for i, h in enumerate(hosts):
+        if i in sub:
+            continue
+        with_it = [t for t in scored if i in t[1] and set(sub) <= set(t[1])]
+        if not any(i in t[1] for t in scored):
+            why = "it cannot hold any layer range of this route within its memory"
+        elif not with_it:
+            why = "no route with it and the chosen hosts fits every host's memory"
+        else:
+            b = max(with_it, key=lambda t: t[0].aggregate_tok_s)
+            alt = ",".join(f"{a}:{c}" for a, c in b[2])
+            if b[0].aggregate_tok_s <= pred.aggregate_tok_s:
+                why = (f"the route is faster without it: {pred.aggregate_tok_s:.1f} tok/s against "
+                       f"{b[0].aggregate_tok_s:.1f} with it ({alt})")
+            else:
+                why = (f"with it the route would reach {b[0].aggregate_tok_s:.1f} tok/s ({alt}), but a session "
+                       f"would wait {b[0].token_latency_s * 1e3:.1f} ms per token, over the "
+                       f"{bound_s * 1e3:.1f} ms bound")
+        dropped.append({"host": h.name, "why": why})
+    return Plan(split=",".join(f"{a}:{b}" for a, b in ranges), hosts=[hosts[i].name for i in sub],
+                prediction=pred, latency_bound_s=bound_s, dropped=dropped, candidates=len(scored))
+
+
+def even_ranges(n_layer: int, n: int) -> list[tuple[int, int]]:
+    cuts = [round(i * n_layer / n) for i in range(n + 1)]
+    return list(zip(cuts, cuts[1:]))
