@@ -18,9 +18,10 @@ static void print_version() {
 }
 
 static void print_usage(const char * argv0) {
-    std::printf("usage: %s [--version] [--smoke] | serve (--fake-model | --model FILE) [options] | plan-memory --model FILE [options] | options [--json]\n", argv0);
+    std::printf("usage: %s [--version] [--smoke] | serve (--fake-model | --model FILE) [options] | plan-memory --model FILE [options] | probe --model FILE [options] | options [--json]\n", argv0);
     std::printf("  serve      run the gRPC Shard service (serve --help lists the options)\n");
     std::printf("  plan-memory  the host memory `serve` with the same options would need, without loading\n");
+    std::printf("  probe      measure what the range costs on this host (decode at 1/4/8/16 rows, prompt, output)\n");
     std::printf("  options    the options of serve and plan-memory: defaults, bounds, help (--json: as JSON)\n");
     std::printf("  --version  print dgr version, pinned llama.cpp commit, patch digest, backend\n");
     std::printf("  --smoke    initialise llama.cpp backends and print system info\n");
@@ -36,6 +37,9 @@ int main(int argc, char ** argv) {
     }
     if (std::strcmp(argv[1], "options") == 0) {
         return dgr::worker::options_main(argc - 2, argv + 2);
+    }
+    if (std::strcmp(argv[1], "probe") == 0) {
+        return dgr::worker::probe_main(argc - 2, argv + 2);
     }
     if (std::strcmp(argv[1], "plan-memory") == 0) {
         return dgr::worker::plan_memory_main(argc - 2, argv + 2);

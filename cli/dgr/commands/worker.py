@@ -146,6 +146,66 @@ def memory(
                    f"predicted ({100 * m['error']:+.1f} %)")
 
 
+@app.command("probe")
+def probe(
+    model: Optional[str] = typer.Option(None, "--model", help="GGUF file (or any part of a split set), or a packaged "
+                                        "model (default: the embedded SmolLM2-135M Q4_1)."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Range to measure; it must end at the last layer "
+                                         "(default: the last 4 layers: little to load, a layer and the output "
+                                         "matrix measured apart)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=512, help="Threads, as the Shard will serve "
+                                          "(default: the worker's)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Host name in the capabilities (default: this host's)."),
+    endpoint: str = typer.Option("", "--endpoint", help="The host's worker endpoint HOST:PORT, recorded for route "
+                                 "formation."),
+    memory_mb: Optional[float] = typer.Option(None, "--memory-mb", min=1.0, help="Memory a Shard may use here "
+                                              "(default: the worker's budget, else MemAvailable)."),
+    budget_s: float = typer.Option(5.0, "--budget-s", min=0.5, max=600.0, help="Time the probe may take; larger "
+                                   "batches are left out first."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Add (or replace, by name) this host in a capabilities "
+                                       "file for `dgr plan`."),
+    as_json: bool = typer.Option(False, "--json", help="Print the host's capability entry as JSON."),
+    backend: str = typer.Option("cpu", "--backend", help="Which build/<backend> worker measures."),
+) -> None:
+    """Measure what this host's worker spends on the model: a decode step at 1/4/8/16 rows, a
+    prompt row, the output matrix apart; as the capability entry `dgr plan` reads."""
+    from ..gguf.models import resolve_model
+    from ..gguf.slice import LayerRange
+    from ..route.planner import model_shape
+    from ..route.probe import (capability_from_probe, default_host_name, default_probe_range, host_memory_bytes,
+                               merge_capability, run_probe)
+
+    path = resolve_model(model)
+    shape = model_shape(path)
+    if layers:
+        r = LayerRange.parse(layers)
+        rng = (r.start, r.end)
+        if rng[1] != shape.n_layer:
+            raise DgrError(f"--layers {layers} does not end at the model's last layer ({shape.n_layer})",
+                           hint="the output matrix is measured on a tail range")
+    else:
+        rng = default_probe_range(shape.n_layer)
+    raw = run_probe(path, rng, threads=threads, budget_s=budget_s, binary=worker_binary_path(backend))
+    entry = capability_from_probe(raw, shape, name=name or default_host_name(),
+                                  memory_bytes=host_memory_bytes(raw, memory_mb), endpoint=endpoint)
+    if out is not None:
+        merge_capability(out, entry)
+    if as_json:
+        typer.echo(json.dumps(entry, indent=2))
+        return
+    typer.echo(f"{entry['name']}: {shape.name} layers {rng[0]}:{rng[1]}, {raw.get('backend')}, "
+               f"{raw.get('seconds', 0):.2f} s")
+    for rows, s in entry["layer_decode_s"].items():
+        typer.echo(f"  {int(rows):>2} rows: {1e3 * s:.3f} ms per mean layer, output matrix "
+                   f"{1e3 * entry['output_decode_s'][rows]:.3f} ms")
+    typer.echo(f"  prompt: {1e3 * entry['layer_prefill_s']:.4f} ms per mean layer per token; memory "
+               f"{entry['memory_bytes'] / 2**30:.2f} GiB")
+    if raw.get("skipped"):
+        typer.echo(f"  left out (batch limit or time budget): {', '.join(map(str, raw['skipped']))} rows")
+    if out is not None:
+        typer.echo(f"written to {out}")
+
+
 @app.command("options")
 def options(
     as_json: bool = typer.Option(False, "--json", help="The table as the worker prints it (dgr-worker options --json)."),

@@ -1,5 +1,6 @@
 #include "worker/serve.h"
 
+
 #include "common/identity.h"
 #include "common/net_address.h"
 #include "version.h"
@@ -169,21 +170,11 @@ int plan_memory_main(int argc, char ** argv) {
     return refusal.empty() ? 0 : 3;
 }
 
-int serve_main(int argc, char ** argv) {
-    ServeOptions o;
-    const int rc = parse_serve_options(argc, argv, &o);
-    if (rc >= 0) return rc;
-
-    // Signals are taken by one watcher thread (sigwait); block them before any thread starts.
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGTERM);
-    sigaddset(&sigs, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
-
-    uint64_t kv_cells = o.kv_cells ? o.kv_cells : default_kv_cells(o.max_sessions, o.ctx_per_session);  // fake model
-    std::unique_ptr<ModelBackend> backend;
-    MemoryBudget budget;  // the llama backend's: --memory-budget-mb or the cgroup's memory.max
+// The backend `serve` (and `probe`) runs: the fake model, or the GGUF with its identity proven
+// and its memory admitted. Returns -1 when loaded, else the exit code (the reason printed).
+int load_backend(ServeOptions & o, uint64_t & kv_cells, MemoryBudget & budget,
+                 std::unique_ptr<ModelBackend> & backend) {
+    kv_cells = o.kv_cells ? o.kv_cells : default_kv_cells(o.max_sessions, o.ctx_per_session);  // fake model
     std::string err;
     if (o.fake) {
         FakeModelOptions f;
@@ -278,6 +269,27 @@ int serve_main(int argc, char ** argv) {
         std::fprintf(stderr, "dgr-worker: error: the KV budget is zero cells\n");
         return 2;
     }
+
+    return -1;
+}
+
+int serve_main(int argc, char ** argv) {
+    ServeOptions o;
+    const int rc = parse_serve_options(argc, argv, &o);
+    if (rc >= 0) return rc;
+
+    // Signals are taken by one watcher thread (sigwait); block them before any thread starts.
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+    uint64_t kv_cells = 0;
+    std::unique_ptr<ModelBackend> backend;
+    MemoryBudget budget;  // the llama backend's: --memory-budget-mb or the cgroup's memory.max
+    std::string err;
+    if (const int lrc = load_backend(o, kv_cells, budget, backend); lrc >= 0) return lrc;
 
     Metrics metrics;
     SchedulerOptions so;

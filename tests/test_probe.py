@@ -1,0 +1,97 @@
+"""A host's measured capability (`dgr worker probe`, cli/dgr/route/probe.py): the probe's figures
+turned into the planner's, the capabilities file, and the command end to end on a synthetic
+model (native build). Timings are not asserted, only their presence and shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dgr.errors import DgrError
+from dgr.route.planner import ModelShape, load_capabilities
+from dgr.route.probe import capability_from_probe, default_probe_range, merge_capability
+
+SHAPE = ModelShape("m", (1, 1, 2, 2), (10, 10, 20, 20), 100, 100, False, 64, 8)
+
+
+def raw(**over):
+    r = {"layers": 2, "head": False, "tail": True, "layer_start": 2, "layer_end": 4, "n_layer": 4,
+         "decode_s": {"1": 0.010, "4": 0.020}, "decode_no_output_s": {"1": 0.006, "4": 0.012},
+         "prompt_s_per_token": 0.004, "prompt_no_output_s_per_token": 0.003, "skipped": [8, 16],
+         "seconds": 1.0, "error": "", "threads": 2, "backend": "cpu", "fake": True, "memory_budget_bytes": 0}
+    r.update(over)
+    return r
+
+
+def test_figures_are_per_mean_layer_with_the_logits_apart():
+    e = capability_from_probe(raw(), SHAPE, name="h", memory_bytes=1 << 30)
+    # layers 2:4 hold 4 of the model's 6 weight elements; the mean layer holds 1.5: 2.667 mean layers
+    eq = 4 / 1.5
+    assert e["layer_decode_s"]["1"] == pytest.approx(0.006 / eq)
+    assert e["layer_decode_s"]["4"] == pytest.approx(0.012 / eq)
+    assert e["output_decode_s"] == {"1": pytest.approx(0.004), "4": pytest.approx(0.008)}
+    assert e["layer_prefill_s"] == pytest.approx(0.003 / eq)
+    assert e["probe"]["skipped_rows"] == [8, 16] and e["probe"]["layers"] == [2, 4]
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"tail": False}, "not a tail"),
+    ({"error": "decode failed"}, "stopped"),
+    ({"n_layer": 5}, "does not match"),
+    ({"decode_no_output_s": {}}, "no decode step"),
+])
+def test_probes_that_cannot_make_a_capability_are_refused(over, match):
+    with pytest.raises(DgrError, match=match):
+        capability_from_probe(raw(**over), SHAPE, name="h", memory_bytes=1 << 30)
+
+
+def test_default_range_is_a_short_tail():
+    assert default_probe_range(30) == (26, 30)
+    assert default_probe_range(2) == (0, 2)
+
+
+def test_capabilities_file_is_created_and_hosts_replaced_by_name(tmp_path):
+    f = tmp_path / "caps.json"
+    a = capability_from_probe(raw(), SHAPE, name="a", memory_bytes=1 << 30)
+    b = capability_from_probe(raw(), SHAPE, name="b", memory_bytes=2 << 30)
+    merge_capability(f, a)
+    merge_capability(f, b)
+    merge_capability(f, {**a, "memory_bytes": 3 << 30})
+    hosts, link = load_capabilities(f)
+    assert [h.name for h in hosts] == ["a", "b"] and hosts[0].memory_bytes == 3 << 30 and link is None
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1]")
+    with pytest.raises(DgrError, match="not a capabilities file"):
+        merge_capability(bad, a)
+    assert bad.read_text() == "[1]"
+
+
+
+
+@pytest.mark.native
+def test_dgr_worker_probe_then_plan(tmp_path, native_bin):
+    from dgr.gguf.synth import SynthSpec, synthesize
+
+    model = synthesize(SynthSpec(n_layer=6, dtype="q8_0"), tmp_path / "m.gguf")
+    caps = tmp_path / "caps.json"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "dgr.main", *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=300)
+    for name, mem in (("fast", "4096"), ("small", "64")):
+        p = run("worker", "probe", "--model", str(model), "--threads", "1", "--name", name, "--memory-mb", mem,
+                "--budget-s", "3", "--out", str(caps), "--json")
+        assert p.returncode == 0, p.stderr
+        e = json.loads(p.stdout)
+        assert e["name"] == name and e["probe"]["layers"] == [2, 6] and not e["probe"]["fake"]
+        assert e["layer_decode_s"]["1"] > 0 and e["output_decode_s"]["1"] > 0 and e["layer_prefill_s"] > 0
+    hosts, _ = load_capabilities(caps)
+    assert [h.name for h in hosts] == ["fast", "small"]
+    p = run("plan", "-c", str(caps), "--model", str(model), "--sessions", "4", "--ctx", "256", "--json")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    assert plan["split"].startswith("0:") and plan["split"].endswith(":6")
+    # a range that is not a tail is refused before anything loads
+    p = run("worker", "probe", "--model", str(model), "--layers", "0:3")
+    assert p.returncode != 0 and "does not end at the model's last layer" in p.stderr and "Traceback" not in p.stderr

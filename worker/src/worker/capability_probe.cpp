@@ -1,0 +1,147 @@
+// Measured capability (capability_probe.h).
+#include "worker/capability_probe.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+namespace dgr::worker {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// rows of `seqs` sequences starting at position 0, `per_seq` consecutive positions each
+DecodeBatch make_batch(const BackendInfo & in, uint32_t seqs, uint32_t per_seq, bool outputs) {
+    DecodeBatch b;
+    for (uint32_t s = 0; s < seqs; ++s) {
+        for (uint32_t p = 0; p < per_seq; ++p) {
+            if (in.head) {
+                b.tokens.push_back(1 + (int32_t) ((s + p) % 2));
+            } else {
+                for (uint32_t j = 0; j < in.n_embd; ++j) {
+                    b.embd.push_back(0.02f * std::sin(0.37f * (float) (j + 7 * p + 13 * s)));
+                }
+            }
+            b.pos.push_back((int32_t) p);
+            b.seq.push_back((int32_t) s);
+            // a tail asks for a logits row per decode row, and for the last row of a prompt
+            b.output.push_back(in.tail && outputs && p + 1 == per_seq ? 1 : 0);
+        }
+    }
+    return b;
+}
+
+// median seconds of `repeats` calls after one warm-up; every sequence cleared after each call
+bool time_batch(ModelBackend & be, const DecodeBatch & b, uint32_t seqs, uint32_t repeats, double * out,
+                std::string * error) {
+    std::vector<double> t;
+    for (uint32_t r = 0; r <= repeats; ++r) {
+        const auto t0 = Clock::now();
+        const BackendStatus st = be.decode(b, error);
+        const double s = since(t0);
+        for (uint32_t q = 0; q < seqs; ++q) be.seq_rm((int32_t) q, 0, -1);
+        if (st != BackendStatus::ok) {
+            if (error->empty()) *error = "decode failed";
+            return false;
+        }
+        if (r > 0) t.push_back(s);  // the first call warms caches and threads
+    }
+    std::sort(t.begin(), t.end());
+    *out = t[t.size() / 2];
+    return true;
+}
+
+}  // namespace
+
+ProbeResult probe_capability(ModelBackend & be, const ProbeOptions & o) {
+    const BackendInfo & in = be.info();
+    ProbeResult r;
+    r.layers = in.layer_end - in.layer_start;
+    r.head = in.head;
+    r.tail = in.tail;
+    const auto t0 = Clock::now();
+    const uint32_t repeats = std::max<uint32_t>(1, o.repeats);
+    const uint32_t max_rows = std::min(in.max_batch_tokens, std::min(in.n_seq_max, in.kv_cells));
+    std::vector<uint32_t> sizes = o.batch_rows;
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    uint32_t last_rows = 0;
+    double last_s = 0.0;  // the largest size measured, to estimate the next
+    auto run = [&](uint32_t seqs, uint32_t per_seq, bool outputs, double * out) {
+        return time_batch(be, make_batch(in, seqs, per_seq, outputs), seqs, repeats, out, &r.error);
+    };
+    // a prompt piece, right after the first decode size (it is needed however small the budget:
+    // the piece halves until its estimate fits what is left, down to 4 rows)
+    auto prompt_probe = [&]() {
+        uint32_t prompt = std::min(o.prompt_rows, std::min(in.max_batch_tokens, in.kv_cells));
+        const double calls = (double) (repeats + 1) * (in.tail ? 2.0 : 1.0);
+        while (prompt > 4 && since(t0) + calls * last_s * (double) prompt / last_rows > o.budget_s) prompt /= 2;
+        if (prompt == 0) return;
+        double s = 0.0;
+        if (!run(1, prompt, true, &s)) return;
+        r.prompt_s_per_token = s / prompt;
+        double n = 0.0;
+        if (in.tail && run(1, prompt, false, &n)) r.prompt_no_output_s_per_token = n / prompt;
+    };
+    for (uint32_t rows : sizes) {
+        if (rows == 0) continue;
+        const double calls = (double) (repeats + 1) * (in.tail ? 2.0 : 1.0);
+        const double estimate = last_rows ? calls * last_s * (double) rows / (double) last_rows : 0.0;
+        if (rows > max_rows || (last_rows && since(t0) + estimate > o.budget_s)) {
+            r.skipped.push_back(rows);
+            continue;
+        }
+        double s = 0.0;
+        if (!run(rows, 1, true, &s)) break;
+        r.decode_s[rows] = s;
+        if (in.tail) {
+            double n = 0.0;
+            if (!run(rows, 1, false, &n)) break;
+            r.decode_no_output_s[rows] = n;
+        }
+        const bool first = last_rows == 0;
+        last_rows = rows;
+        last_s = s;
+        if (first) {
+            prompt_probe();
+            if (!r.ok()) break;
+        }
+    }
+    r.seconds = since(t0);
+    return r;
+}
+
+std::string probe_json(const ProbeResult & r) {
+    auto num = [](double v) {
+        char b[64];
+        std::snprintf(b, sizeof b, "%.9g", std::isfinite(v) ? v : 0.0);
+        return std::string(b);
+    };
+    auto table = [&](const std::map<uint32_t, double> & m) {
+        std::string s = "{";
+        for (const auto & [k, v] : m) s += (s.size() > 1 ? ", \"" : "\"") + std::to_string(k) + "\": " + num(v);
+        return s + "}";
+    };
+    std::string skipped = "[";
+    for (uint32_t k : r.skipped) skipped += (skipped.size() > 1 ? ", " : "") + std::to_string(k);
+    skipped += "]";
+    std::string err;
+    for (char c : r.error) {
+        if (c == '"' || c == '\\') err += '\\';
+        if ((unsigned char) c >= 0x20) err += c;
+    }
+    return "{\"layers\": " + std::to_string(r.layers) + ", \"head\": " + (r.head ? "true" : "false") +
+           ", \"tail\": " + (r.tail ? "true" : "false") + ", \"decode_s\": " + table(r.decode_s) +
+           ", \"decode_no_output_s\": " + table(r.decode_no_output_s) +
+           ", \"prompt_s_per_token\": " + num(r.prompt_s_per_token) +
+           ", \"prompt_no_output_s_per_token\": " + num(r.prompt_no_output_s_per_token) + ", \"skipped\": " + skipped +
+           ", \"seconds\": " + num(r.seconds) + ", \"error\": \"" + err + "\"}";
+}
+
+}  // namespace dgr::worker
