@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dgr.errors import DgrError
-from dgr.route.planner import (HostCapability, Link, ModelShape, Workload, _interpolate, even_ranges,
+from dgr.route.planner import (HostCapability, Link, ModelShape, Overheads, Workload, _interpolate, even_ranges,
                                model_shape, parse_capabilities, plan_route, predict)
 
 GIB = 1 << 30
@@ -38,15 +38,30 @@ def test_interpolate_between_and_beyond_the_measured_batches():
 def test_prediction_pipeline_arithmetic():
     m = ModelShape.uniform(4, layer_bytes=1, output_bytes=1, embed_bytes=1, n_embd=4, kv_bytes_per_cell_layer=1)
     h = HostCapability("a", {1: 1.0, 2: 2.0}, 1.0, {1: 1.0, 2: 2.0}, 1.0, GIB)
-    link = Link(rtt_s=0.0, bandwidth_bytes_s=1e12)
-    one = predict(m, [h, h], [(0, 2), (2, 4)], link, Workload(sessions=2, prompt_tokens=1), groups=1)
+    link, none = Link(rtt_s=0.0, bandwidth_bytes_s=1e12), Overheads(token_s=0.0, step_s=0.0, hop_s=0.0)
+    one = predict(m, [h, h], [(0, 2), (2, 4)], link, Workload(sessions=2, prompt_tokens=1), groups=1, overheads=none)
     # stage 0: 2 layers x 2 s (2 rows); stage 1: 2 layers x 2 s + output 2 s
     assert [s.decode_s for s in one.stages] == pytest.approx([4.0, 6.0])
     assert one.round_s == pytest.approx(10.0) and one.aggregate_tok_s == pytest.approx(0.2)
-    two = predict(m, [h, h], [(0, 2), (2, 4)], link, Workload(sessions=2, prompt_tokens=1), groups=2)
+    two = predict(m, [h, h], [(0, 2), (2, 4)], link, Workload(sessions=2, prompt_tokens=1), groups=2, overheads=none)
     # groups of one row: stages 2 s and 3 s; round = max(cycle 5 s, 2 x 3 s)
     assert two.round_s == pytest.approx(6.0) and two.aggregate_tok_s == pytest.approx(2 / 6)
     assert two.stages[1].busy_share == pytest.approx(1.0) and two.stages[0].busy_share == pytest.approx(4 / 6)
+    # a tail host with half a core's duty: bursts as fast, but kept busy it computes half the time
+    half = HostCapability("h", {1: 1.0, 2: 2.0}, 1.0, {1: 1.0, 2: 2.0}, 1.0, GIB, duty=0.5)
+    slow = predict(m, [h, half], [(0, 2), (2, 4)], link, Workload(sessions=2, prompt_tokens=1), groups=2,
+                   overheads=none)
+    assert slow.round_s == pytest.approx(12.0)   # 2 groups x 3 s / 0.5
+    alone = predict(m, [h, half], [(0, 2), (2, 4)], link, Workload(sessions=1, prompt_tokens=1), overheads=none)
+    assert alone.single_session_tok_s == pytest.approx(1 / 6.0)   # 3 s of tail compute per 6 s at duty 0.5
+    # the driver's share sits on the head's host
+    drv = predict(m, [h, h], [(0, 2), (2, 4)], link, Workload(sessions=2, prompt_tokens=1), groups=1,
+                  overheads=Overheads(token_s=0.5, step_s=0.25, hop_s=0.0))
+    assert drv.stages[0].decode_s == pytest.approx(4.0 + 2 * 0.5) and drv.round_s == pytest.approx(10.0 + 1.0 + 0.25)
+    # a hop's overhead: half on each end, all of it on the trip
+    hop = predict(m, [h, h], [(0, 2), (2, 4)], link, Workload(sessions=2, prompt_tokens=1), groups=1,
+                  overheads=Overheads(token_s=0.0, step_s=0.0, hop_s=1.0))
+    assert [s.decode_s for s in hop.stages] == pytest.approx([4.5, 6.5]) and hop.round_s == pytest.approx(11.0)
     with pytest.raises(DgrError, match="contiguously"):
         predict(m, [h, h], [(0, 1), (2, 4)], link, Workload())
 
@@ -58,8 +73,6 @@ def test_identical_hosts_plan_at_least_as_fast_as_every_hand_split(sessions):
     best_hand = max(predict(SMOL, hosts, [(0, c), (c, 30)], link, w, g).aggregate_tok_s
                     for c in range(1, 30) for g in range(1, min(sessions, 3) + 1))
     assert p.prediction.aggregate_tok_s >= best_hand * (1 - 1e-9)
-    a, b = (int(x) for x in p.split.split(",")[0].split(":")) if "," in p.split else (0, 30)
-    assert b == 30 or b > 15, "the tail holds the output matrix: the head takes more layers"
 
 
 def test_a_half_speed_host_gets_fewer_layers_and_the_route_beats_the_even_split():
@@ -130,6 +143,8 @@ def _caps_doc(**over):
     ({"memory_bytes": 0}, "memory_bytes"),
     ({"memory_bytes": 1.5}, "memory_bytes"),
     ({"embed_s": -0.1}, "embed_s"),
+    ({"duty": 0}, "duty"),
+    ({"duty": 1.5}, "duty"),
 ])
 def test_bad_capabilities_are_refused_naming_the_field(over, match):
     with pytest.raises(DgrError, match=match):
@@ -196,3 +211,24 @@ def test_dgr_plan_json_and_text(tmp_path, tiny_model):
     assert e.returncode != 0 and "3 ranges for 2 hosts" in e.stderr and "Traceback" not in e.stderr
     e = _dgr("plan", "-c", str(tmp_path / "missing.json"), "--model", str(tiny_model))
     assert e.returncode != 0 and "cannot read" in e.stderr and "Traceback" not in e.stderr
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"cpu_quota": (None,)}, "2 to 8 hosts"),
+    ({"cpu_quota": (None, 1.5)}, "0.05..1"),
+    ({"cpu_quota": (None, float("nan"))}, "0.05..1"),
+    ({"sessions": ()}, "--sessions"),
+    ({"sessions": (0,)}, "--sessions"),
+    ({"repeats": 0}, "--repeats"),
+    ({"probe_budget_s": 0.1}, "--probe-budget-s"),
+])
+def test_plan_bench_config_refused_before_a_lab_comes_up(kw, match):
+    from dgr.lab.plan_bench import PlanBenchConfig
+    with pytest.raises(DgrError, match=match):
+        PlanBenchConfig(**kw).validate()
+
+
+def test_dgr_bench_plan_refuses_a_single_quota(tmp_path):
+    p = _dgr("bench", "plan", "--cpu-quota", "0.5", "--out", str(tmp_path / "x.json"))
+    assert p.returncode != 0 and "one value per host" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -36,6 +36,7 @@ int main() {
         for (const auto & [rows, s] : r.decode_s) CHECK(s > 0.0, "%u rows: %g", rows, s);
         CHECK(r.decode_s.at(16) > r.decode_s.at(1), "16 rows (1.6 ms of row delay) cost more than 1");
         CHECK(r.prompt_s_per_token > 0.0 && r.prompt_no_output_s_per_token > 0.0, "prompt figures");
+        CHECK(r.sustained_s > 0.0 && r.duty > 0.0 && r.duty <= 1.0, "sustained %g, duty %g", r.sustained_s, r.duty);
         // the probe's sequences are gone: a new session's first row goes in at position 0
         DecodeBatch b;
         for (int32_t s = 0; s < 16; ++s) {

@@ -176,6 +176,42 @@ def route(
     _write(out, doc, rb.summary(doc))
 
 
+@app.command("plan")
+def plan_bench(
+    model: Optional[str] = typer.Option(None, "--model", help="GGUF file, or a packaged model (default: the embedded "
+                                        "SmolLM2-135M Q4_1)."),
+    cpu_quota: str = typer.Option("-;0.5", "--cpu-quota", help="One value per lab host, ';'-separated: its CPU time "
+                                  "in cores (cgroup cpu quota), '-' for the whole core; 2..8 hosts."),
+    sessions: str = typer.Option("1,8", "--sessions", help="Concurrent session counts (comma-separated)."),
+    n_prompt: int = typer.Option(64, "--n-prompt", min=1, max=4096),
+    n_gen: int = typer.Option(48, "--n-gen", min=1, max=4096),
+    repeats: int = typer.Option(3, "--repeats", min=1, max=20),
+    probe_budget_s: float = typer.Option(5.0, "--probe-budget-s", min=0.5, max=600.0,
+                                         help="Time each host's capability probe may take."),
+    out: Path = typer.Option(Path("plan-bench.json"), "--out", help="Where to write the results JSON."),
+) -> None:
+    """The planned split (dgr plan, from each lab host's own probe) against the even split and the
+    first host alone, on lab hosts of unequal CPU quota; measured next to predicted, every repeat."""
+    _check_out(out)
+    from ..errors import DgrError
+    from ..gguf.models import resolve_model
+    from ..lab.config import per_host
+    from ..lab.plan_bench import PlanBenchConfig, run_plan_bench, summary
+
+    all_q, each_q = per_host(cpu_quota, "--cpu-quota", float)
+    if each_q is None:
+        raise DgrError("--cpu-quota needs one value per host, ';'-separated (e.g. '-;0.5')")
+    try:
+        levels = tuple(int(x) for x in sessions.split(",") if x.strip())
+    except ValueError:
+        raise DgrError("--sessions takes comma-separated numbers") from None
+    cfg = PlanBenchConfig(cpu_quota=tuple(each_q), sessions=levels, n_prompt=n_prompt, n_gen=n_gen,
+                          repeats=repeats, probe_budget_s=probe_budget_s)
+    cfg.validate()
+    doc = run_plan_bench(resolve_model(model), cfg)
+    _write(out, doc, summary(doc))
+
+
 @app.command("gate")
 def gate(
     model: Optional[Path] = typer.Option(None, "--model", help="Source GGUF (default: embedded SmolLM2-135M Q4_1)."),

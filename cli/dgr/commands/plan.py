@@ -29,6 +29,15 @@ def plan(
     compare: Optional[str] = typer.Option(None, "--compare", help="Also predict this split (e.g. 0:15,15:30) "
                                           "over all the listed hosts, at its best group count; 'even': layers in "
                                           "equal parts."),
+    token_overhead_ms: Optional[float] = typer.Option(None, "--token-overhead-ms", min=0.0, max=10000.0,
+                                                      help="Per token on the head's host: the driver or gateway "
+                                                      "beside it, gRPC, sampling (default: measured here, 1.7)."),
+    step_overhead_ms: Optional[float] = typer.Option(None, "--step-overhead-ms", min=0.0, max=10000.0,
+                                                     help="Per group step through the route: hand-offs, "
+                                                     "scheduling (default: measured here, 2.7)."),
+    hop_overhead_ms: Optional[float] = typer.Option(None, "--hop-overhead-ms", min=0.0, max=10000.0,
+                                                    help="Per hop a group step crosses, CPU on both ends "
+                                                    "(default: measured here, 2.1)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Choose the layer ranges and pipeline groups with the highest predicted aggregate decode,
@@ -38,7 +47,8 @@ def plan(
     from ..errors import DgrError
     from ..gguf.models import resolve_model
     from ..route.local import parse_split
-    from ..route.planner import Link, Workload, even_ranges, load_capabilities, model_shape, plan_route, predict
+    from ..route.planner import (Link, Overheads, Workload, even_ranges, load_capabilities, model_shape, plan_route,
+                                 predict)
 
     hosts, file_link = load_capabilities(capabilities)
     link = file_link or Link()
@@ -46,7 +56,11 @@ def plan(
                 bandwidth_bytes_s=link.bandwidth_bytes_s if bandwidth_mbit is None else bandwidth_mbit * 1e6 / 8)
     shape = model_shape(resolve_model(model))
     work = Workload(sessions=sessions, prompt_tokens=prompt_tokens, ctx_per_session=ctx)
-    p = plan_route(shape, hosts, link, work, latency_bound=latency_bound)
+    base = Overheads()
+    over = Overheads(token_s=base.token_s if token_overhead_ms is None else token_overhead_ms / 1e3,
+                     step_s=base.step_s if step_overhead_ms is None else step_overhead_ms / 1e3,
+                     hop_s=base.hop_s if hop_overhead_ms is None else hop_overhead_ms / 1e3)
+    p = plan_route(shape, hosts, link, work, latency_bound=latency_bound, overheads=over)
     cmp = None
     if compare:
         rng = even_ranges(shape.n_layer, len(hosts)) if compare == "even" else parse_split(compare)
@@ -54,12 +68,13 @@ def plan(
             raise DgrError(f"--compare {compare} has {len(rng)} ranges for {len(hosts)} hosts")
         if rng[-1][1] != shape.n_layer:
             raise DgrError(f"--compare {compare} ends at layer {rng[-1][1]}; the model has {shape.n_layer}")
-        cmp = max((predict(shape, hosts, rng, link, work, g) for g in range(1, min(sessions, len(hosts) + 1) + 1)),
+        cmp = max((predict(shape, hosts, rng, link, work, g, over) for g in range(1, min(sessions, len(hosts) + 1) + 1)),
                   key=lambda c: c.aggregate_tok_s)
     if as_json:
         out = {"schema": "dgr.plan.v1", "model": shape.name, "n_layer": shape.n_layer,
                "workload": {"sessions": sessions, "prompt_tokens": prompt_tokens, "ctx_per_session": ctx},
                "link": {"rtt_ms": link.rtt_s * 1e3, "bandwidth_mbit": link.bandwidth_bytes_s * 8 / 1e6},
+               "overheads": {"token_ms": over.token_s * 1e3, "step_ms": over.step_s * 1e3, "hop_ms": over.hop_s * 1e3},
                "kind": "prediction", **p.to_json()}
         if cmp is not None:
             from dataclasses import asdict

@@ -61,9 +61,14 @@ class HostCapability:
     memory_bytes: int
     embed_s: float = 0.0
     endpoint: str = ""
+    # the share of the wall time the host can compute when kept busy (a CPU quota, a burstable
+    # VM): the figures above are bursts at full speed (dgr worker probe measures both)
+    duty: float = 1.0
 
     def validate(self) -> None:
         where = f"host {self.name!r}"
+        if not (_positive(self.duty) and self.duty <= 1.0):
+            raise DgrError(f"{where}: duty = {self.duty!r} is not a share in (0, 1]")
         if not self.name:
             raise DgrError("a host capability needs a name")
         for what, table in (("layer_decode_s", self.layer_decode_s), ("output_decode_s", self.output_decode_s)):
@@ -103,6 +108,25 @@ class Link:
 
     def hop_s(self, nbytes: float) -> float:
         return self.rtt_s / 2 + nbytes / self.bandwidth_bytes_s
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What a route spends beside the layers: ``token_s`` per token on the head's host (the driver
+    or gateway beside it, gRPC, sampling), ``step_s`` per group step through the route (the
+    driver's round trip, scheduling), ``hop_s`` per hop a group step crosses (a frame sent and
+    received between workers: CPU on both hosts, half on each). Defaults: measured on a 2-core VM
+    with the Python driver pinned beside 1-thread SmolLM2-135M workers, one core each (the whole
+    model alone: 12.1 and 66.3 ms per step at 1 and 8 sessions against 7.7 and 50.0 ms of probed
+    compute; a 2-host route's hand-off 2.1 ms above the single host's)."""
+    token_s: float = 0.0017
+    step_s: float = 0.0027
+    hop_s: float = 0.0021
+
+    def validate(self) -> None:
+        for what, v in (("token", self.token_s), ("step", self.step_s), ("hop", self.hop_s)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 10):
+                raise DgrError(f"{what} overhead {v!r} s is not within 0..10 s")
 
 
 @dataclass(frozen=True)
@@ -282,7 +306,8 @@ def parse_capabilities(doc: Any, where: str = "capabilities") -> tuple[list[Host
                 output_prefill_s=h.get("output_prefill_s"),
                 memory_bytes=h.get("memory_bytes"),
                 embed_s=h.get("embed_s", 0.0),
-                endpoint=str(h.get("endpoint", "")))
+                endpoint=str(h.get("endpoint", "")),
+                duty=h.get("duty", 1.0))
         except TypeError as exc:
             raise DgrError(f"{where}: hosts[{i}]: {exc}") from None
         cap.validate()
@@ -353,7 +378,7 @@ def _stage_memory(model: ModelShape, a: int, b: int, workload: Workload, prefix:
 
 
 def predict(model: ModelShape, hosts: Sequence[HostCapability], ranges: Sequence[tuple[int, int]], link: Link,
-            workload: Workload, groups: int = 1) -> Prediction:
+            workload: Workload, groups: int = 1, overheads: Overheads = Overheads()) -> Prediction:
     """The cost model's figures for ``hosts[k]`` serving ``ranges[k]`` (contiguous, covering every
     layer) with ``groups`` pipeline groups."""
     if len(hosts) != len(ranges) or not hosts:
@@ -377,11 +402,22 @@ def predict(model: ModelShape, hosts: Sequence[HostCapability], ranges: Sequence
         dec1.append(d1)
         pre.append(p)
         stages.append(StagePlan(h.name, (a, b), d, d1, p, 0.0, _stage_memory(model, a, b, workload), h.memory_bytes))
+    # the head's host also runs the driver (or gateway) for its rows; each hop costs both its
+    # ends some CPU (half its overhead each)
+    dec[0] += rows * overheads.token_s
+    dec1[0] += overheads.token_s
     hops = len(hosts) - 1
+    for k in range(len(hosts)):
+        ends = (k > 0) + (k < hops)
+        dec[k] += ends * overheads.hop_s / 2
+        dec1[k] += ends * overheads.hop_s / 2
+        stages[k].decode_s, stages[k].decode_1_s = dec[k], dec1[k]
     back = link.hop_s(8 * rows) if hops else 0.0   # sampled tokens back to the head
-    cycle = sum(dec) + hops * link.hop_s(rows * row_bytes) + back
-    cycle1 = sum(dec1) + (hops * link.hop_s(row_bytes) + link.hop_s(8) if hops else 0.0)
-    round_s = max(cycle, groups * max(dec))
+    cycle = sum(dec) + hops * link.hop_s(rows * row_bytes) + back + overheads.step_s
+    cycle1 = sum(dec1) + (hops * link.hop_s(row_bytes) + link.hop_s(8) if hops else 0.0) + overheads.step_s
+    # a host kept busy computes only its duty share of the time (bursts run at full speed)
+    cycle1 = max(cycle1, max(d / h.duty for d, h in zip(dec1, hosts)))
+    round_s = max(cycle, groups * max(d / h.duty for d, h in zip(dec, hosts)))
     for s, d in zip(stages, dec):
         s.busy_share = min(1.0, groups * d / round_s)
     prompt_hop = link.hop_s(workload.prompt_tokens * row_bytes) if hops else 0.0
@@ -396,10 +432,12 @@ def predict(model: ModelShape, hosts: Sequence[HostCapability], ranges: Sequence
 # ---------------------------------------------------------------- the search
 
 
-def _best_ranges(model: ModelShape, hosts: Sequence[HostCapability], rows: int,
-                 workload: Workload) -> list[tuple[int, int]] | None:
+def _best_ranges(model: ModelShape, hosts: Sequence[HostCapability], rows: int, workload: Workload,
+                 overheads: Overheads = Overheads(), total: bool = False) -> list[tuple[int, int]] | None:
     """Contiguous ranges (every host at least one layer) whose slowest stage at ``rows`` is the
-    least, among those that fit each host's memory; None when none fits."""
+    least (``total``: whose stages add up to the least, one group's trip), among those that fit
+    each host's memory; a stage's time is its compute over its host's duty, the head's with the
+    driver's share. None when none fits."""
     n, m = model.n_layer, len(hosts)
     if m > n:
         return None
@@ -412,12 +450,12 @@ def _best_ranges(model: ModelShape, hosts: Sequence[HostCapability], rows: int,
     def stage(k: int, a: int, b: int) -> float:
         if _stage_memory(model, a, b, workload, prefix) > hosts[k].memory_bytes:
             return inf
-        c = costs[k].dec[b] - costs[k].dec[a]
+        c = costs[k].dec[b] - costs[k].dec[a] + ((k > 0) + (k < m - 1)) * overheads.hop_s / 2
         if a == 0:
-            c += hosts[k].embed_s
+            c += hosts[k].embed_s + rows * overheads.token_s
         if b == n:
             c += hosts[k].output_at(rows)
-        return c
+        return c / hosts[k].duty
 
     best = [[inf] * (n + 1) for _ in range(m + 1)]
     cut = [[0] * (n + 1) for _ in range(m + 1)]
@@ -427,7 +465,7 @@ def _best_ranges(model: ModelShape, hosts: Sequence[HostCapability], rows: int,
             for j in range(k - 1, i):
                 if best[k - 1][j] == inf:
                     continue
-                c = max(best[k - 1][j], stage(k - 1, j, i))
+                c = best[k - 1][j] + stage(k - 1, j, i) if total else max(best[k - 1][j], stage(k - 1, j, i))
                 if c < best[k][i]:
                     best[k][i], cut[k][i] = c, j
     if best[m][n] == inf:
@@ -441,7 +479,8 @@ def _best_ranges(model: ModelShape, hosts: Sequence[HostCapability], rows: int,
 
 
 def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, workload: Workload, *,
-               latency_bound: float = 2.0, max_groups: int | None = None) -> Plan:
+               latency_bound: float = 2.0, max_groups: int | None = None,
+               overheads: Overheads = Overheads()) -> Plan:
     """The split (and pipeline groups) with the highest predicted aggregate decode for
     ``workload``, over ordered subsets of ``hosts`` (the first listed that is kept is the head).
     ``latency_bound``: a session's time between tokens under the load may be at most this many
@@ -452,6 +491,7 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
         h.validate()
     link.validate()
     workload.validate()
+    overheads.validate()
     if not hosts:
         raise DgrError("no hosts to plan for")
     if len({h.name for h in hosts}) != len(hosts):
@@ -471,8 +511,10 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
         hs = [hosts[i] for i in sub]
         limit = min(workload.sessions, group_caps or len(hs) + 1)
         seen: set[tuple[tuple[int, int], ...]] = set()
-        for g in range(1, limit + 1):
-            ranges = _best_ranges(model, hs, math.ceil(workload.sessions / g), workload)
+        found = [_best_ranges(model, hs, math.ceil(workload.sessions / g), workload, overheads) for g in
+                 range(1, limit + 1)]
+        found.append(_best_ranges(model, hs, workload.sessions, workload, overheads, total=True))
+        for ranges in found:
             if ranges is None:
                 continue
             for gg in range(1, limit + 1):   # the ranges found for one group count, at every count
@@ -480,7 +522,7 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
                 if key in seen:
                     continue
                 seen.add(key)
-                scored.append((predict(model, hs, ranges, link, workload, gg), sub, ranges))
+                scored.append((predict(model, hs, ranges, link, workload, gg, overheads), sub, ranges))
     if not scored:
         need = _stage_memory(model, 0, model.n_layer, workload)
         raise DgrError(f"no subset of the {m} hosts holds {model.name} for {workload.sessions} sessions of "

@@ -83,12 +83,22 @@ def capability_from_probe(probe: dict[str, Any], shape: ModelShape, *, name: str
     entry = {"name": name, "endpoint": endpoint, "memory_bytes": int(memory_bytes),
              "layer_decode_s": {str(r): layer[r] for r in rows}, "layer_prefill_s": max(1e-9, layer_prefill),
              "output_decode_s": {str(r): output[r] for r in rows}, "output_prefill_s": output[rows[0]],
-             "embed_s": 0.0,
+             "embed_s": 0.0, "duty": _duty(probe),
              "probe": {"layers": [a, b], "threads": probe.get("threads"), "backend": probe.get("backend"),
                        "skipped_rows": probe.get("skipped", []), "seconds": probe.get("seconds"),
+                       "sustained_s": probe.get("sustained_s"), "duty_measured": probe.get("duty"),
                        "fake": bool(probe.get("fake"))}}
     parse_capabilities({"schema": CAPABILITY_SCHEMA, "hosts": [entry]}, "probe")   # the planner accepts it
     return entry
+
+
+def _duty(probe: dict[str, Any]) -> float:
+    """The probe's burst/sustained ratio; above 0.9 it is taken as a whole host (run-to-run noise
+    on an unthrottled host reads 0.9-1.0), and a probe without one (an older worker) as 1."""
+    d = probe.get("duty")
+    if not isinstance(d, (int, float)) or not 0 < d <= 1:
+        return 1.0
+    return 1.0 if d > 0.9 else round(float(d), 3)
 
 
 def host_memory_bytes(probe: dict[str, Any], memory_mb: float | None) -> int:

@@ -89,6 +89,24 @@ ProbeResult probe_capability(ModelBackend & be, const ProbeOptions & o) {
         double n = 0.0;
         if (in.tail && run(1, prompt, false, &n)) r.prompt_no_output_s_per_token = n / prompt;
     };
+    // 1-row steps back to back for the window (at least 3 calls): their mean
+    auto sustained_probe = [&](double burst) {
+        const DecodeBatch b = make_batch(in, 1, 1, true);
+        const auto w0 = Clock::now();
+        uint32_t calls = 0;
+        const double window = std::min(o.sustained_window_s, std::max(0.0, 0.5 * (o.budget_s - since(t0))));
+        while (calls < 3 || since(w0) < window) {
+            const BackendStatus st = be.decode(b, &r.error);
+            be.seq_rm(0, 0, -1);
+            if (st != BackendStatus::ok) {
+                if (r.error.empty()) r.error = "decode failed";
+                return;
+            }
+            ++calls;
+        }
+        r.sustained_s = since(w0) / calls;
+        r.duty = r.sustained_s > 0.0 ? std::min(1.0, burst / r.sustained_s) : 1.0;
+    };
     for (uint32_t rows : sizes) {
         if (rows == 0) continue;
         const double calls = (double) (repeats + 1) * (in.tail ? 2.0 : 1.0);
@@ -109,6 +127,8 @@ ProbeResult probe_capability(ModelBackend & be, const ProbeOptions & o) {
         last_rows = rows;
         last_s = s;
         if (first) {
+            sustained_probe(s);
+            if (!r.ok()) break;
             prompt_probe();
             if (!r.ok()) break;
         }
@@ -140,7 +160,8 @@ std::string probe_json(const ProbeResult & r) {
            ", \"tail\": " + (r.tail ? "true" : "false") + ", \"decode_s\": " + table(r.decode_s) +
            ", \"decode_no_output_s\": " + table(r.decode_no_output_s) +
            ", \"prompt_s_per_token\": " + num(r.prompt_s_per_token) +
-           ", \"prompt_no_output_s_per_token\": " + num(r.prompt_no_output_s_per_token) + ", \"skipped\": " + skipped +
+           ", \"prompt_no_output_s_per_token\": " + num(r.prompt_no_output_s_per_token) +
+           ", \"sustained_s\": " + num(r.sustained_s) + ", \"duty\": " + num(r.duty) + ", \"skipped\": " + skipped +
            ", \"seconds\": " + num(r.seconds) + ", \"error\": \"" + err + "\"}";
 }
 

@@ -9,6 +9,12 @@
 // figure is the median of its repeats after one warm-up call. The time budget bounds the whole
 // probe: a batch size that would not fit in what is left is skipped and the result says so, so
 // an 8B range on one core reports its 1-row figure instead of stalling start-up.
+//
+// Those figures are bursts: a few calls in a row. A host whose CPU time is capped (a cgroup
+// quota, a burstable VM) runs a burst at full speed and throttles a host kept busy. So the
+// probe also keeps 1-row steps going for a window (default 2 s, twenty CFS periods) and reports the
+// ratio of the burst figure to that sustained one as `duty`: the share of the wall time the host
+// can compute. The window comes out of the same budget, first.
 #pragma once
 
 #include "worker/backend.h"
@@ -24,6 +30,9 @@ struct ProbeOptions {
     uint32_t prompt_rows = 64;     // one prompt piece, per-token cost
     uint32_t repeats = 3;
     double budget_s = 5.0;
+    // 1-row steps back to back for this long: the sustained rate, against the burst figures
+    // above (a CPU quota lets short calls run at full speed and throttles a busy host)
+    double sustained_window_s = 2.0;
 };
 
 struct ProbeResult {
@@ -33,6 +42,9 @@ struct ProbeResult {
     std::map<uint32_t, double> decode_no_output_s;  // tail only: the same step asking for no logits
     double prompt_s_per_token = 0.0;                // the range, per prompt row (tail: logits of the last)
     double prompt_no_output_s_per_token = 0.0;      // tail only: no logits
+    double sustained_s = 0.0;                       // 1-row step (with logits) kept up for the window: mean
+    double duty = 1.0;                              // decode_s[1] / sustained_s, at most 1: the share of
+                                                    // the time this host can compute when kept busy
     std::vector<uint32_t> skipped;                  // batch sizes left out (budget, batch or sequence limits)
     double seconds = 0.0;
     std::string error;                              // a decode failed: the probe stopped there
@@ -43,7 +55,8 @@ struct ProbeResult {
 ProbeResult probe_capability(ModelBackend & backend, const ProbeOptions & opts);
 
 // {"layers", "head", "tail", "decode_s": {"1": s, ...}, "decode_no_output_s": {...},
-//  "prompt_s_per_token", "prompt_no_output_s_per_token", "skipped": [...], "seconds", "error"}
+//  "prompt_s_per_token", "prompt_no_output_s_per_token", "sustained_s", "duty", "skipped": [...],
+//  "seconds", "error"}
 std::string probe_json(const ProbeResult & r);
 
 }  // namespace dgr::worker

@@ -31,12 +31,22 @@ int probe_main(int argc, char ** argv) {
             }
             po.budget_s = v;
             ++i;
+        } else if (std::strcmp(argv[i], "--probe-window-s") == 0) {
+            char * end = nullptr;
+            const double v = i + 1 < argc ? std::strtod(argv[i + 1], &end) : 0.0;
+            if (i + 1 >= argc || !end || *end || !(v >= 0.0 && v <= 60.0)) {
+                std::fprintf(stderr, "dgr-worker: error: --probe-window-s must be a number of seconds in 0..60\n");
+                return 2;
+            }
+            po.sustained_window_s = v;
+            ++i;
         } else if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
             std::printf("usage: dgr-worker probe (--fake-model | --model FILE) [--layers A:B] [--threads N]\n"
-                        "         [--probe-budget-s S] [serve's model options] [--json]\n"
+                        "         [--probe-budget-s S] [--probe-window-s W] [serve's model options] [--json]\n"
                         "  loads the range as `serve` would and measures what it costs here: a decode step at\n"
                         "  1/4/8/16 rows, a prompt row, and on a tail the output matrix apart (docs/worker.md,\n"
-                        "  Measured capability); within S seconds (default 5), larger batches left out first\n");
+                        "  Measured capability); within S seconds (default 5), larger batches left out first;\n"
+                        "  1-row steps kept up for W seconds (default 2) give the host's duty under a CPU quota\n");
             return 0;
         } else {
             args.push_back(argv[i]);
