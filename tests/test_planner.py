@@ -64,6 +64,9 @@ def test_prediction_pipeline_arithmetic():
     assert [s.decode_s for s in hop.stages] == pytest.approx([4.5, 6.5]) and hop.round_s == pytest.approx(11.0)
     with pytest.raises(DgrError, match="contiguously"):
         predict(m, [h, h], [(0, 1), (2, 4)], link, Workload())
+    # one Shard batches every ready row: no groups without a second stage
+    solo = predict(m, [h], [(0, 4)], link, Workload(sessions=2, prompt_tokens=1), groups=2, overheads=none)
+    assert solo.groups == 1 and solo.rows_per_group == 2 and solo.round_s == pytest.approx(4 * 2.0 + 2.0)
 
 
 @pytest.mark.parametrize("sessions", [1, 8])

@@ -386,7 +386,8 @@ def predict(model: ModelShape, hosts: Sequence[HostCapability], ranges: Sequence
     if ranges[0][0] != 0 or ranges[-1][1] != model.n_layer or \
             any(r0[1] != r1[0] for r0, r1 in zip(ranges, ranges[1:])) or any(a >= b for a, b in ranges):
         raise DgrError(f"ranges {ranges} do not cover 0:{model.n_layer} contiguously")
-    groups = max(1, min(groups, workload.sessions))
+    # a single Shard batches every ready row: groups exist only between stages
+    groups = 1 if len(hosts) == 1 else max(1, min(groups, workload.sessions))
     rows = math.ceil(workload.sessions / groups)
     row_bytes = 4 * model.n_embd
     stages, dec, dec1, pre = [], [], [], []
@@ -509,7 +510,7 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
     scored: list[tuple[Prediction, tuple[int, ...], list[tuple[int, int]]]] = []
     for sub in subsets:
         hs = [hosts[i] for i in sub]
-        limit = min(workload.sessions, group_caps or len(hs) + 1)
+        limit = 1 if len(hs) == 1 else min(workload.sessions, group_caps or len(hs) + 1)
         seen: set[tuple[tuple[int, int], ...]] = set()
         found = [_best_ranges(model, hs, math.ceil(workload.sessions / g), workload, overheads) for g in
                  range(1, limit + 1)]
