@@ -11,8 +11,8 @@ import typer
 
 def plan(
     capabilities: Path = typer.Option(..., "--capabilities", "-c", help="The hosts' capabilities (JSON, "
-                                      "schema dgr.capabilities.v1; docs/multi-host.md), in route order: the "
-                                      "first host kept is the head."),
+                                      "schema dgr.capabilities.v1; docs/multi-host.md); the first host listed "
+                                      "runs the gateway or driver."),
     model: Optional[str] = typer.Option(None, "--model", help="GGUF file (or any part of a split set), or a "
                                         "packaged model (default: the embedded SmolLM2-135M Q4_1)."),
     sessions: int = typer.Option(8, "--sessions", min=1, max=4096, help="Concurrent sessions to plan for."),
@@ -68,7 +68,7 @@ def plan(
             raise DgrError(f"--compare {compare} has {len(rng)} ranges for {len(hosts)} hosts")
         if rng[-1][1] != shape.n_layer:
             raise DgrError(f"--compare {compare} ends at layer {rng[-1][1]}; the model has {shape.n_layer}")
-        cmp = max((predict(shape, hosts, rng, link, work, g, over) for g in range(1, min(sessions, len(hosts) + 1) + 1)),
+        cmp = max((predict(shape, hosts, rng, link, work, g, over, hosts[0].name) for g in range(1, min(sessions, len(hosts) + 1) + 1)),
                   key=lambda c: c.aggregate_tok_s)
     if as_json:
         out = {"schema": "dgr.plan.v1", "model": shape.name, "n_layer": shape.n_layer,

@@ -11,7 +11,8 @@ count and in alternating order per repeat:
 - **even**: every host, layers in equal parts, the workers' own group policy;
 - **first host alone**: the whole model on h1 (what adding the other hosts must not undercut).
 
-The driver runs pinned to h1's CPU, as a deployment's gateway runs beside the head."""
+The driver runs pinned to h1's CPU, as a deployment's gateway runs on the first host listed (the
+planner counts its share there; the planned route may have another host as its head)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ def run_plan_bench(model: Path, cfg: PlanBenchConfig) -> dict[str, Any]:
                 "planned": {"hosts": plan.hosts, "split": [tuple(map(int, r.split(":"))) for r in plan.split.split(",")],
                             "groups": plan.prediction.groups, "predicted": asdict(plan.prediction)},
                 "even": {"hosts": [h.name for h in lab.hosts], "split": even, "groups": None,
-                         "predicted": asdict(predict(shape, caps, even, link, work, even_groups))},
+                         "predicted": asdict(predict(shape, caps, even, link, work, even_groups,
+                                                     gateway=lab.hosts[0].name))},
                 "first_alone": {"hosts": [lab.hosts[0].name], "split": [(0, shape.n_layer)], "groups": 1,
                                 "predicted": asdict(first_alone)},
             }

@@ -19,8 +19,8 @@ rows, one round (every session one token) takes ``max(cycle(b), G * slowest stag
 ``cycle(b)`` is one group's trip through every stage and back. A stage's busy share is its
 ``G * stage(b)`` over the round.
 
-The planner (:func:`plan_route`) keeps the hosts' order (the first listed is the head) and tries
-every subset of them: for each, and each group count, a dynamic program finds the contiguous
+The planner (:func:`plan_route`) tries every subset of the hosts, in every order up to 4 hosts
+(which host is the tail matters: it holds the output matrix) and in the listed order beyond: for each, and each group count, a dynamic program finds the contiguous
 ranges whose slowest stage is the least among those that fit every host's memory; the candidate
 with the highest predicted aggregate decode wins, among those that keep a session's token
 latency within the stated bound. A host left out is named with the reason (it does not fit, or
@@ -31,83 +31,16 @@ wire format); the search is a few dozen lines of prefix sums."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from itertools import combinations
+from itertools import combinations, permutations
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import DgrError
+from .capabilities import (BATCH_SIZES, CAPABILITY_SCHEMA, HostCapability, Link, _interpolate,  # noqa: F401
+                           _positive, load_capabilities, parse_capabilities)
 
-BATCH_SIZES = (1, 4, 8, 16)
-CAPABILITY_SCHEMA = "dgr.capabilities.v1"
-
-
-@dataclass(frozen=True)
-class HostCapability:
-    """What one host measured for one model (its backend and thread count), in seconds.
-
-    ``layer_decode_s``: one mean layer's decode step at each batch size (rows) measured;
-    ``layer_prefill_s``: one mean layer per prompt token; ``output_decode_s`` / ``output_prefill_s``:
-    the output matrix (and final norm) per step / per prompt token (sampling counts per row);
-    ``embed_s``: the head's embedding lookup per step; ``memory_bytes``: what the host lets a
-    Shard use (weights, KV cache, compute buffers)."""
-    name: str
-    layer_decode_s: dict[int, float]
-    layer_prefill_s: float
-    output_decode_s: dict[int, float]
-    output_prefill_s: float
-    memory_bytes: int
-    embed_s: float = 0.0
-    endpoint: str = ""
-    # the share of the wall time the host can compute when kept busy (a CPU quota, a burstable
-    # VM): the figures above are bursts at full speed (dgr worker probe measures both)
-    duty: float = 1.0
-
-    def validate(self) -> None:
-        where = f"host {self.name!r}"
-        if not (_positive(self.duty) and self.duty <= 1.0):
-            raise DgrError(f"{where}: duty = {self.duty!r} is not a share in (0, 1]")
-        if not self.name:
-            raise DgrError("a host capability needs a name")
-        for what, table in (("layer_decode_s", self.layer_decode_s), ("output_decode_s", self.output_decode_s)):
-            if not table:
-                raise DgrError(f"{where}: {what} is empty (give at least the batch size 1)")
-            for b, s in table.items():
-                if not isinstance(b, int) or b < 1:
-                    raise DgrError(f"{where}: {what} batch size {b!r} is not a positive integer")
-                if not _positive(s):
-                    raise DgrError(f"{where}: {what}[{b}] = {s!r} is not a positive number of seconds")
-        for what, s in (("layer_prefill_s", self.layer_prefill_s), ("output_prefill_s", self.output_prefill_s)):
-            if not _positive(s):
-                raise DgrError(f"{where}: {what} = {s!r} is not a positive number of seconds")
-        if not (isinstance(self.embed_s, (int, float)) and math.isfinite(self.embed_s) and self.embed_s >= 0):
-            raise DgrError(f"{where}: embed_s = {self.embed_s!r} is not a number of seconds >= 0")
-        if not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
-            raise DgrError(f"{where}: memory_bytes = {self.memory_bytes!r} is not a positive integer")
-
-    def layer_at(self, rows: int) -> float:
-        return _interpolate(self.layer_decode_s, rows)
-
-    def output_at(self, rows: int) -> float:
-        return _interpolate(self.output_decode_s, rows)
-
-
-@dataclass(frozen=True)
-class Link:
-    """The link between consecutive hosts: round trip and bandwidth (both directions alike)."""
-    rtt_s: float = 0.0005
-    bandwidth_bytes_s: float = 125e6   # 1 Gbit/s
-
-    def validate(self) -> None:
-        if not (isinstance(self.rtt_s, (int, float)) and math.isfinite(self.rtt_s) and 0 <= self.rtt_s <= 10):
-            raise DgrError(f"link round trip {self.rtt_s!r} s is not within 0..10 s")
-        if not _positive(self.bandwidth_bytes_s):
-            raise DgrError(f"link bandwidth {self.bandwidth_bytes_s!r} B/s is not a positive number")
-
-    def hop_s(self, nbytes: float) -> float:
-        return self.rtt_s / 2 + nbytes / self.bandwidth_bytes_s
 
 
 @dataclass(frozen=True)
@@ -210,25 +143,6 @@ class Plan:
                 "dropped": self.dropped, "candidates": self.candidates, "prediction": asdict(self.prediction)}
 
 
-def _positive(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-
-
-def _interpolate(table: dict[int, float], rows: int) -> float:
-    """Linear in the rows between the measured batch sizes; beyond the largest, the last
-    segment's per-row slope (never below the largest's time); below the smallest, its time."""
-    pts = sorted(table.items())
-    if rows <= pts[0][0]:
-        return pts[0][1]
-    for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
-        if rows <= b1:
-            return s0 + (s1 - s0) * (rows - b0) / (b1 - b0)
-    if len(pts) == 1:
-        return pts[0][1] * rows
-    (b0, s0), (b1, s1) = pts[-2], pts[-1]
-    return max(s1, s1 + max(0.0, (s1 - s0) / (b1 - b0)) * (rows - b1))
-
-
 # ---------------------------------------------------------------- the model's shape
 
 
@@ -266,85 +180,6 @@ def model_shape(path: Path) -> ModelShape:
     return ModelShape(Path(path).name, tuple(max(1, e) for e in elems), tuple(nbytes), output, embed, tied, kv, n_embd)
 
 
-# ---------------------------------------------------------------- capabilities
-
-
-def load_capabilities(path: Path) -> tuple[list[HostCapability], Link | None]:
-    """A capabilities file: ``{"schema": "dgr.capabilities.v1", "hosts": [...], "link": {...}}``,
-    each host ``{"name", "layer_decode_s": {"1": s, "4": s, ...}, "layer_prefill_s",
-    "output_decode_s": {...}, "output_prefill_s", "embed_s", "memory_bytes"}``; ``link`` (optional)
-    ``{"rtt_ms", "bandwidth_mbit"}``. DgrError naming the first bad field."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise DgrError(f"cannot read {path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DgrError(f"{path} is not JSON: {exc}") from None
-    return parse_capabilities(doc, str(path))
-
-
-def parse_capabilities(doc: Any, where: str = "capabilities") -> tuple[list[HostCapability], Link | None]:
-    if not isinstance(doc, dict):
-        raise DgrError(f"{where}: expected an object with 'hosts'")
-    if doc.get("schema", CAPABILITY_SCHEMA) != CAPABILITY_SCHEMA:
-        raise DgrError(f"{where}: schema {doc.get('schema')!r} is not {CAPABILITY_SCHEMA!r}")
-    raw = doc.get("hosts")
-    if not isinstance(raw, list) or not raw:
-        raise DgrError(f"{where}: 'hosts' must be a non-empty list")
-    if len(raw) > 16:
-        raise DgrError(f"{where}: {len(raw)} hosts; the planner takes at most 16")
-    hosts = []
-    for i, h in enumerate(raw):
-        if not isinstance(h, dict):
-            raise DgrError(f"{where}: hosts[{i}] is not an object")
-        try:
-            cap = HostCapability(
-                name=str(h.get("name") or f"host{i}"),
-                layer_decode_s=_batch_table(h.get("layer_decode_s"), f"hosts[{i}].layer_decode_s"),
-                layer_prefill_s=h.get("layer_prefill_s"),
-                output_decode_s=_batch_table(h.get("output_decode_s"), f"hosts[{i}].output_decode_s"),
-                output_prefill_s=h.get("output_prefill_s"),
-                memory_bytes=h.get("memory_bytes"),
-                embed_s=h.get("embed_s", 0.0),
-                endpoint=str(h.get("endpoint", "")),
-                duty=h.get("duty", 1.0))
-        except TypeError as exc:
-            raise DgrError(f"{where}: hosts[{i}]: {exc}") from None
-        cap.validate()
-        hosts.append(cap)
-    names = [h.name for h in hosts]
-    if len(set(names)) != len(names):
-        raise DgrError(f"{where}: host names must be distinct ({', '.join(names)})")
-    link = None
-    if "link" in doc:
-        ln = doc["link"]
-        if not isinstance(ln, dict):
-            raise DgrError(f"{where}: 'link' is not an object")
-        rtt, bw = ln.get("rtt_ms", 0.5), ln.get("bandwidth_mbit", 1000)
-        if not (_positive(rtt) or rtt == 0) or not _positive(bw):
-            raise DgrError(f"{where}: link rtt_ms {rtt!r} / bandwidth_mbit {bw!r} are not numbers > 0")
-        link = Link(rtt_s=float(rtt) / 1e3, bandwidth_bytes_s=float(bw) * 1e6 / 8)
-        link.validate()
-    return hosts, link
-
-
-def _batch_table(v: Any, where: str) -> dict[int, float]:
-    if not isinstance(v, dict) or not v:
-        raise DgrError(f"{where}: expected an object of batch size -> seconds")
-    out = {}
-    for k, s in v.items():
-        try:
-            b = int(k)
-        except (TypeError, ValueError):
-            raise DgrError(f"{where}: batch size {k!r} is not an integer") from None
-        if not 1 <= b <= 4096:
-            raise DgrError(f"{where}: batch size {b} is not within 1..4096")
-        if not _positive(s):
-            raise DgrError(f"{where}[{k}] = {s!r} is not a positive number of seconds")
-        out[b] = float(s)
-    return out
-
-
 # ---------------------------------------------------------------- the cost model
 
 
@@ -378,9 +213,12 @@ def _stage_memory(model: ModelShape, a: int, b: int, workload: Workload, prefix:
 
 
 def predict(model: ModelShape, hosts: Sequence[HostCapability], ranges: Sequence[tuple[int, int]], link: Link,
-            workload: Workload, groups: int = 1, overheads: Overheads = Overheads()) -> Prediction:
+            workload: Workload, groups: int = 1, overheads: Overheads = Overheads(),
+            gateway: str | None = None) -> Prediction:
     """The cost model's figures for ``hosts[k]`` serving ``ranges[k]`` (contiguous, covering every
-    layer) with ``groups`` pipeline groups."""
+    layer) with ``groups`` pipeline groups. ``gateway``: the host the driver or gateway runs on
+    (its per-token share is that host's CPU; a host outside the route: none of the stages');
+    None: the head's."""
     if len(hosts) != len(ranges) or not hosts:
         raise DgrError("one layer range per host")
     if ranges[0][0] != 0 or ranges[-1][1] != model.n_layer or \
@@ -403,10 +241,13 @@ def predict(model: ModelShape, hosts: Sequence[HostCapability], ranges: Sequence
         dec1.append(d1)
         pre.append(p)
         stages.append(StagePlan(h.name, (a, b), d, d1, p, 0.0, _stage_memory(model, a, b, workload), h.memory_bytes))
-    # the head's host also runs the driver (or gateway) for its rows; each hop costs both its
+    # the gateway's host also runs the driver (or gateway) for its rows; each hop costs both its
     # ends some CPU (half its overhead each)
-    dec[0] += rows * overheads.token_s
-    dec1[0] += overheads.token_s
+    gw = 0 if gateway is None else next((k for k, h in enumerate(hosts) if h.name == gateway), -1)
+    if gw >= 0:
+        dec[gw] += rows * overheads.token_s
+        dec1[gw] += overheads.token_s
+    outside = (rows * overheads.token_s, overheads.token_s) if gw < 0 else (0.0, 0.0)
     hops = len(hosts) - 1
     for k in range(len(hosts)):
         ends = (k > 0) + (k < hops)
@@ -414,8 +255,9 @@ def predict(model: ModelShape, hosts: Sequence[HostCapability], ranges: Sequence
         dec1[k] += ends * overheads.hop_s / 2
         stages[k].decode_s, stages[k].decode_1_s = dec[k], dec1[k]
     back = link.hop_s(8 * rows) if hops else 0.0   # sampled tokens back to the head
-    cycle = sum(dec) + hops * link.hop_s(rows * row_bytes) + back + overheads.step_s
-    cycle1 = sum(dec1) + (hops * link.hop_s(row_bytes) + link.hop_s(8) if hops else 0.0) + overheads.step_s
+    cycle = sum(dec) + hops * link.hop_s(rows * row_bytes) + back + overheads.step_s + outside[0]
+    cycle1 = sum(dec1) + (hops * link.hop_s(row_bytes) + link.hop_s(8) if hops else 0.0) + overheads.step_s + \
+        outside[1]
     # a host kept busy computes only its duty share of the time (bursts run at full speed)
     cycle1 = max(cycle1, max(d / h.duty for d, h in zip(dec1, hosts)))
     round_s = max(cycle, groups * max(d / h.duty for d, h in zip(dec, hosts)))
@@ -434,11 +276,12 @@ def predict(model: ModelShape, hosts: Sequence[HostCapability], ranges: Sequence
 
 
 def _best_ranges(model: ModelShape, hosts: Sequence[HostCapability], rows: int, workload: Workload,
-                 overheads: Overheads = Overheads(), total: bool = False) -> list[tuple[int, int]] | None:
+                 overheads: Overheads = Overheads(), total: bool = False,
+                 gateway: int = 0) -> list[tuple[int, int]] | None:
     """Contiguous ranges (every host at least one layer) whose slowest stage at ``rows`` is the
     least (``total``: whose stages add up to the least, one group's trip), among those that fit
     each host's memory; a stage's time is its compute over its host's duty, the head's with the
-    driver's share. None when none fits."""
+    driver's share on host ``gateway`` (-1: none of them). None when none fits."""
     n, m = model.n_layer, len(hosts)
     if m > n:
         return None
@@ -452,8 +295,10 @@ def _best_ranges(model: ModelShape, hosts: Sequence[HostCapability], rows: int, 
         if _stage_memory(model, a, b, workload, prefix) > hosts[k].memory_bytes:
             return inf
         c = costs[k].dec[b] - costs[k].dec[a] + ((k > 0) + (k < m - 1)) * overheads.hop_s / 2
+        if k == gateway:
+            c += rows * overheads.token_s
         if a == 0:
-            c += hosts[k].embed_s + rows * overheads.token_s
+            c += hosts[k].embed_s
         if b == n:
             c += hosts[k].output_at(rows)
         return c / hosts[k].duty
@@ -483,7 +328,9 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
                latency_bound: float = 2.0, max_groups: int | None = None,
                overheads: Overheads = Overheads()) -> Plan:
     """The split (and pipeline groups) with the highest predicted aggregate decode for
-    ``workload``, over ordered subsets of ``hosts`` (the first listed that is kept is the head).
+    ``workload``, over the subsets of ``hosts``: in every order up to 4 hosts, in the listed
+    order beyond. The plan's first host is the head; the first host listed runs the driver or
+    gateway (its per-token share is counted on that host, or on none when the plan leaves it out).
     ``latency_bound``: a session's time between tokens under the load may be at most this many
     times the least any candidate offers for the same load (pipeline groups trade a session's
     latency for aggregate throughput; this caps the trade). DgrError when no subset of the hosts
@@ -501,7 +348,11 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
         raise DgrError(f"latency bound {latency_bound!r} must be a number >= 1")
     m = len(hosts)
     subsets: list[tuple[int, ...]] = []
-    if m <= 8:
+    if m <= 4:
+        for r in range(1, m + 1):
+            for c in combinations(range(m), r):
+                subsets.extend(permutations(c))
+    elif m <= 8:
         for r in range(1, m + 1):
             subsets.extend(combinations(range(m), r))
     else:   # many hosts: all of them, and all but one
@@ -512,9 +363,10 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
         hs = [hosts[i] for i in sub]
         limit = 1 if len(hs) == 1 else min(workload.sessions, group_caps or len(hs) + 1)
         seen: set[tuple[tuple[int, int], ...]] = set()
-        found = [_best_ranges(model, hs, math.ceil(workload.sessions / g), workload, overheads) for g in
-                 range(1, limit + 1)]
-        found.append(_best_ranges(model, hs, workload.sessions, workload, overheads, total=True))
+        gw = sub.index(0) if 0 in sub else -1   # the first listed host runs the gateway
+        found = [_best_ranges(model, hs, math.ceil(workload.sessions / g), workload, overheads, gateway=gw)
+                 for g in range(1, limit + 1)]
+        found.append(_best_ranges(model, hs, workload.sessions, workload, overheads, total=True, gateway=gw))
         for ranges in found:
             if ranges is None:
                 continue
@@ -523,7 +375,7 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
                 if key in seen:
                     continue
                 seen.add(key)
-                scored.append((predict(model, hs, ranges, link, workload, gg, overheads), sub, ranges))
+                scored.append((predict(model, hs, ranges, link, workload, gg, overheads, hosts[0].name), sub, ranges))
     if not scored:
         need = _stage_memory(model, 0, model.n_layer, workload)
         raise DgrError(f"no subset of the {m} hosts holds {model.name} for {workload.sessions} sessions of "
@@ -531,8 +383,9 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
                        f"the hosts offer {sum(h.memory_bytes for h in hosts) / 2**30:.1f} GiB together)")
     bound_s = latency_bound * min(p.token_latency_s for p, _, _ in scored)
     ok = [t for t in scored if t[0].token_latency_s <= bound_s * (1 + 1e-9)]
-    # the highest aggregate; then fewer hosts; then the lower token latency
-    pred, sub, ranges = max(ok, key=lambda t: (round(t[0].aggregate_tok_s, 9), -len(t[1]), -t[0].token_latency_s))
+    # the highest aggregate; then fewer hosts; then the lower token latency; then the listed order
+    pred, sub, ranges = max(ok, key=lambda t: (round(t[0].aggregate_tok_s, 9), -len(t[1]),
+                                               -round(t[0].token_latency_s, 12), t[1] == tuple(sorted(t[1]))))
     dropped = []
     for i, h in enumerate(hosts):
         if i in sub:
