@@ -17,7 +17,7 @@ import pytest
 from dgr.errors import DgrError
 from dgr.lab import system as sx
 from dgr.lab.hosts import Lab, LabConfig
-from dgr.lab.pki import describe, make_pki
+from dgr.pki import describe, make_pki
 from dgr.lab.proxy import Link, LinkSpec
 
 _REASON = None

@@ -92,6 +92,8 @@ def _register() -> None:
     app.command("doctor", help="Each compute backend: what is present, what is missing, the install command.")(doctor_cmd.doctor)
     from .commands import drill as drill_cmd
     app.command("drill", help="Inject one fault into a route under load; measure detection, failover and what survivors hold.")(drill_cmd.drill)
+    from .commands import pki as pki_cmd
+    app.add_typer(pki_cmd.app, name="pki", help="Certificates for mutual TLS between a route's machines: issue, show.")
     from .commands import plan as plan_cmd
     app.command("plan", help="Choose a route's split over unequal hosts from their measured capabilities (a prediction).")(plan_cmd.plan)
     # Further command groups register here.

@@ -136,18 +136,10 @@ def ca(
     out: Path = typer.Option(Path("dgr-pki"), "--out", help="Directory for ca.pem, NAME.pem/.key, client.pem/.key."),
     days: int = typer.Option(7, "--days", min=1, help="Validity in days."),
 ) -> None:
-    """A throwaway CA with per-host certificates (SAN = IPs) and a driver client certificate (mTLS)."""
-    from ..lab.pki import make_pki
+    """The same as `dgr pki issue` (kept for existing scripts; use that on real machines)."""
+    from .pki import issue_certificates
 
-    hosts: dict[str, list[str]] = {}
-    for h in host:
-        n, sep, ips = h.partition("=")
-        if not sep or not n or not ips:
-            raise DgrError(f"--host {h!r}: expected NAME=IP[,IP…]")
-        hosts[n] = [x.strip() for x in ips.split(",") if x.strip()]
-    pki = make_pki(out, hosts, days=days)
-    typer.echo(f"CA {pki.ca}; hosts: " + ", ".join(f"{n} ({h.cert.name}, SAN {','.join(h.ips)})" for n, h in pki.hosts.items())
-               + f"; driver {pki.client_cert.name}. Keep {pki.ca_key.name} private.")
+    issue_certificates(host, out, days)
 
 
 @app.command("route")

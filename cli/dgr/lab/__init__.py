@@ -6,6 +6,6 @@ run in those hosts and talk over real TCP.
 - :mod:`dgr.lab.hosts`   ``Lab``: up / down / status / exec / spawn, the state file
 - :mod:`dgr.lab.system`  ip / tc / cgroup / process operations (prefixed names only)
 - :mod:`dgr.lab.proxy`   the userspace link (``python -m dgr.lab.proxy``)
-- :mod:`dgr.lab.pki`     the throwaway CA (``dgr lab ca`` for physical machines)
+- :mod:`dgr.pki`         the CA every lab issues its certificates with (``dgr pki issue`` on real machines)
 - :mod:`dgr.lab.route`   workers of a route placed on lab hosts, with mTLS on every hop
 """

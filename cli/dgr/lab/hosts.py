@@ -219,12 +219,13 @@ class Lab:
             _log.info(f"  {name}: netns {ns}, {ip}, CPUs {cpus}{' (shared with ' + ','.join(shares) + ')' if shares else ''}, "
                 f"{threads} thread(s)" + (f", memory {memory_mb} MiB" if memory_mb else "")
                 + (f", CPU time {quota:g} core(s)" if quota is not None else ""))
-        from .pki import make_pki
+        from ..pki import make_pki
 
-        pki = make_pki(self.dir / "pki", {h["name"]: [h["ip"]] for h in st["hosts"]})
+        pki = make_pki(self.dir / "pki", {h["name"]: [h["ip"]] for h in st["hosts"]},
+                       common_name=f"dgr lab {self.name} CA (throwaway)")
         st["pki"] = pki.to_json()
         self._save()
-        _log.info(f"  mTLS: throwaway CA {pki.ca} (per-host certs, SAN = host IP; driver cert client.pem)")
+        _log.info(f"  mTLS: the lab's CA {pki.ca} (per-host certs, SAN = host IP; driver cert client.pem)")
 
     def _pick_subnet(self, cfg: LabConfig) -> ipaddress.IPv4Network:
         taken = [ipaddress.ip_interface(a).network for a in sx.root_addresses()]

@@ -131,7 +131,7 @@ def run(ctx: StoryContext) -> None:
     from ...errors import DgrError
     from ...lab import system as sx
     from ...lab.hosts import Lab, LabConfig
-    from ...lab.pki import describe
+    from ...pki import describe
     from ...lab.route import LabRoute
     from ...gguf.recipe import load_registry, recipe_for
     from ...route.local import LocalRoute, ensure_worker

@@ -1,4 +1,5 @@
-"""A throwaway certificate authority for mutual TLS between hosts (lab or physical machines).
+"""A certificate authority for mutual TLS between a route's hosts: `dgr pki issue` on physical
+machines, and every `dgr lab` (which calls the same code).
 
 One CA, one certificate per host (SAN = the host's IP address(es); usable as a server identity
 and, for the chained worker -> worker hop, as that worker's client identity), and one client
@@ -6,7 +7,7 @@ certificate for the route driver. Keys are EC P-256, valid for ``days`` (default
 
 Files written to ``out_dir``::
 
-    ca.pem ca.key                       the authority (keep ca.key private; delete it with the lab)
+    ca.pem ca.key                       the authority (keep ca.key private; delete it after issuing)
     <host>.pem <host>.key               per host: serverAuth + clientAuth, SAN IP:<ip>, …
     client.pem client.key               the route driver: clientAuth
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import DgrError
+from .errors import DgrError
 
 HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 MAX_DAYS = 3650
@@ -69,7 +70,7 @@ def _pem(cert) -> bytes:
 
 
 def make_pki(out_dir: Path, hosts: dict[str, Sequence[str]], *, days: int = 7,
-             common_name: str = "dgr throwaway CA") -> Pki:
+             common_name: str = "dgr route CA") -> Pki:
     """Creates the CA and the certificates; ``hosts`` maps a host name to its IP addresses."""
     if importlib.util.find_spec("cryptography") is None:  # pragma: no cover - a declared dependency
         raise DgrError("the `cryptography` package is missing", hint="pip install -e . (it is a dgr dependency)")
