@@ -235,3 +235,10 @@ def test_dgr_bench_plan_refuses_a_single_quota(tmp_path):
     p = _dgr("bench", "plan", "--cpu-quota", "0.5", "--out", str(tmp_path / "x.json"))
     assert p.returncode != 0 and "one value per host" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_plan_bench_compare_must_name_every_host():
+    from dgr.lab.plan_bench import PlanBenchConfig
+    with pytest.raises(DgrError, match="1 ranges for 2 hosts"):
+        PlanBenchConfig(compare=((0, 30),)).validate()
+    PlanBenchConfig(compare=((0, 19), (19, 30))).validate()

@@ -188,6 +188,8 @@ def plan_bench(
     repeats: int = typer.Option(3, "--repeats", min=1, max=20),
     probe_budget_s: float = typer.Option(5.0, "--probe-budget-s", min=0.5, max=600.0,
                                          help="Time each host's capability probe may take."),
+    compare: Optional[str] = typer.Option(None, "--compare", help="Also run this hand-chosen split over every "
+                                          "host, in order (e.g. 0:19,19:30)."),
     out: Path = typer.Option(Path("plan-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """The planned split (dgr plan, from each lab host's own probe) against the even split and the
@@ -205,8 +207,11 @@ def plan_bench(
         levels = tuple(int(x) for x in sessions.split(",") if x.strip())
     except ValueError:
         raise DgrError("--sessions takes comma-separated numbers") from None
+    from ..route.local import parse_split
+
     cfg = PlanBenchConfig(cpu_quota=tuple(each_q), sessions=levels, n_prompt=n_prompt, n_gen=n_gen,
-                          repeats=repeats, probe_budget_s=probe_budget_s)
+                          repeats=repeats, probe_budget_s=probe_budget_s,
+                          compare=tuple(parse_split(compare)) if compare else None)
     cfg.validate()
     doc = run_plan_bench(resolve_model(model), cfg)
     _write(out, doc, summary(doc))

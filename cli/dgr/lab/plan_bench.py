@@ -9,7 +9,8 @@ count and in alternating order per repeat:
 
 - **planned**: the planner's hosts, split and pipeline groups;
 - **even**: every host, layers in equal parts, the workers' own group policy;
-- **first host alone**: the whole model on h1 (what adding the other hosts must not undercut).
+- **first host alone**: the whole model on h1 (what adding the other hosts must not undercut);
+- **given** (with ``--compare``): a hand-chosen split over every host.
 
 The driver runs pinned to h1's CPU, as a deployment's gateway runs on the first host listed (the
 planner counts its share there; the planned route may have another host as its head)."""
@@ -41,6 +42,8 @@ class PlanBenchConfig:
     probe_budget_s: float = 5.0
     lab_name: str = "planb"
     backend: str = "cpu"
+    # a hand-chosen split over every host, in their order, run as a fourth route ("given")
+    compare: tuple[tuple[int, int], ...] | None = None
 
     def validate(self) -> None:
         if not 2 <= len(self.cpu_quota) <= 8:
@@ -56,6 +59,8 @@ class PlanBenchConfig:
             raise DgrError("--n-prompt and --n-gen must be 1..4096")
         if not 0.5 <= self.probe_budget_s <= 600:
             raise DgrError("--probe-budget-s must be 0.5..600")
+        if self.compare is not None and len(self.compare) != len(self.cpu_quota):
+            raise DgrError(f"--compare has {len(self.compare)} ranges for {len(self.cpu_quota)} hosts")
 
 
 def _ranges_text(r: list[tuple[int, int]]) -> str:
@@ -74,6 +79,8 @@ def run_plan_bench(model: Path, cfg: PlanBenchConfig) -> dict[str, Any]:
     cfg.validate()
     say = _log.info
     shape = model_shape(model)
+    if cfg.compare is not None and cfg.compare[-1][1] != shape.n_layer:
+        raise DgrError(f"--compare ends at layer {cfg.compare[-1][1]}; the model has {shape.n_layer}")
     n = len(cfg.cpu_quota)
     max_s = max(cfg.sessions)
     ctx = cfg.n_prompt + cfg.n_gen + 16
@@ -118,6 +125,11 @@ def run_plan_bench(model: Path, cfg: PlanBenchConfig) -> dict[str, Any]:
                 "first_alone": {"hosts": [lab.hosts[0].name], "split": [(0, shape.n_layer)], "groups": 1,
                                 "predicted": asdict(first_alone)},
             }
+            if cfg.compare is not None:
+                given = list(cfg.compare)
+                variants["given"] = {"hosts": [h.name for h in lab.hosts], "split": given, "groups": None,
+                                     "predicted": asdict(predict(shape, caps, given, link, work, even_groups,
+                                                                 gateway=lab.hosts[0].name))}
             say(f"{s} session(s): plan {plan.split} over {', '.join(plan.hosts)}, {plan.prediction.groups} group(s)")
             level: dict[str, Any] = {"plan": plan.to_json(), "variants": {}}
             routes = {}
@@ -159,6 +171,10 @@ def run_plan_bench(model: Path, cfg: PlanBenchConfig) -> dict[str, Any]:
                 "planned_vs_first_alone": [p["decode_tok_s"] / a["decode_tok_s"]
                                            for p, a in zip(pv["planned"]["runs"], pv["first_alone"]["runs"])],
             }
+            if "given" in pv:
+                level["ratios"]["planned_vs_given"] = [p["decode_tok_s"] / g["decode_tok_s"]
+                                                       for p, g in zip(pv["planned"]["runs"], pv["given"]["runs"])]
+                level["ratios"]["planned_vs_given_median"] = statistics.median(level["ratios"]["planned_vs_given"])
             level["ratios"]["planned_vs_even_median"] = statistics.median(level["ratios"]["planned_vs_even"])
             level["ratios"]["planned_vs_first_alone_median"] = statistics.median(
                 level["ratios"]["planned_vs_first_alone"])
@@ -180,5 +196,7 @@ def summary(doc: dict[str, Any]) -> str:
         lines.append(f"  planned/even {r['planned_vs_even_median']:.2f}x "
                      f"[{', '.join(f'{x:.2f}' for x in r['planned_vs_even'])}]; planned/h1 alone "
                      f"{r['planned_vs_first_alone_median']:.2f}x "
-                     f"[{', '.join(f'{x:.2f}' for x in r['planned_vs_first_alone'])}]")
+                     f"[{', '.join(f'{x:.2f}' for x in r['planned_vs_first_alone'])}]"
+                     + (f"; planned/given {r['planned_vs_given_median']:.2f}x "
+                        f"[{', '.join(f'{x:.2f}' for x in r['planned_vs_given'])}]" if "planned_vs_given" in r else ""))
     return "\n".join(lines)
