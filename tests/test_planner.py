@@ -145,6 +145,7 @@ def _caps_doc(**over):
     ({"output_prefill_s": "fast"}, "output_prefill_s"),
     ({"memory_bytes": 0}, "memory_bytes"),
     ({"memory_bytes": 1.5}, "memory_bytes"),
+    ({"memory_bytes": True}, "memory_bytes"),
     ({"embed_s": -0.1}, "embed_s"),
     ({"duty": 0}, "duty"),
     ({"duty": 1.5}, "duty"),
@@ -159,6 +160,12 @@ def test_capability_documents_refused_whole():
         parse_capabilities({**_caps_doc(), "schema": "other"})
     with pytest.raises(DgrError, match="non-empty list"):
         parse_capabilities({"hosts": []})
+    many = _caps_doc()
+    many["hosts"] = [dict(many["hosts"][0], name=f"h{i}") for i in range(9)]
+    with pytest.raises(DgrError, match="at most 8"):
+        parse_capabilities(many)
+    with pytest.raises(DgrError, match="at most 8"):
+        plan_route(SMOL, [cap(f"h{i}") for i in range(9)], Link(), Workload())
     with pytest.raises(DgrError, match="an object"):
         parse_capabilities([1, 2])
     doc = _caps_doc()

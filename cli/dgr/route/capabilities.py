@@ -14,6 +14,7 @@ from ..errors import DgrError
 
 BATCH_SIZES = (1, 4, 8, 16)
 CAPABILITY_SCHEMA = "dgr.capabilities.v1"
+MAX_HOSTS = 8   # the search's cost grows with hosts x layers^2 x group counts (seconds at 8 x 80)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class HostCapability:
                 raise DgrError(f"{where}: {what} = {s!r} is not a positive number of seconds")
         if not (isinstance(self.embed_s, (int, float)) and math.isfinite(self.embed_s) and self.embed_s >= 0):
             raise DgrError(f"{where}: embed_s = {self.embed_s!r} is not a number of seconds >= 0")
-        if not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
+        if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes <= 0:
             raise DgrError(f"{where}: memory_bytes = {self.memory_bytes!r} is not a positive integer")
 
     def layer_at(self, rows: int) -> float:
@@ -123,8 +124,8 @@ def parse_capabilities(doc: Any, where: str = "capabilities") -> tuple[list[Host
     raw = doc.get("hosts")
     if not isinstance(raw, list) or not raw:
         raise DgrError(f"{where}: 'hosts' must be a non-empty list")
-    if len(raw) > 16:
-        raise DgrError(f"{where}: {len(raw)} hosts; the planner takes at most 16")
+    if len(raw) > MAX_HOSTS:
+        raise DgrError(f"{where}: {len(raw)} hosts; the planner takes at most {MAX_HOSTS}")
     hosts = []
     for i, h in enumerate(raw):
         if not isinstance(h, dict):

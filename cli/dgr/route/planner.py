@@ -19,8 +19,9 @@ rows, one round (every session one token) takes ``max(cycle(b), G * slowest stag
 ``cycle(b)`` is one group's trip through every stage and back. A stage's busy share is its
 ``G * stage(b)`` over the round.
 
-The planner (:func:`plan_route`) tries every subset of the hosts, in every order up to 4 hosts
-(which host is the tail matters: it holds the output matrix) and in the listed order beyond: for each, and each group count, a dynamic program finds the contiguous
+The planner (:func:`plan_route`) tries every subset of the hosts in every order up to 4 hosts
+(which host is the tail matters: it holds the output matrix); beyond, in the listed order, all
+of them, all but one or two, and each alone: for each, and each group count, a dynamic program finds the contiguous
 ranges whose slowest stage is the least among those that fit every host's memory; the candidate
 with the highest predicted aggregate decode wins, among those that keep a session's token
 latency within the stated bound. A host left out is named with the reason (it does not fit, or
@@ -38,8 +39,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import DgrError
-from .capabilities import (BATCH_SIZES, CAPABILITY_SCHEMA, HostCapability, Link, _interpolate,  # noqa: F401
-                           _positive, load_capabilities, parse_capabilities)
+from .capabilities import (BATCH_SIZES, CAPABILITY_SCHEMA, MAX_HOSTS, HostCapability, Link,  # noqa: F401
+                           _interpolate, _positive, load_capabilities, parse_capabilities)
 
 
 
@@ -328,8 +329,8 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
                latency_bound: float = 2.0, max_groups: int | None = None,
                overheads: Overheads = Overheads()) -> Plan:
     """The split (and pipeline groups) with the highest predicted aggregate decode for
-    ``workload``, over the subsets of ``hosts``: in every order up to 4 hosts, in the listed
-    order beyond. The plan's first host is the head; the first host listed runs the driver or
+    ``workload``, over the subsets of ``hosts``: all, in every order, up to 4 hosts; beyond, in
+    the listed order, all of them, all but one or two, and each alone. The plan's first host is the head; the first host listed runs the driver or
     gateway (its per-token share is counted on that host, or on none when the plan leaves it out).
     ``latency_bound``: a session's time between tokens under the load may be at most this many
     times the least any candidate offers for the same load (pipeline groups trade a session's
@@ -342,6 +343,8 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
     overheads.validate()
     if not hosts:
         raise DgrError("no hosts to plan for")
+    if len(hosts) > MAX_HOSTS:
+        raise DgrError(f"{len(hosts)} hosts; the planner takes at most {MAX_HOSTS}")
     if len({h.name for h in hosts}) != len(hosts):
         raise DgrError("host names must be distinct")
     if not (_positive(latency_bound) and latency_bound >= 1.0):
@@ -352,11 +355,9 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
         for r in range(1, m + 1):
             for c in combinations(range(m), r):
                 subsets.extend(permutations(c))
-    elif m <= 8:
-        for r in range(1, m + 1):
+    else:   # more hosts, in the listed order: all of them, all but one, all but two, and each alone
+        for r in (m, m - 1, m - 2, 1):
             subsets.extend(combinations(range(m), r))
-    else:   # many hosts: all of them, and all but one
-        subsets = [tuple(range(m))] + [tuple(i for i in range(m) if i != d) for d in range(m)]
     group_caps = max_groups or 0
     scored: list[tuple[Prediction, tuple[int, ...], list[tuple[int, int]]]] = []
     for sub in subsets:
