@@ -22,23 +22,16 @@ int probe_main(int argc, char ** argv) {
     for (int i = 0; i < argc; ++i) {
         if (std::strcmp(argv[i], "--json") == 0) {
             json = true;
-        } else if (std::strcmp(argv[i], "--probe-budget-s") == 0) {
+        } else if (std::strcmp(argv[i], "--probe-budget-s") == 0 || std::strcmp(argv[i], "--probe-window-s") == 0) {
+            const bool budget = std::strcmp(argv[i], "--probe-budget-s") == 0;
+            const double lo = budget ? 0.5 : 0.0, hi = budget ? 600.0 : 60.0;
             char * end = nullptr;
             const double v = i + 1 < argc ? std::strtod(argv[i + 1], &end) : 0.0;
-            if (i + 1 >= argc || !end || *end || !(v >= 0.5 && v <= 600.0)) {
-                std::fprintf(stderr, "dgr-worker: error: --probe-budget-s must be a number of seconds in 0.5..600\n");
+            if (i + 1 >= argc || !end || *end || !(v >= lo && v <= hi)) {
+                std::fprintf(stderr, "dgr-worker: error: %s must be a number of seconds in %g..%g\n", argv[i], lo, hi);
                 return 2;
             }
-            po.budget_s = v;
-            ++i;
-        } else if (std::strcmp(argv[i], "--probe-window-s") == 0) {
-            char * end = nullptr;
-            const double v = i + 1 < argc ? std::strtod(argv[i + 1], &end) : 0.0;
-            if (i + 1 >= argc || !end || *end || !(v >= 0.0 && v <= 60.0)) {
-                std::fprintf(stderr, "dgr-worker: error: --probe-window-s must be a number of seconds in 0..60\n");
-                return 2;
-            }
-            po.sustained_window_s = v;
+            (budget ? po.budget_s : po.sustained_window_s) = v;
             ++i;
         } else if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
             std::printf("usage: dgr-worker probe (--fake-model | --model FILE) [--layers A:B] [--threads N]\n"
