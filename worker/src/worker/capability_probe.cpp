@@ -79,7 +79,9 @@ ProbeResult probe_capability(ModelBackend & be, const ProbeOptions & o) {
     // a prompt piece, right after the first decode size (it is needed however small the budget:
     // the piece halves until its estimate fits what is left, down to 4 rows)
     auto prompt_probe = [&]() {
-        uint32_t prompt = std::min(o.prompt_rows, std::min(in.max_batch_tokens, in.kv_cells));
+        // one sequence's share of the cells (one KV stream per sequence unless --kv-unified)
+        const uint32_t per_seq = in.kv_cells / std::max<uint32_t>(1, in.n_seq_max);
+        uint32_t prompt = std::min(o.prompt_rows, std::min(in.max_batch_tokens, per_seq));
         const double calls = (double) (repeats + 1) * (in.tail ? 2.0 : 1.0);
         while (prompt > 4 && since(t0) + calls * last_s * (double) prompt / last_rows > o.budget_s) prompt /= 2;
         if (prompt == 0) return;
@@ -89,15 +91,15 @@ ProbeResult probe_capability(ModelBackend & be, const ProbeOptions & o) {
         double n = 0.0;
         if (in.tail && run(1, prompt, false, &n)) r.prompt_no_output_s_per_token = n / prompt;
     };
-    // 1-row steps back to back for the window (at least 3 calls): their mean
-    auto sustained_probe = [&](double burst) {
-        const DecodeBatch b = make_batch(in, 1, 1, true);
+    // the first size's steps back to back for the window (at least 3 calls): their mean
+    auto sustained_probe = [&](uint32_t rows, double burst) {
+        const DecodeBatch b = make_batch(in, rows, 1, true);
         const auto w0 = Clock::now();
         uint32_t calls = 0;
         const double window = std::min(o.sustained_window_s, std::max(0.0, 0.5 * (o.budget_s - since(t0))));
         while (calls < 3 || since(w0) < window) {
             const BackendStatus st = be.decode(b, &r.error);
-            be.seq_rm(0, 0, -1);
+            for (uint32_t q = 0; q < rows; ++q) be.seq_rm((int32_t) q, 0, -1);
             if (st != BackendStatus::ok) {
                 if (r.error.empty()) r.error = "decode failed";
                 return;
@@ -127,7 +129,7 @@ ProbeResult probe_capability(ModelBackend & be, const ProbeOptions & o) {
         last_rows = rows;
         last_s = s;
         if (first) {
-            sustained_probe(s);
+            sustained_probe(rows, s);
             if (!r.ok()) break;
             prompt_probe();
             if (!r.ok()) break;

@@ -42,8 +42,8 @@ struct ProbeResult {
     std::map<uint32_t, double> decode_no_output_s;  // tail only: the same step asking for no logits
     double prompt_s_per_token = 0.0;                // the range, per prompt row (tail: logits of the last)
     double prompt_no_output_s_per_token = 0.0;      // tail only: no logits
-    double sustained_s = 0.0;                       // 1-row step (with logits) kept up for the window: mean
-    double duty = 1.0;                              // decode_s[1] / sustained_s, at most 1: the share of
+    double sustained_s = 0.0;                       // the first size's step kept up for the window: mean
+    double duty = 1.0;                              // its burst figure / sustained_s, at most 1: the share of
                                                     // the time this host can compute when kept busy
     std::vector<uint32_t> skipped;                  // batch sizes left out (budget, batch or sequence limits)
     double seconds = 0.0;
