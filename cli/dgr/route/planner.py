@@ -330,8 +330,9 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
                overheads: Overheads = Overheads()) -> Plan:
     """The split (and pipeline groups) with the highest predicted aggregate decode for
     ``workload``, over the subsets of ``hosts``: all, in every order, up to 4 hosts; beyond, in
-    the listed order, all of them, all but one or two, and each alone. The plan's first host is the head; the first host listed runs the driver or
-    gateway (its per-token share is counted on that host, or on none when the plan leaves it out).
+    the listed order, all of them, all but one or two, and each alone. The plan's first host is
+    the head; the first host listed runs the driver or gateway (its per-token share is counted on
+    that host, or on none when the plan leaves it out).
     ``latency_bound``: a session's time between tokens under the load may be at most this many
     times the least any candidate offers for the same load (pipeline groups trade a session's
     latency for aggregate throughput; this caps the trade). DgrError when no subset of the hosts
@@ -398,7 +399,7 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
             why = "no route with it and the chosen hosts fits every host's memory"
         else:
             b = max(with_it, key=lambda t: t[0].aggregate_tok_s)
-            alt = ",".join(f"{a}:{c}" for a, c in b[2])
+            alt = ", ".join(f"{hosts[j].name} {a}:{c}" for j, (a, c) in zip(b[1], b[2]))
             if b[0].aggregate_tok_s <= pred.aggregate_tok_s:
                 why = (f"the route is faster without it: {pred.aggregate_tok_s:.1f} tok/s against "
                        f"{b[0].aggregate_tok_s:.1f} with it ({alt})")
