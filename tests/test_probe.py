@@ -95,3 +95,70 @@ def test_dgr_worker_probe_then_plan(tmp_path, native_bin):
     # a range that is not a tail is refused before anything loads
     p = run("worker", "probe", "--model", str(model), "--layers", "0:3")
     assert p.returncode != 0 and "does not end at the model's last layer" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.native
+def test_a_worker_started_with_a_probe_budget_reports_its_measured_cost(native_bin):
+    from dgr.route.supervisor import WorkerArgs, WorkerProcess
+
+    plain = WorkerProcess.start(WorkerArgs(fake_model=True, layers=(4, 8)), binary=native_bin / "dgr-worker")
+    probed = WorkerProcess.start(WorkerArgs(fake_model=True, probe_budget_s=1.0), binary=native_bin / "dgr-worker")
+    try:
+        assert not plain.client().capability().HasField("measured")
+        m = probed.client().capability().measured
+        assert [b.rows for b in m.decode] == [1, 4, 8, 16] and all(b.step_seconds > 0 for b in m.decode)
+        assert all(b.step_no_output_seconds > 0 for b in m.decode), "a tail measures the logits apart"
+        assert 0 < m.duty <= 1 and m.prompt_seconds_per_token > 0 and not m.from_cache   # the fake has no artifact id
+        # the worker serves normally after its probe: its sessions start at position 0, and it
+        # answers as a worker that never probed
+        from fakeroute import run_alone
+        whole = WorkerProcess.start(WorkerArgs(fake_model=True), binary=native_bin / "dgr-worker")
+        try:
+            assert run_alone(probed.client(), [1, 2, 3], n=3) == run_alone(whole.client(), [1, 2, 3], n=3)
+        finally:
+            whole.kill()
+    finally:
+        plain.kill()
+        probed.kill()
+    r = subprocess.run([str(native_bin / "dgr-worker"), "serve", "--fake-model", "--probe-budget-s", "601"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "probe-budget-s" in r.stderr
+
+
+@pytest.mark.native
+def test_dgr_plan_from_running_workers(tmp_path, native_bin):
+    from dgr.gguf.synth import SynthSpec, synthesize
+    from dgr.route.supervisor import WorkerArgs, WorkerProcess
+
+    model = synthesize(SynthSpec(n_layer=6, dtype="q8_0"), tmp_path / "m.gguf")
+    env_cache = {"DGR_PROBE_CACHE_DIR": str(tmp_path / "cache")}
+    import os
+    old = {k: os.environ.get(k) for k in env_cache}
+    os.environ.update(env_cache)
+    ws = []
+    try:
+        for rng, mem in (((0, 3), 512.0), ((3, 6), 512.0)):
+            ws.append(WorkerProcess.start(WorkerArgs(model=model, layers=rng, threads=1, probe_budget_s=2.0,
+                                                     memory_budget_mb=mem), binary=native_bin / "dgr-worker"))
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir())[0].endswith("-0_3-cpu-t1.json")
+        run = lambda *a: subprocess.run([sys.executable, "-m", "dgr.main", *a], capture_output=True, text=True,  # noqa: E731
+                                        timeout=120)
+        p = run("plan", "--model", str(model), "--worker", f"a={ws[0].target}", "--worker", f"b={ws[1].target}",
+                "--sessions", "4", "--ctx", "128", "--json")
+        assert p.returncode == 0, p.stderr
+        assert "a's output matrix cost is estimated from b's" in p.stderr
+        plan = json.loads(p.stdout)
+        assert plan["split"].startswith("0:") and plan["split"].endswith(":6") and set(plan["hosts"]) <= {"a", "b"}
+        # only heads: nobody measured the output matrix
+        p = run("plan", "--model", str(model), "--worker", f"a={ws[0].target}")
+        assert p.returncode != 0 and "none measured the output matrix" in p.stderr and "Traceback" not in p.stderr
+        p = run("plan", "--model", str(model))
+        assert p.returncode != 0 and "one of the two" in p.stderr
+    finally:
+        for w in ws:
+            w.kill()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

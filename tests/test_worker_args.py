@@ -42,6 +42,7 @@ CASES = {
     "chain_tls_ca": (Path("/p/ca.pem"), ["--chain-tls-ca", "/p/ca.pem"]),
     "io_nice": (0, ["--io-nice", "0"]),
     "fake_delay_ms": (3, ["--fake-delay-ms", "3"]),
+    "probe_budget_s": (5.0, ["--probe-budget-s", "5.0"]),
     "extra": (("--foo", "1"), ["--foo", "1"]),
 }
 

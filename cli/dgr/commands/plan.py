@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
 
 def plan(
-    capabilities: Path = typer.Option(..., "--capabilities", "-c", help="The hosts' capabilities (JSON, "
-                                      "schema dgr.capabilities.v1; docs/multi-host.md); the first host listed "
-                                      "runs the gateway or driver."),
+    capabilities: Optional[Path] = typer.Option(None, "--capabilities", "-c", help="The hosts' capabilities "
+                                                "(JSON, schema dgr.capabilities.v1; docs/multi-host.md); the first "
+                                                "host listed runs the gateway or driver."),
+    worker: List[str] = typer.Option([], "--worker", help="NAME=HOST:PORT of a running worker that measured its "
+                                     "range at start-up (--probe-budget-s), asked with GetCapability; repeat, "
+                                     "in the order of the file's hosts, instead of --capabilities. Its range "
+                                     "must end at the model's last layer."),
+    tls_ca: Optional[Path] = typer.Option(None, "--tls-ca", help="With --worker: PEM CA of the workers' "
+                                          "certificates."),
+    tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="With --worker: client certificate (mTLS)."),
+    tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="With --worker: its key."),
     model: Optional[str] = typer.Option(None, "--model", help="GGUF file (or any part of a split set), or a "
                                         "packaged model (default: the embedded SmolLM2-135M Q4_1)."),
     sessions: int = typer.Option(8, "--sessions", min=1, max=4096, help="Concurrent sessions to plan for."),
@@ -50,11 +58,17 @@ def plan(
     from ..route.planner import (Link, Overheads, Workload, even_ranges, load_capabilities, model_shape, plan_route,
                                  predict)
 
-    hosts, file_link = load_capabilities(capabilities)
+    if (capabilities is None) == (not worker):
+        raise DgrError("give --capabilities FILE or --worker NAME=HOST:PORT (repeated), one of the two")
+    src = resolve_model(model)
+    shape = model_shape(src)
+    if capabilities is not None:
+        hosts, file_link = load_capabilities(capabilities)
+    else:
+        hosts, file_link = _from_workers(worker, shape, tls_ca, tls_cert, tls_key), None
     link = file_link or Link()
     link = Link(rtt_s=link.rtt_s if rtt_ms is None else rtt_ms / 1e3,
                 bandwidth_bytes_s=link.bandwidth_bytes_s if bandwidth_mbit is None else bandwidth_mbit * 1e6 / 8)
-    shape = model_shape(resolve_model(model))
     work = Workload(sessions=sessions, prompt_tokens=prompt_tokens, ctx_per_session=ctx)
     base = Overheads()
     over = Overheads(token_s=base.token_s if token_overhead_ms is None else token_overhead_ms / 1e3,
@@ -101,3 +115,57 @@ def plan(
         typer.echo(f"compare {compare} ({cmp.groups} group(s)): aggregate {cmp.aggregate_tok_s:.1f} tok/s, "
                    f"{cmp.single_session_tok_s:.1f} tok/s alone "
                    f"(planned/compared: {pr.aggregate_tok_s / cmp.aggregate_tok_s:.2f}x)")
+
+
+def _from_workers(worker: List[str], shape, tls_ca, tls_cert, tls_key) -> list:
+    """Each --worker's measured cost (GetCapability.measured) as a host capability."""
+    from ..errors import DgrError
+    from ..protocol.client import WorkerClient
+    from ..protocol.errors import WorkerError
+    from ..protocol.tls import TlsFiles
+    from ..route.probe import (capability_from_probe, capability_of, host_memory_bytes, output_ratio_of,
+                               probe_of_capability)
+
+    if (tls_cert or tls_key) and not tls_ca:
+        raise DgrError("--tls-cert/--tls-key need --tls-ca")
+    tls = TlsFiles(tls_ca, tls_cert, tls_key) if tls_ca else None
+    raws, names = [], set()
+    for w in worker:
+        name, sep, target = w.partition("=")
+        if not sep or not name or not target:
+            raise DgrError(f"--worker {w!r}: expected NAME=HOST:PORT")
+        if name in names:
+            raise DgrError(f"--worker {name} is given twice")
+        names.add(name)
+        try:
+            with WorkerClient(target, timeout=10.0, tls=tls) as c:
+                cap = c.capability()
+        except WorkerError as exc:
+            raise DgrError(f"--worker {name} ({target}): {exc}") from None
+        raw = probe_of_capability(cap)
+        if not raw["memory_budget_bytes"]:
+            _no_budget(name)
+        raws.append((name, target, raw))
+    # a worker that is not a tail measured no output matrix: its cost is estimated from a tail
+    # worker's output-to-layer ratio
+    tails = [(n, t, r) for n, t, r in raws if r["tail"]]
+    if not tails:
+        raise DgrError("no --worker serves the model's last layer, so none measured the output matrix",
+                       hint="include the route's tail worker, or probe each host with `dgr worker probe`")
+    ratio = output_ratio_of(capability_from_probe(tails[0][2], shape, name=tails[0][0], memory_bytes=1))
+    out = []
+    for name, target, raw in raws:
+        entry = capability_from_probe(raw, shape, name=name, memory_bytes=host_memory_bytes(raw, None),
+                                      endpoint=target, output_ratio=None if raw["tail"] else ratio)
+        if entry.get("output_estimated"):
+            typer.echo(f"note: {name}'s output matrix cost is estimated from {tails[0][0]}'s (it serves no tail)",
+                       err=True)
+        out.append(capability_of(entry))
+    return out
+
+
+def _no_budget(name: str) -> int:
+    from ..errors import DgrError
+
+    raise DgrError(f"--worker {name} reports no memory budget",
+                   hint="start it with --memory-budget-mb (its host's share for a Shard), or use --capabilities")

@@ -57,11 +57,13 @@ def run_probe(model: Path, layers: tuple[int, int] | None = None, *, threads: in
 
 
 def capability_from_probe(probe: dict[str, Any], shape: ModelShape, *, name: str, memory_bytes: int,
-                          endpoint: str = "") -> dict[str, Any]:
+                          endpoint: str = "", output_ratio: dict[int, float] | None = None) -> dict[str, Any]:
     """The planner's host entry from a probe of a tail range: the range's step without logits
     over its layers' weight in mean layers, and the logits' share apart. A probe of a range
-    that is not a tail measures no output matrix: refused (probe the model's last layers)."""
-    if not probe.get("tail"):
+    that is not a tail measures no output matrix: refused (probe the model's last layers), unless
+    ``output_ratio`` (output matrix / mean layer, per batch size, from another host's tail probe)
+    stands in for it; the entry then says ``output_estimated``."""
+    if not probe.get("tail") and output_ratio is None:
         raise DgrError("the probe's range is not a tail: it measured no output matrix",
                        hint="probe a range that ends at the model's last layer (the default)")
     if probe.get("error"):
@@ -73,23 +75,61 @@ def capability_from_probe(probe: dict[str, Any], shape: ModelShape, *, name: str
     mean = sum(shape.layer_elements) / shape.n_layer
     eq = sum(shape.layer_elements[a:b]) / mean   # the range in mean layers
     dec, dec0 = probe.get("decode_s") or {}, probe.get("decode_no_output_s") or {}
-    rows = sorted(int(k) for k in dec if k in dec0)
+    tail = bool(probe.get("tail"))
+    if not tail:   # no logits were computed: the whole step is the layers'
+        dec0 = dec
+    rows = sorted(int(k) for k in dec if k in dec0 and (tail or output_ratio is None or
+                                                         _nearest(output_ratio, int(k)) is not None))
     if not rows:
         raise DgrError("the probe measured no decode step")
     layer = {r: max(1e-9, dec0[str(r)] / eq) for r in rows}
-    output = {r: max(1e-9, dec[str(r)] - dec0[str(r)]) for r in rows}
+    if tail:
+        output = {r: max(1e-9, dec[str(r)] - dec0[str(r)]) for r in rows}
+    else:
+        output = {r: max(1e-9, layer[r] * _nearest(output_ratio, r)) for r in rows}
     p, p0 = float(probe.get("prompt_s_per_token") or 0.0), float(probe.get("prompt_no_output_s_per_token") or 0.0)
+    if not tail:
+        p0 = p
     layer_prefill = p0 / eq if p0 > 0 else layer[rows[0]] / 2   # unmeasured: half a 1-row step
     entry = {"name": name, "endpoint": endpoint, "memory_bytes": int(memory_bytes),
              "layer_decode_s": {str(r): layer[r] for r in rows}, "layer_prefill_s": max(1e-9, layer_prefill),
              "output_decode_s": {str(r): output[r] for r in rows}, "output_prefill_s": output[rows[0]],
-             "embed_s": 0.0, "duty": _duty(probe),
+             "embed_s": 0.0, "duty": _duty(probe), **({} if tail else {"output_estimated": True}),
              "probe": {"layers": [a, b], "threads": probe.get("threads"), "backend": probe.get("backend"),
                        "skipped_rows": probe.get("skipped", []), "seconds": probe.get("seconds"),
                        "sustained_s": probe.get("sustained_s"), "duty_measured": probe.get("duty"),
                        "fake": bool(probe.get("fake"))}}
     parse_capabilities({"schema": CAPABILITY_SCHEMA, "hosts": [entry]}, "probe")   # the planner accepts it
     return entry
+
+
+def output_ratio_of(entry: dict[str, Any]) -> dict[int, float]:
+    """A tail host's output matrix over its mean layer, per batch size."""
+    return {int(k): entry["output_decode_s"][k] / entry["layer_decode_s"][k] for k in entry["layer_decode_s"]}
+
+
+def _nearest(ratio: dict[int, float], rows: int) -> float | None:
+    if not ratio:
+        return None
+    return ratio[min(ratio, key=lambda b: (abs(b - rows), b))]
+
+
+def probe_of_capability(cap: Any) -> dict[str, Any]:
+    """A worker's GetCapability (with ``measured``: it ran with --probe-budget-s) as the probe's
+    own JSON, for :func:`capability_from_probe`; DgrError when the worker measured nothing."""
+    if not cap.HasField("measured") or not cap.measured.decode:
+        raise DgrError("the worker reports no measured cost",
+                       hint="start it with --probe-budget-s 5 (or run `dgr worker probe` on its host)")
+    m, ident = cap.measured, cap.identity
+    return {"layers": ident.range.end - ident.range.start, "head": ident.head, "tail": ident.tail,
+            "layer_start": ident.range.start, "layer_end": ident.range.end, "n_layer": ident.n_layer,
+            "decode_s": {str(b.rows): b.step_seconds for b in m.decode},
+            "decode_no_output_s": {str(b.rows): b.step_no_output_seconds for b in m.decode if b.step_no_output_seconds > 0},
+            "prompt_s_per_token": m.prompt_seconds_per_token,
+            "prompt_no_output_s_per_token": m.prompt_no_output_seconds_per_token,
+            "duty": m.duty, "threads": m.threads, "backend": cap.runtime.backend, "seconds": m.probe_seconds,
+            "skipped": [], "error": "", "fake": False, "from_cache": m.from_cache,
+            "memory_budget_bytes": cap.capacity.memory_budget_bytes}
 
 
 def _duty(probe: dict[str, Any]) -> float:

@@ -99,6 +99,7 @@ class WorkerArgs:
     chain_tls_ca: Path | str | None = None
     io_nice: int | None = None
     fake_delay_ms: int | None = None
+    probe_budget_s: float | None = None
     extra: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:

@@ -11,6 +11,18 @@ struct llama_vocab;
 
 namespace dgr::worker {
 
+// What the range measured it costs on this host (capability_probe.h), as GetCapability reports it.
+struct MeasuredCost {
+    bool present = false;
+    bool from_cache = false;
+    struct Batch { uint32_t rows = 0; double step_s = 0.0, step_no_output_s = 0.0; };
+    std::vector<Batch> decode;
+    double prompt_s_per_token = 0.0, prompt_no_output_s_per_token = 0.0;
+    double duty = 1.0;
+    uint32_t threads = 0;
+    double probe_seconds = 0.0;
+};
+
 // What the loaded model is; served by GetCapability and checked against every frame.
 struct BackendInfo {
     std::string architecture;
@@ -37,6 +49,7 @@ struct BackendInfo {
     uint64_t predicted_total() const {
         return predicted_weight_bytes + predicted_kv_bytes + predicted_compute_bytes + predicted_runtime_bytes;
     }
+    MeasuredCost measured;  // --probe-budget-s (not present: no probe)
 };
 
 // One decode call: one row per (sequence, position); head rows carry token ids, other rows
@@ -74,6 +87,7 @@ public:
         in.predicted_compute_bytes = compute;
         in.predicted_runtime_bytes = runtime;
     }
+    void set_measured(const MeasuredCost & m) { mutable_info().measured = m; }
     // Runs one batch; on failure `*error` says why and nothing of the batch is kept.
     virtual BackendStatus decode(const DecodeBatch & batch, std::string * error) = 0;
     // After a successful decode: tail -> logits of row i (n_vocab floats; only rows that asked);

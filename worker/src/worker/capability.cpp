@@ -49,6 +49,21 @@ pb::GetCapabilityResponse capability_of(const BackendInfo & in, const SchedulerO
     c->set_scratch_bytes(in.scratch_bytes);
     c->set_memory_budget_bytes(o.memory_budget_bytes);
     c->set_predicted_memory_bytes(in.predicted_total());
+    if (in.measured.present) {
+        auto * m = resp.mutable_measured();
+        for (const auto & b : in.measured.decode) {
+            auto * d = m->add_decode();
+            d->set_rows(b.rows);
+            d->set_step_seconds(b.step_s);
+            d->set_step_no_output_seconds(b.step_no_output_s);
+        }
+        m->set_prompt_seconds_per_token(in.measured.prompt_s_per_token);
+        m->set_prompt_no_output_seconds_per_token(in.measured.prompt_no_output_s_per_token);
+        m->set_duty(in.measured.duty);
+        m->set_threads(in.measured.threads);
+        m->set_probe_seconds(in.measured.probe_seconds);
+        m->set_from_cache(in.measured.from_cache);
+    }
     return resp;
 }
 

@@ -1,10 +1,16 @@
 // Measured capability (capability_probe.h).
 #include "worker/capability_probe.h"
 
+#include "nlohmann/json.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 namespace dgr::worker {
 
@@ -142,7 +148,7 @@ ProbeResult probe_capability(ModelBackend & be, const ProbeOptions & o) {
 std::string probe_json(const ProbeResult & r) {
     auto num = [](double v) {
         char b[64];
-        std::snprintf(b, sizeof b, "%.9g", std::isfinite(v) ? v : 0.0);
+        std::snprintf(b, sizeof b, "%.17g", std::isfinite(v) ? v : 0.0);  // round-trips (the cache)
         return std::string(b);
     };
     auto table = [&](const std::map<uint32_t, double> & m) {
@@ -165,6 +171,94 @@ std::string probe_json(const ProbeResult & r) {
            ", \"prompt_no_output_s_per_token\": " + num(r.prompt_no_output_s_per_token) +
            ", \"sustained_s\": " + num(r.sustained_s) + ", \"duty\": " + num(r.duty) + ", \"skipped\": " + skipped +
            ", \"seconds\": " + num(r.seconds) + ", \"error\": \"" + err + "\"}";
+}
+
+MeasuredCost measured_cost(const ProbeResult & r, uint32_t threads, bool from_cache) {
+    MeasuredCost m;
+    m.present = true;
+    m.from_cache = from_cache;
+    for (const auto & [rows, s] : r.decode_s) {
+        const auto it = r.decode_no_output_s.find(rows);
+        m.decode.push_back({rows, s, it == r.decode_no_output_s.end() ? 0.0 : it->second});
+    }
+    m.prompt_s_per_token = r.prompt_s_per_token;
+    m.prompt_no_output_s_per_token = r.prompt_no_output_s_per_token;
+    m.duty = r.duty;
+    m.threads = threads;
+    m.probe_seconds = r.seconds;
+    return m;
+}
+
+std::string probe_cache_path(const BackendInfo & in, const std::string & backend, uint32_t threads) {
+    if (in.artifact_id.empty()) return "";
+    for (char c : in.artifact_id) {
+        if (!std::isxdigit((unsigned char) c)) return "";  // it names a file: hex only
+    }
+    std::filesystem::path dir;
+    if (const char * d = std::getenv("DGR_PROBE_CACHE_DIR"); d && *d) {
+        dir = d;
+    } else if (const char * x = std::getenv("XDG_CACHE_HOME"); x && *x) {
+        dir = std::filesystem::path(x) / "dgr" / "probe";
+    } else if (const char * h = std::getenv("HOME"); h && *h) {
+        dir = std::filesystem::path(h) / ".cache" / "dgr" / "probe";
+    } else {
+        return "";
+    }
+    std::string be;
+    for (char c : backend) be += std::isalnum((unsigned char) c) ? c : '_';
+    return (dir / (in.artifact_id + "-" + std::to_string(in.layer_start) + "_" + std::to_string(in.layer_end) + "-" +
+                   be + "-t" + std::to_string(threads) + ".json"))
+        .string();
+}
+
+bool load_cached_probe(const std::string & path, const BackendInfo & in, ProbeResult * out) {
+    if (path.empty()) return false;
+    std::ifstream f(path);
+    if (!f) return false;
+    std::stringstream ss;
+    ss << f.rdbuf();
+    try {
+        const auto j = nlohmann::json::parse(ss.str());
+        ProbeResult r;
+        r.layers = j.at("layers").get<uint32_t>();
+        r.head = j.at("head").get<bool>();
+        r.tail = j.at("tail").get<bool>();
+        if (r.layers != in.layer_end - in.layer_start || r.head != in.head || r.tail != in.tail) return false;
+        for (const auto & [k, v] : j.at("decode_s").items()) r.decode_s[(uint32_t) std::stoul(k)] = v.get<double>();
+        for (const auto & [k, v] : j.at("decode_no_output_s").items()) {
+            r.decode_no_output_s[(uint32_t) std::stoul(k)] = v.get<double>();
+        }
+        r.prompt_s_per_token = j.at("prompt_s_per_token").get<double>();
+        r.prompt_no_output_s_per_token = j.at("prompt_no_output_s_per_token").get<double>();
+        r.sustained_s = j.at("sustained_s").get<double>();
+        r.duty = j.at("duty").get<double>();
+        r.seconds = j.at("seconds").get<double>();
+        r.error = j.at("error").get<std::string>();
+        for (const auto & [rows, s] : r.decode_s) {
+            if (!(std::isfinite(s) && s > 0.0) || rows == 0) return false;
+        }
+        if (!r.ok() || r.decode_s.empty() || !(r.duty > 0.0 && r.duty <= 1.0)) return false;
+        *out = r;
+        return true;
+    } catch (const std::exception &) {
+        return false;  // a damaged cache file is measured again
+    }
+}
+
+bool save_probe(const std::string & path, const ProbeResult & r) {
+    if (path.empty() || !r.ok()) return false;
+    std::error_code ec;
+    const std::filesystem::path p(path);
+    std::filesystem::create_directories(p.parent_path(), ec);
+    const std::filesystem::path tmp = p.string() + ".tmp";
+    {
+        std::ofstream f(tmp, std::ios::trunc);
+        if (!f) return false;
+        f << probe_json(r) << "\n";
+        if (!f) return false;
+    }
+    std::filesystem::rename(tmp, p, ec);
+    return !ec;
 }
 
 }  // namespace dgr::worker

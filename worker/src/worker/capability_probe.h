@@ -54,6 +54,18 @@ struct ProbeResult {
 // Runs the probe. Uses sequences [0, max rows) of `backend`: call it before any session exists.
 ProbeResult probe_capability(ModelBackend & backend, const ProbeOptions & opts);
 
+// The figures as GetCapability reports them.
+MeasuredCost measured_cost(const ProbeResult & r, uint32_t threads, bool from_cache);
+
+// The probe cache (serve --probe-budget-s): one JSON file per artifact, range, backend and
+// thread count, under $DGR_PROBE_CACHE_DIR, else $XDG_CACHE_HOME/dgr/probe, else
+// ~/.cache/dgr/probe. "" when the worker has no artifact id (the fake model) or no such place.
+std::string probe_cache_path(const BackendInfo & in, const std::string & backend, uint32_t threads);
+// A cached probe of this range; false when absent, unreadable or of another range.
+bool load_cached_probe(const std::string & path, const BackendInfo & in, ProbeResult * out);
+// Writes it (a temporary file renamed into place); false when it cannot (the probe still counts).
+bool save_probe(const std::string & path, const ProbeResult & r);
+
 // {"layers", "head", "tail", "decode_s": {"1": s, ...}, "decode_no_output_s": {...},
 //  "prompt_s_per_token", "prompt_no_output_s_per_token", "sustained_s", "duty", "skipped": [...],
 //  "seconds", "error"}

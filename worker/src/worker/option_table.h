@@ -30,7 +30,7 @@ enum class Opt : uint8_t {
     kThreads, kNGpuLayers, kMaxSessions, kCtxPerSession, kKvCells, kKvBudgetMb, kMemoryBudgetMb, kKvUnified,
     kQueueLimit, kMaxBatchTokens, kMaxPrefillChunk, kPipelineGroups, kKeepWarmMs, kMaxMessageBytes,
     kSessionTtlS, kEvictIdleS, kDrainTimeoutS, kMetricsListen, kFingerprint, kArtifactId, kRecipeJson,
-    kChainPeers, kIoNice, kChainTlsCa,
+    kChainPeers, kIoNice, kChainTlsCa, kProbeBudgetS,
     kCount
 };
 
@@ -174,6 +174,11 @@ inline constexpr OptionSpec kOptionTable[] = {
     option_rows::text(Opt::kChainTlsCa, "chain-tls-ca", "F", "",
                       "verify downstream workers with this CA (TLS; the worker's --tls-cert/--tls-key is presented "
                       "as client identity)"),
+    option_rows::real(Opt::kProbeBudgetS, "probe-budget-s", "S", 0,
+                      "at start-up, measure what the range costs here within S seconds and report it in "
+                      "GetCapability (route planning; docs/worker.md, Measured capability), reusing a cached "
+                      "probe of the same artifact, range, backend and threads; 0: off")
+        .within(0, 600, "off"),
 };
 
 inline constexpr size_t kOptionCount = sizeof(kOptionTable) / sizeof(kOptionTable[0]);

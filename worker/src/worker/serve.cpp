@@ -4,6 +4,7 @@
 #include "common/identity.h"
 #include "common/net_address.h"
 #include "version.h"
+#include "worker/capability_probe.h"
 #include "worker/fake_backend.h"
 #include "worker/identity_check.h"
 #include "worker/kv_budget.h"
@@ -273,6 +274,32 @@ int load_backend(ServeOptions & o, uint64_t & kv_cells, MemoryBudget & budget,
     return -1;
 }
 
+// --probe-budget-s: the range's measured costs for GetCapability, from the cache or measured now
+// (before any session: the probe uses the sequences); a failed probe is reported and not served.
+static void probe_at_start(const ServeOptions & o, ModelBackend & backend) {
+    const std::string path = probe_cache_path(backend.info(), build_info().backend, (uint32_t) o.threads);
+    ProbeResult r;
+    const bool cached = load_cached_probe(path, backend.info(), &r);
+    if (!cached) {
+        ProbeOptions po;
+        po.budget_s = o.probe_budget_s;
+        po.sustained_window_s = std::min(po.sustained_window_s, 0.4 * o.probe_budget_s);
+        r = probe_capability(backend, po);
+        if (r.ok() && !path.empty() && !save_probe(path, r)) {
+            std::fprintf(stderr, "dgr-worker: warning: cannot write the probe cache %s\n", path.c_str());
+        }
+    }
+    if (!r.ok()) {
+        std::fprintf(stderr, "dgr-worker: warning: the start-up probe stopped (%s); GetCapability reports no "
+                             "measured cost\n", r.error.c_str());
+        return;
+    }
+    backend.set_measured(measured_cost(r, (uint32_t) o.threads, cached));
+    std::fprintf(stderr, "dgr-worker: measured cost %s: 1-row step %.3f ms, duty %.2f, %zu batch sizes%s\n",
+                 cached ? ("from " + path).c_str() : "now", r.decode_s.empty() ? 0.0 : 1e3 * r.decode_s.begin()->second,
+                 r.duty, r.decode_s.size(), cached ? "" : (" in " + std::to_string(r.seconds).substr(0, 4) + " s").c_str());
+}
+
 int serve_main(int argc, char ** argv) {
     ServeOptions o;
     const int rc = parse_serve_options(argc, argv, &o);
@@ -290,6 +317,7 @@ int serve_main(int argc, char ** argv) {
     MemoryBudget budget;  // the llama backend's: --memory-budget-mb or the cgroup's memory.max
     std::string err;
     if (const int lrc = load_backend(o, kv_cells, budget, backend); lrc >= 0) return lrc;
+    if (o.probe_budget_s > 0.0) probe_at_start(o, *backend);
 
     Metrics metrics;
     SchedulerOptions so;

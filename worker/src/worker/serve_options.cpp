@@ -54,6 +54,7 @@ void store_option(Opt id, const OptionValue & v, ServeOptions * o) {
         case Opt::kSessionTtlS: o->session_ttl_s = v.number; break;
         case Opt::kEvictIdleS: o->evict_idle_s = v.number; break;
         case Opt::kDrainTimeoutS: o->drain_timeout_s = v.number; break;
+        case Opt::kProbeBudgetS: o->probe_budget_s = v.number; break;
         case Opt::kMetricsListen: o->metrics_listen = v.text; break;
         case Opt::kFingerprint: o->fingerprint = v.text; break;
         case Opt::kArtifactId: o->artifact_id = v.text; break;

@@ -41,6 +41,7 @@ struct ServeOptions {
     uint64_t max_message_bytes = default_u64(Opt::kMaxMessageBytes);
     double session_ttl_s = default_real(Opt::kSessionTtlS), evict_idle_s = default_real(Opt::kEvictIdleS),
            drain_timeout_s = default_real(Opt::kDrainTimeoutS);
+    double probe_budget_s = default_real(Opt::kProbeBudgetS);  // 0: no probe at start-up
     std::string metrics_listen = default_text(Opt::kMetricsListen);
     std::string fingerprint = default_text(Opt::kFingerprint), artifact_id = default_text(Opt::kArtifactId),
                 recipe_json = default_text(Opt::kRecipeJson);

@@ -295,19 +295,48 @@ class RuntimeInfo(_message.Message):
     backend: str
     def __init__(self, dgr_version: _Optional[str] = ..., llama_commit: _Optional[str] = ..., patch_digest: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
+class MeasuredCost(_message.Message):
+    __slots__ = ("decode", "prompt_seconds_per_token", "prompt_no_output_seconds_per_token", "duty", "threads", "probe_seconds", "from_cache")
+    class Batch(_message.Message):
+        __slots__ = ("rows", "step_seconds", "step_no_output_seconds")
+        ROWS_FIELD_NUMBER: _ClassVar[int]
+        STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+        STEP_NO_OUTPUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+        rows: int
+        step_seconds: float
+        step_no_output_seconds: float
+        def __init__(self, rows: _Optional[int] = ..., step_seconds: _Optional[float] = ..., step_no_output_seconds: _Optional[float] = ...) -> None: ...
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NO_OUTPUT_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DUTY_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
+    decode: _containers.RepeatedCompositeFieldContainer[MeasuredCost.Batch]
+    prompt_seconds_per_token: float
+    prompt_no_output_seconds_per_token: float
+    duty: float
+    threads: int
+    probe_seconds: float
+    from_cache: bool
+    def __init__(self, decode: _Optional[_Iterable[_Union[MeasuredCost.Batch, _Mapping]]] = ..., prompt_seconds_per_token: _Optional[float] = ..., prompt_no_output_seconds_per_token: _Optional[float] = ..., duty: _Optional[float] = ..., threads: _Optional[int] = ..., probe_seconds: _Optional[float] = ..., from_cache: _Optional[bool] = ...) -> None: ...
+
 class GetCapabilityResponse(_message.Message):
-    __slots__ = ("schema_version", "min_schema_version", "identity", "capacity", "runtime")
+    __slots__ = ("schema_version", "min_schema_version", "identity", "capacity", "runtime", "measured")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIN_SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     min_schema_version: SchemaVersion
     identity: ShardIdentity
     capacity: Capacity
     runtime: RuntimeInfo
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., min_schema_version: _Optional[_Union[SchemaVersion, str]] = ..., identity: _Optional[_Union[ShardIdentity, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., runtime: _Optional[_Union[RuntimeInfo, _Mapping]] = ...) -> None: ...
+    measured: MeasuredCost
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., min_schema_version: _Optional[_Union[SchemaVersion, str]] = ..., identity: _Optional[_Union[ShardIdentity, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., runtime: _Optional[_Union[RuntimeInfo, _Mapping]] = ..., measured: _Optional[_Union[MeasuredCost, _Mapping]] = ...) -> None: ...
 
 class CacheExpectation(_message.Message):
     __slots__ = ("kind", "position")
