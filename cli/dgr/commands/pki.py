@@ -15,15 +15,10 @@ app = typer.Typer(no_args_is_help=True)
 
 def parse_hosts(host: List[str]) -> dict[str, list[str]]:
     """``NAME=IP[,IP…]`` per machine -> {name: [ips]}; DgrError on a malformed or repeated one."""
-    hosts: dict[str, list[str]] = {}
-    for h in host:
-        n, sep, ips = h.partition("=")
-        if not sep or not n or not ips:
-            raise DgrError(f"--host {h!r}: expected NAME=IP[,IP…]")
-        if n in hosts:
-            raise DgrError(f"--host {n} is given twice")
-        hosts[n] = [x.strip() for x in ips.split(",") if x.strip()]
-    return hosts
+    from .named import named_values
+
+    return {n: [x.strip() for x in ips.split(",") if x.strip()]
+            for n, ips in named_values(host, "--host", "NAME=IP[,IP…]")}
 
 
 def issue_certificates(host: List[str], out: Path, days: int) -> None:

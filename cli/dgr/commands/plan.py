@@ -129,14 +129,10 @@ def _from_workers(worker: List[str], shape, tls_ca, tls_cert, tls_key) -> list:
     if (tls_cert or tls_key) and not tls_ca:
         raise DgrError("--tls-cert/--tls-key need --tls-ca")
     tls = TlsFiles(tls_ca, tls_cert, tls_key) if tls_ca else None
-    raws, names = [], set()
-    for w in worker:
-        name, sep, target = w.partition("=")
-        if not sep or not name or not target:
-            raise DgrError(f"--worker {w!r}: expected NAME=HOST:PORT")
-        if name in names:
-            raise DgrError(f"--worker {name} is given twice")
-        names.add(name)
+    from .named import named_values
+
+    raws = []
+    for name, target in named_values(worker, "--worker", "NAME=HOST:PORT"):
         try:
             with WorkerClient(target, timeout=10.0, tls=tls) as c:
                 cap = c.capability()
