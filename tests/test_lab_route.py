@@ -72,3 +72,37 @@ def test_chained_mtls_and_relay_across_hosts(lab, native_bin, monkeypatch):
     with WorkerProcess.start(["--fake-model"], binary=native_bin / "dgr-worker") as w:
         whole, _ = _tokens([w.target], None)
     assert whole.tokens == r.tokens
+
+
+def test_lab_route_split_auto_plans_from_each_hosts_probe(tmp_path, monkeypatch, native_bin):
+    """`dgr lab route --split auto`: every host probes itself in its namespace, the planner picks
+    the hosts, their order, the ranges and the groups; the route runs as planned."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from dgr.gguf.synth import SynthSpec, synthesize
+    from dgr.main import app
+
+    monkeypatch.setenv("DGR_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setenv("DGR_WORKER_BIN", str(native_bin / "dgr-worker"))
+    monkeypatch.setattr("dgr.route.local.ensure_worker", lambda *a, **k: native_bin / "dgr-worker")
+    reason = sx.preflight()
+    if reason:
+        pytest.skip(reason)
+    model = synthesize(SynthSpec(n_layer=6, dtype="q8_0"), tmp_path / "m.gguf")
+    with Lab.up(LabConfig(hosts=2, name="pr3", cpu_quota=[None, 0.5])):
+        r = CliRunner().invoke(app, ["lab", "route", "--name", "pr3", "--model", str(model), "--split", "auto",
+                                     "--sessions", "2", "--max-tokens", "4", "--json"])
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.output[r.output.index("{"):])
+        plan = doc["plan"]
+        assert [p["host"] for p in doc["placement"]] == plan["hosts"]
+        assert ",".join(p["range"] for p in doc["placement"]) == plan["split"]
+        groups = plan["prediction"]["groups"]
+        if len(plan["hosts"]) > 1:
+            assert f"--pipeline-groups {groups}" in doc["placement"][0]["command"]
+        assert doc["route"]["ok"] and all(len(s["tokens"]) == 4 for s in doc["route"]["sessions"])
+        r = CliRunner().invoke(app, ["lab", "route", "--name", "pr3", "--model", str(model), "--split", "auto",
+                                     "--hosts", "h1"])
+        assert r.exit_code != 0 and "leave out --hosts" in str(r.exception)

@@ -146,7 +146,9 @@ def ca(
 def route(
     name: str = typer.Option("lab", "--name", help=NAME_HELP),
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file (default: embedded SmolLM2-135M Q4_1)."),
-    split: str = typer.Option("0:15,15:30", "--split", help="Shard ranges; shard i runs on host h(i+1) (round robin)."),
+    split: str = typer.Option("0:15,15:30", "--split", help="Shard ranges; shard i runs on host h(i+1) (round robin). "
+                              "'auto': each host probes itself and `dgr plan` chooses the hosts, their order, the "
+                              "ranges and the pipeline groups for --sessions."),
     hosts: Optional[str] = typer.Option(None, "--hosts", help="Host of each shard, comma-separated (e.g. h1,h2,h1)."),
     prompt: str = typer.Option("Write a haiku about the sea.", "--prompt", help="The prompt."),
     sessions: int = typer.Option(1, "--sessions", min=1, max=256,
@@ -168,18 +170,33 @@ def route(
 
     lab = Lab.load(name)
     src = resolve_model(model)
-    rng = parse_split(split)
-    if rng[-1][1] != model_n_layer(src):
-        raise DgrError(f"split {split} does not end at the model's last layer ({model_n_layer(src)})")
-    placement = [h.strip() for h in hosts.split(",")] if hosts else None
+    extra: tuple[str, ...] = ()
+    plan_doc = None
+    if split == "auto":
+        if hosts:
+            raise DgrError("--split auto places the shards itself; leave out --hosts")
+        rng, placement, groups, plan_doc = _auto_split(lab, src, sessions, budget)
+        split = ",".join(f"{a}:{b}" for a, b in rng)
+        extra = ("--pipeline-groups", str(groups)) if len(rng) > 1 else ()
+        _log(f"plan: {split} over {', '.join(placement)}, {groups} pipeline group(s); predicted "
+             f"{plan_doc['prediction']['aggregate_tok_s']:.1f} tok/s at {sessions} session(s)")
+        for d in plan_doc["dropped"]:
+            _log(f"plan leaves out {d['host']}: {d['why']}")
+    else:
+        rng = parse_split(split)
+        if rng[-1][1] != model_n_layer(src):
+            raise DgrError(f"split {split} does not end at the model's last layer ({model_n_layer(src)})")
+        placement = [h.strip() for h in hosts.split(",")] if hosts else None
     items = [prompt] * max(1, sessions)
     with LabRoute(lab, src, rng, placement=placement, relay=relay, memory_budget=budget,
-                  max_sessions=max(4, sessions)) as lr:
+                  max_sessions=max(4, sessions), extra_args=extra) as lr:
         eps = lr.relay_endpoints if relay else lr.endpoints
         rep = asyncio.run(run_sessions(eps, items, max_tokens=max_tokens, tls=lr.tls, stats=lr.stats(),
                                           pids=[w.pid for w in lr.workers], label=f"lab route {split}"))
         placed = lr.describe()
     doc = {"lab": lab.name, "placement": placed, "route": rep.to_json()}
+    if plan_doc is not None:
+        doc["plan"] = plan_doc
     ok = rep.ok
     if parity:
         from ..route.driver import Sampling
@@ -205,3 +222,26 @@ def route(
                        "sessions identical")
     if not ok:
         raise typer.Exit(1)
+
+
+def _auto_split(lab, src: Path, sessions: int, budget: bool):
+    """--split auto: each lab host's probe (in its namespace, on its threads), then the plan for
+    ``sessions``. Returns the ranges, the hosts in route order, the pipeline groups and the plan."""
+    from ..route.planner import Link, Workload, model_shape, plan_route
+    from ..route.probe import (capability_from_probe, capability_of, default_probe_range, host_memory_bytes,
+                               run_probe)
+
+    shape = model_shape(src)
+    caps = []
+    for h in lab.hosts:
+        _log(f"probe on {h.name} ({h.threads} thread(s))")
+        raw = run_probe(src, default_probe_range(shape.n_layer), threads=h.threads, prefix=lab.prefix(h))
+        mem = host_memory_bytes(raw, (h.worker_budget_mb if budget else None))
+        caps.append(capability_of(capability_from_probe(raw, shape, name=h.name, memory_bytes=mem)))
+    shaping = lab.shaping or {}
+    rtt_ms = float(shaping.get("rtt_ms") or 0.0)
+    rate = float(shaping.get("rate_mbit") or 0.0)
+    link = Link(rtt_s=max(rtt_ms, 0.2) / 1e3, bandwidth_bytes_s=(rate or 10000.0) * 1e6 / 8)
+    p = plan_route(shape, caps, link, Workload(sessions=sessions, prompt_tokens=64, ctx_per_session=2048))
+    rng = [tuple(map(int, r.split(":"))) for r in p.split.split(",")]
+    return rng, p.hosts, p.prediction.groups, p.to_json()
