@@ -138,14 +138,17 @@ def _caps_doc(**over):
     ({"layer_decode_s": {}}, "layer_decode_s"),
     ({"layer_decode_s": {"x": 0.1}}, "batch size 'x'"),
     ({"layer_decode_s": {"0": 0.1}}, "within 1..4096"),
-    ({"layer_decode_s": {"1": -1}}, "positive number"),
-    ({"layer_decode_s": {"1": True}}, "positive number"),
-    ({"layer_decode_s": {"1": float("nan")}}, "positive number"),
+    ({"layer_decode_s": {"1": -1}}, "seconds in"),
+    ({"layer_decode_s": {"1": True}}, "seconds in"),
+    ({"layer_decode_s": {"1": float("nan")}}, "seconds in"),
     ({"layer_prefill_s": None}, "layer_prefill_s"),
     ({"output_prefill_s": "fast"}, "output_prefill_s"),
     ({"memory_bytes": 0}, "memory_bytes"),
     ({"memory_bytes": 1.5}, "memory_bytes"),
     ({"memory_bytes": True}, "memory_bytes"),
+    ({"memory_bytes": 10 ** 20}, "memory_bytes"),
+    ({"layer_decode_s": {"1": 1e308}}, "seconds in"),
+    ({"output_prefill_s": 1e5}, "seconds in"),
     ({"embed_s": -0.1}, "embed_s"),
     ({"duty": 0}, "duty"),
     ({"duty": 1.5}, "duty"),
@@ -174,6 +177,9 @@ def test_capability_documents_refused_whole():
         parse_capabilities(doc)
     with pytest.raises(DgrError, match="link"):
         parse_capabilities({**_caps_doc(), "link": {"rtt_ms": -1, "bandwidth_mbit": 10}})
+    for bad in ({"bandwidth_mbit": 1e-320}, {"bandwidth_mbit": 1e9}, {"rtt_ms": 1e6}, {"rtt_ms": True}):
+        with pytest.raises(DgrError, match="link"):
+            parse_capabilities({**_caps_doc(), "link": {"rtt_ms": 1, "bandwidth_mbit": 10, **bad}})
     hosts, link = parse_capabilities({**_caps_doc(), "link": {"rtt_ms": 2, "bandwidth_mbit": 100}})
     assert hosts[0].layer_decode_s == {1: 0.001, 8: 0.004}
     assert link.rtt_s == pytest.approx(0.002) and link.bandwidth_bytes_s == pytest.approx(12.5e6)

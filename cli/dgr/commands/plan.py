@@ -29,7 +29,7 @@ def plan(
     rtt_ms: Optional[float] = typer.Option(None, "--rtt-ms", min=0.0, max=10000.0,
                                            help="Round trip between consecutive hosts (default: the file's "
                                            "link, else 0.5 ms)."),
-    bandwidth_mbit: Optional[float] = typer.Option(None, "--bandwidth-mbit", min=0.001,
+    bandwidth_mbit: Optional[float] = typer.Option(None, "--bandwidth-mbit", min=0.001, max=1e7,
                                                    help="Link bandwidth (default: the file's link, else 1000)."),
     latency_bound: float = typer.Option(2.0, "--latency-bound", min=1.0, max=1000.0,
                                         help="A session's time between tokens may be at most this many times "

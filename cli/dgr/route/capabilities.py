@@ -14,6 +14,8 @@ from ..errors import DgrError
 
 BATCH_SIZES = (1, 4, 8, 16)
 CAPABILITY_SCHEMA = "dgr.capabilities.v1"
+MAX_SECONDS = 1e4       # a measured cost above ~3 hours is a typo, and sums of them must stay finite
+MAX_MEMORY_BYTES = 1 << 50
 MAX_HOSTS = 8   # the search's cost grows with hosts x layers^2 x group counts (seconds at 8 x 80)
 
 
@@ -50,15 +52,16 @@ class HostCapability:
             for b, s in table.items():
                 if not isinstance(b, int) or b < 1:
                     raise DgrError(f"{where}: {what} batch size {b!r} is not a positive integer")
-                if not _positive(s):
-                    raise DgrError(f"{where}: {what}[{b}] = {s!r} is not a positive number of seconds")
+                if not _seconds(s):
+                    raise DgrError(f"{where}: {what}[{b}] = {s!r} is not a number of seconds in (0, {MAX_SECONDS:g}]")
         for what, s in (("layer_prefill_s", self.layer_prefill_s), ("output_prefill_s", self.output_prefill_s)):
-            if not _positive(s):
-                raise DgrError(f"{where}: {what} = {s!r} is not a positive number of seconds")
-        if not (isinstance(self.embed_s, (int, float)) and math.isfinite(self.embed_s) and self.embed_s >= 0):
-            raise DgrError(f"{where}: embed_s = {self.embed_s!r} is not a number of seconds >= 0")
-        if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes <= 0:
-            raise DgrError(f"{where}: memory_bytes = {self.memory_bytes!r} is not a positive integer")
+            if not _seconds(s):
+                raise DgrError(f"{where}: {what} = {s!r} is not a number of seconds in (0, {MAX_SECONDS:g}]")
+        if not (self.embed_s == 0 or _seconds(self.embed_s)):
+            raise DgrError(f"{where}: embed_s = {self.embed_s!r} is not a number of seconds in [0, {MAX_SECONDS:g}]")
+        if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or \
+                not 0 < self.memory_bytes <= MAX_MEMORY_BYTES:
+            raise DgrError(f"{where}: memory_bytes = {self.memory_bytes!r} is not an integer in 1..2**50")
 
     def layer_at(self, rows: int) -> float:
         return _interpolate(self.layer_decode_s, rows)
@@ -76,11 +79,16 @@ class Link:
     def validate(self) -> None:
         if not (isinstance(self.rtt_s, (int, float)) and math.isfinite(self.rtt_s) and 0 <= self.rtt_s <= 10):
             raise DgrError(f"link round trip {self.rtt_s!r} s is not within 0..10 s")
-        if not _positive(self.bandwidth_bytes_s):
-            raise DgrError(f"link bandwidth {self.bandwidth_bytes_s!r} B/s is not a positive number")
+        if not (_positive(self.bandwidth_bytes_s) and 125 <= self.bandwidth_bytes_s <= 1.25e12):
+            raise DgrError(f"link bandwidth {self.bandwidth_bytes_s!r} B/s is not within 1 kbit/s..10 Tbit/s")
 
     def hop_s(self, nbytes: float) -> float:
         return self.rtt_s / 2 + nbytes / self.bandwidth_bytes_s
+
+
+def _seconds(x: Any) -> bool:
+    """A measured time: positive, finite, and not absurd (sums of them must stay finite)."""
+    return _positive(x) and x <= MAX_SECONDS
 
 
 def _positive(x: Any) -> bool:
@@ -154,7 +162,7 @@ def parse_capabilities(doc: Any, where: str = "capabilities") -> tuple[list[Host
         if not isinstance(ln, dict):
             raise DgrError(f"{where}: 'link' is not an object")
         rtt, bw = ln.get("rtt_ms", 0.5), ln.get("bandwidth_mbit", 1000)
-        if not (_positive(rtt) or rtt == 0) or not _positive(bw):
+        if not (_positive(rtt) or (rtt == 0 and not isinstance(rtt, bool))) or not (_positive(bw) and 0.001 <= bw <= 1e7):
             raise DgrError(f"{where}: link rtt_ms {rtt!r} / bandwidth_mbit {bw!r} are not numbers > 0")
         link = Link(rtt_s=float(rtt) / 1e3, bandwidth_bytes_s=float(bw) * 1e6 / 8)
         link.validate()
@@ -172,7 +180,7 @@ def _batch_table(v: Any, where: str) -> dict[int, float]:
             raise DgrError(f"{where}: batch size {k!r} is not an integer") from None
         if not 1 <= b <= 4096:
             raise DgrError(f"{where}: batch size {b} is not within 1..4096")
-        if not _positive(s):
-            raise DgrError(f"{where}[{k}] = {s!r} is not a positive number of seconds")
+        if not _seconds(s):
+            raise DgrError(f"{where}[{k}] = {s!r} is not a number of seconds in (0, {MAX_SECONDS:g}]")
         out[b] = float(s)
     return out
