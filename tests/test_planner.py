@@ -3,6 +3,7 @@ no model run. Predictions only; the lab checks them against measurement."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -58,6 +59,11 @@ def test_prediction_pipeline_arithmetic():
     drv = predict(m, [h, h], [(0, 2), (2, 4)], link, Workload(sessions=2, prompt_tokens=1), groups=1,
                   overheads=Overheads(token_s=0.5, step_s=0.25, hop_s=0.0))
     assert drv.stages[0].decode_s == pytest.approx(4.0 + 2 * 0.5) and drv.round_s == pytest.approx(10.0 + 1.0 + 0.25)
+    # two hosts on one core: their stages add up there (a pipeline cannot overlap them)
+    shared = [dataclasses.replace(h, name="x", core="c0"), dataclasses.replace(h, name="y", core="c0")]
+    both = predict(m, shared, [(0, 2), (2, 4)], link, Workload(sessions=2, prompt_tokens=1), groups=2,
+                   overheads=none)
+    assert both.round_s == pytest.approx(2 * (2.0 + 3.0))   # against 6 s on two cores (above)
     # a hop's overhead: half on each end, all of it on the trip
     hop = predict(m, [h, h], [(0, 2), (2, 4)], link, Workload(sessions=2, prompt_tokens=1), groups=1,
                   overheads=Overheads(token_s=0.0, step_s=0.0, hop_s=1.0))
@@ -250,8 +256,11 @@ def test_dgr_bench_plan_refuses_a_single_quota(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_plan_bench_compare_must_name_every_host():
+def test_plan_bench_compare_and_cpus_must_name_every_host():
     from dgr.lab.plan_bench import PlanBenchConfig
     with pytest.raises(DgrError, match="1 ranges for 2 hosts"):
         PlanBenchConfig(compare=((0, 30),)).validate()
     PlanBenchConfig(compare=((0, 19), (19, 30))).validate()
+    with pytest.raises(DgrError, match="2 sets for 3 hosts"):
+        PlanBenchConfig(cpu_quota=(None, None, None), cpus=("0", "1")).validate()
+    PlanBenchConfig(cpu_quota=(None, None, None), cpus=("0", "1", "1")).validate()

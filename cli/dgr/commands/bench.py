@@ -190,6 +190,8 @@ def plan_bench(
                                          help="Time each host's capability probe may take."),
     compare: Optional[str] = typer.Option(None, "--compare", help="Also run this hand-chosen split over every "
                                           "host, in order (e.g. 0:19,19:30)."),
+    cpus: Optional[str] = typer.Option(None, "--cpus", help="CPU set per host, ';'-separated (e.g. '0;1;1': h2 and "
+                                       "h3 share CPU 1, and the planner is told so); default one core each."),
     out: Path = typer.Option(Path("plan-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
     """The planned split (dgr plan, from each lab host's own probe) against the even split and the
@@ -211,7 +213,8 @@ def plan_bench(
 
     cfg = PlanBenchConfig(cpu_quota=tuple(each_q), sessions=levels, n_prompt=n_prompt, n_gen=n_gen,
                           repeats=repeats, probe_budget_s=probe_budget_s,
-                          compare=tuple(parse_split(compare)) if compare else None)
+                          compare=tuple(parse_split(compare)) if compare else None,
+                          cpus=tuple(c.strip() for c in cpus.split(";")) if cpus else None)
     cfg.validate()
     doc = run_plan_bench(resolve_model(model), cfg)
     _write(out, doc, summary(doc))

@@ -35,6 +35,9 @@ SCHEMA = "dgr.bench.plan.v1"
 @dataclass(frozen=True)
 class PlanBenchConfig:
     cpu_quota: tuple[float | None, ...] = (None, 0.5)   # per host, in cores; None: the whole core
+    # per host CPU sets (None: one core each, round robin); hosts given the same set share it,
+    # and the planner is told so (HostCapability.core)
+    cpus: tuple[str, ...] | None = None
     sessions: tuple[int, ...] = (1, 8)
     n_prompt: int = 64
     n_gen: int = 48
@@ -59,6 +62,8 @@ class PlanBenchConfig:
             raise DgrError("--n-prompt and --n-gen must be 1..4096")
         if not 0.5 <= self.probe_budget_s <= 600:
             raise DgrError("--probe-budget-s must be 0.5..600")
+        if self.cpus is not None and len(self.cpus) != len(self.cpu_quota):
+            raise DgrError(f"--cpus has {len(self.cpus)} sets for {len(self.cpu_quota)} hosts")
         if self.compare is not None and len(self.compare) != len(self.cpu_quota):
             raise DgrError(f"--compare has {len(self.compare)} ranges for {len(self.cpu_quota)} hosts")
 
@@ -88,7 +93,8 @@ def run_plan_bench(model: Path, cfg: PlanBenchConfig) -> dict[str, Any]:
     link = Link(rtt_s=0.0002, bandwidth_bytes_s=1.25e9)
     doc: dict[str, Any] = {
         "schema": SCHEMA, "model": str(model), "n_layer": shape.n_layer, "hosts": n,
-        "cpu_quota": [q for q in cfg.cpu_quota], "threads_per_host": 1, "cores_per_host": 1,
+        "cpu_quota": [q for q in cfg.cpu_quota], "cpus": list(cfg.cpus) if cfg.cpus else None,
+        "threads_per_host": 1, "cores_per_host": 1,
         "sessions": list(cfg.sessions), "n_prompt": cfg.n_prompt, "n_gen": cfg.n_gen, "repeats": cfg.repeats,
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
         "link_model": {"rtt_s": link.rtt_s, "bandwidth_bytes_s": link.bandwidth_bytes_s},
@@ -96,7 +102,7 @@ def run_plan_bench(model: Path, cfg: PlanBenchConfig) -> dict[str, Any]:
         "capabilities": [], "levels": {},
     }
     lcfg = LabConfig(hosts=n, name=cfg.lab_name, cores_per_host=1, threads=1, rtt_ms=0.0,
-                     cpu_quota=list(cfg.cpu_quota))
+                     cpu_quota=list(cfg.cpu_quota), cpus=list(cfg.cpus) if cfg.cpus else None)
     lcfg.validate()
     say(f"lab: {n} hosts, 1 core/1 thread each, CPU quotas "
         + ", ".join("whole" if q is None else f"{q:g}" for q in cfg.cpu_quota))
@@ -107,7 +113,10 @@ def run_plan_bench(model: Path, cfg: PlanBenchConfig) -> dict[str, Any]:
             say(f"probe on {h.name}")
             raw = run_probe(model, default_probe_range(shape.n_layer), threads=1, budget_s=cfg.probe_budget_s,
                             binary=worker_binary_path(cfg.backend), prefix=lab.prefix(h))
-            entries.append(capability_from_probe(raw, shape, name=h.name, memory_bytes=host_memory_bytes(raw, None)))
+            entry = capability_from_probe(raw, shape, name=h.name, memory_bytes=host_memory_bytes(raw, None))
+            if sum(o.cpus == h.cpus for o in lab.hosts) > 1:
+                entry["core"] = f"cpus {h.cpus}"   # shared with another host: the model adds them up
+            entries.append(entry)
         doc["capabilities"] = entries
         caps = [capability_of(e) for e in entries]
         for s in cfg.sessions:
@@ -185,7 +194,8 @@ def run_plan_bench(model: Path, cfg: PlanBenchConfig) -> dict[str, Any]:
 
 def summary(doc: dict[str, Any]) -> str:
     q = ", ".join("whole core" if x is None else f"{x:g} core" for x in doc["cpu_quota"])
-    lines = [f"planned split vs even vs h1 alone on {doc['hosts']} lab hosts ({q}); {doc['n_layer']} layers"]
+    cpus = f", CPUs {' / '.join(doc['cpus'])}" if doc.get("cpus") else ""
+    lines = [f"planned split vs even vs h1 alone on {doc['hosts']} lab hosts ({q}{cpus}); {doc['n_layer']} layers"]
     for s, lv in doc["levels"].items():
         lines.append(f"{s} session(s): plan {lv['plan']['split']} over {', '.join(lv['plan']['hosts'])}")
         for name, v in lv["variants"].items():

@@ -39,6 +39,9 @@ class HostCapability:
     # the share of the wall time the host can compute when kept busy (a CPU quota, a burstable
     # VM): the figures above are bursts at full speed (dgr worker probe measures both)
     duty: float = 1.0
+    # hosts with the same non-empty label share their cores (co-located Shards, VMs on one
+    # machine): their stages' compute adds up on it
+    core: str = ""
 
     def validate(self) -> None:
         where = f"host {self.name!r}"
@@ -148,7 +151,8 @@ def parse_capabilities(doc: Any, where: str = "capabilities") -> tuple[list[Host
                 memory_bytes=h.get("memory_bytes"),
                 embed_s=h.get("embed_s", 0.0),
                 endpoint=str(h.get("endpoint", "")),
-                duty=h.get("duty", 1.0))
+                duty=h.get("duty", 1.0),
+                core=str(h.get("core") or ""))
         except TypeError as exc:
             raise DgrError(f"{where}: hosts[{i}]: {exc}") from None
         cap.validate()

@@ -259,9 +259,16 @@ def predict(model: ModelShape, hosts: Sequence[HostCapability], ranges: Sequence
     cycle = sum(dec) + hops * link.hop_s(rows * row_bytes) + back + overheads.step_s + outside[0]
     cycle1 = sum(dec1) + (hops * link.hop_s(row_bytes) + link.hop_s(8) if hops else 0.0) + overheads.step_s + \
         outside[1]
-    # a host kept busy computes only its duty share of the time (bursts run at full speed)
-    cycle1 = max(cycle1, max(d / h.duty for d, h in zip(dec1, hosts)))
-    round_s = max(cycle, groups * max(d / h.duty for d, h in zip(dec, hosts)))
+    # a host kept busy computes only its duty share of the time (bursts run at full speed); hosts
+    # sharing cores add their stages up on them
+    def busiest(ds: Sequence[float]) -> float:
+        load: dict[str, float] = {}
+        for k, (d, h) in enumerate(zip(ds, hosts)):
+            key = h.core or f"\0{k}"
+            load[key] = load.get(key, 0.0) + d / h.duty
+        return max(load.values())
+    cycle1 = max(cycle1, busiest(dec1))
+    round_s = max(cycle, groups * busiest(dec))
     for s, d in zip(stages, dec):
         s.busy_share = min(1.0, groups * d / round_s)
     prompt_hop = link.hop_s(workload.prompt_tokens * row_bytes) if hops else 0.0
