@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Sequence
 
+from .. import childproc
 from ..errors import DgrError
 from .planner import CAPABILITY_SCHEMA, HostCapability, ModelShape, parse_capabilities
 from .supervisor import default_binary
@@ -42,16 +43,24 @@ def run_probe(model: Path, layers: tuple[int, int] | None = None, *, threads: in
     if threads:
         cmd += ["--threads", str(threads)]
     _log.debug("probing %s layers %s (%s)", Path(model).name, layers or "all", " ".join(cmd))
+    # a child that does not outlive this process (childproc: the parent-death signal)
+    p = childproc.popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        out, err = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
         raise DgrError(f"dgr-worker probe did not finish within {timeout_s:g} s") from None
-    errs = [ln for ln in r.stderr.splitlines() if "error" in ln]
-    if r.returncode != 0:
+    except BaseException:   # Ctrl-C, SIGTERM's exception: the probe goes with us
+        p.kill()
+        p.communicate()
+        raise
+    errs = [ln for ln in err.splitlines() if "error" in ln]
+    if p.returncode != 0:
         raise DgrError(f"dgr-worker probe failed for {model} layers {layers}: "
-                       + (errs[-1] if errs else f"exit {r.returncode}"))
+                       + (errs[-1] if errs else f"exit {p.returncode}"))
     try:
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        return json.loads(out.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError) as exc:
         raise DgrError(f"dgr-worker probe printed no JSON for {model}: {exc}") from None
 
