@@ -17,6 +17,7 @@ planner counts its share there; the planned route may have another host as its h
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -152,7 +153,6 @@ def run_plan_bench(model: Path, cfg: PlanBenchConfig) -> dict[str, Any]:
                                            "predicted_decode_tok_s": v["predicted"]["aggregate_tok_s"]
                                            if s > 1 else v["predicted"]["single_session_tok_s"],
                                            "predicted": v["predicted"], "runs": []}
-            import contextlib
             with contextlib.ExitStack() as stack, _Pinned(parse_cpus(lab.host("h1").cpus)):
                 for r in routes.values():
                     stack.enter_context(r)

@@ -12,7 +12,6 @@ from typing import Any
 
 from ..errors import DgrError
 
-BATCH_SIZES = (1, 4, 8, 16)
 CAPABILITY_SCHEMA = "dgr.capabilities.v1"
 MAX_SECONDS = 1e4       # a measured cost above ~3 hours is a typo, and sums of them must stay finite
 MAX_MEMORY_BYTES = 1 << 50

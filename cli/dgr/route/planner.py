@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import DgrError
-from .capabilities import (BATCH_SIZES, CAPABILITY_SCHEMA, MAX_HOSTS, HostCapability, Link,  # noqa: F401
+from .capabilities import (CAPABILITY_SCHEMA, MAX_HOSTS, HostCapability, Link,  # noqa: F401
                            _interpolate, _positive, load_capabilities, parse_capabilities)
 
 
@@ -333,7 +333,7 @@ def _best_ranges(model: ModelShape, hosts: Sequence[HostCapability], rows: int, 
 
 
 def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, workload: Workload, *,
-               latency_bound: float = 2.0, max_groups: int | None = None,
+               latency_bound: float = 2.0,
                overheads: Overheads = Overheads()) -> Plan:
     """The split (and pipeline groups) with the highest predicted aggregate decode for
     ``workload``, over the subsets of ``hosts``: all, in every order, up to 4 hosts; beyond, in
@@ -366,15 +366,15 @@ def plan_route(model: ModelShape, hosts: Sequence[HostCapability], link: Link, w
     else:   # more hosts, in the listed order: all of them, all but one, all but two, and each alone
         for r in (m, m - 1, m - 2, 1):
             subsets.extend(combinations(range(m), r))
-    group_caps = max_groups or 0
     scored: list[tuple[Prediction, tuple[int, ...], list[tuple[int, int]]]] = []
     for sub in subsets:
         hs = [hosts[i] for i in sub]
-        limit = 1 if len(hs) == 1 else min(workload.sessions, group_caps or len(hs) + 1)
+        limit = 1 if len(hs) == 1 else min(workload.sessions, len(hs) + 1)
         seen: set[tuple[tuple[int, int], ...]] = set()
         gw = sub.index(0) if 0 in sub else -1   # the first listed host runs the gateway
-        found = [_best_ranges(model, hs, math.ceil(workload.sessions / g), workload, overheads, gateway=gw)
-                 for g in range(1, limit + 1)]
+        # one search per distinct batch size (group counts that give the same rows share it)
+        found = [_best_ranges(model, hs, rows, workload, overheads, gateway=gw)
+                 for rows in sorted({math.ceil(workload.sessions / g) for g in range(1, limit + 1)})]
         found.append(_best_ranges(model, hs, workload.sessions, workload, overheads, total=True, gateway=gw))
         for ranges in found:
             if ranges is None:
