@@ -2,7 +2,8 @@
 
 It loads, the route view lists both shards of a 2-shard fake route, a prompt typed into the
 chat box streams an answer (several SSE chunks), and a screenshot is written to
-build/serve-console.png.
+build/serve-console.png. A gateway of several routes and models shows every route, which one
+is out of service, and a model picker whose choice the chat uses.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def test_console_streams_an_answer_and_shows_both_shards(route):
         with Gateway([w.target for w in route], model_id="fake-8") as gw:
             browser.get(gw.url + "/")
             wait = WebDriverWait(browser, 30)
-            rows = wait.until(lambda b: (r := b.find_elements(By.CSS_SELECTOR, "#route tbody tr")) and len(r) == 2 and r)
+            rows = wait.until(lambda b: (r := b.find_elements(By.CSS_SELECTOR, "#route tbody tr[data-shard]"))
+                              and len(r) == 2 and r)
             text = [r.text for r in rows]
             assert "[0:4)" in text[0] and "[4:8)" in text[1]
             assert route[0].target in text[0] and route[1].target in text[1]
@@ -76,3 +78,44 @@ def test_console_streams_an_answer_and_shows_both_shards(route):
             assert out.stat().st_size > 10_000
     finally:
         browser.quit()
+
+
+def test_console_shows_every_route_and_picks_the_model(native_bin, route):
+    import os
+    import signal
+
+    from dgr.serve.server import RouteSpec
+    from fakeroute import poll
+
+    whole = [start_fake(native_bin, "--fake-delay-ms", "5") for _ in range(2)]
+    browser = _browser()
+    try:
+        specs = [RouteSpec(tuple(w.target for w in route), "split"), RouteSpec((whole[0].target,), "split"),
+                 RouteSpec((whole[1].target,), "whole")]
+        with Gateway(routes=specs, health_interval=0.2) as gw:
+            browser.get(gw.url + "/")
+            wait = WebDriverWait(browser, 30)
+            heads = wait.until(lambda b: (r := b.find_elements(By.CSS_SELECTOR, "#route tbody tr.rt")) and len(r) == 3
+                               and r)
+            assert ["route-1 · split", "route-2 · split", "route-3 · whole"] == [h.text[:15] for h in heads]
+            assert all("in service" in h.text for h in heads)
+            assert len(browser.find_elements(By.CSS_SELECTOR, "#route tbody tr[data-shard]")) == 4
+            options = [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#models option")]
+            assert options == ["split", "whole"] and browser.find_element(By.ID, "models").is_displayed()
+            browser.find_element(By.CSS_SELECTOR, "#models option:nth-child(2)").click()
+            browser.find_element(By.ID, "prompt").send_keys("which model?")
+            browser.find_element(By.ID, "send").click()
+            wait.until(lambda b: b.find_element(By.ID, "send").is_enabled() and "chunks" in b.find_element(By.ID, "status").text)
+            assert "error" not in browser.find_elements(By.CSS_SELECTOR, ".msg.assistant span")[-1].text
+            got = gw.routes.view()
+            assert [r["requests"] for r in got] == [0, 0, 1]     # the chat ran on the model picked
+            os.kill(whole[0].proc.pid, signal.SIGSTOP)
+            try:
+                wait.until(lambda b: "out:" in b.find_elements(By.CSS_SELECTOR, "#route tbody tr.rt")[1].text)
+            finally:
+                os.kill(whole[0].proc.pid, signal.SIGCONT)
+            poll(lambda: all(r.healthy for r in gw.routes.routes), 10, "route-2 back")
+    finally:
+        browser.quit()
+        for w in whole:
+            w.kill()

@@ -19,6 +19,10 @@ def serve(
                                         "whole model on one worker)."),
     shard: Optional[List[str]] = typer.Option(None, "--shard", help="HOST:PORT of a running worker, in route order "
                                               "(repeat); serve that route instead of starting workers."),
+    route: Optional[List[str]] = typer.Option(None, "--route", help="[MODEL=]HOST:PORT,HOST:PORT,... one route of "
+                                              "running workers in route order (repeat: several routes behind this "
+                                              "gateway; the same MODEL for replicas of one model, which share its "
+                                              "requests, another MODEL for another model). Not with --shard."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. Anything but loopback needs "
                              "--api-key and --tls-cert/--tls-key."),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="TCP port to listen on."),
@@ -56,8 +60,9 @@ def serve(
 ) -> None:
     """Serve a route over HTTP: OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), a web
     console at /, /health and /metrics. Starts local workers for --model/--split, or serves running
-    workers given with --shard, or starts them on a lab's simulated hosts with --lab. Ctrl-C or SIGTERM
-    stops it: it stops admitting, gives answers in progress a few seconds, then stops the workers it
+    workers given with --shard (one route) or --route (one or more routes: replicas of a model, or
+    several models), or starts them on a lab's simulated hosts with --lab. Ctrl-C or SIGTERM stops
+    it: it stops admitting, gives answers in progress a few seconds, then stops the workers it
     started (which also stop if this process is killed)."""
     from ..serve.server import sigterm_as_interrupt
 
@@ -65,9 +70,31 @@ def serve(
         try:
             _serve(model, split, shard, host, port, api_key, tls_cert, tls_key, model_name, max_concurrent, queue,
                    max_sessions, ctx_per_session, threads, slices, lab, lab_hosts, shard_ca, shard_cert, shard_key,
-                   fake, standby or [], max_restarts)
+                   fake, standby or [], max_restarts, route or [])
         except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the workers were stopped on the way out
             pass
+
+
+MAX_ROUTES = 64
+
+
+def parse_routes(items: List[str]) -> list:
+    """``--route [MODEL=]HOST:PORT,HOST:PORT,...`` each -> a RouteSpec (workers in route order)."""
+    from ..serve.server import RouteSpec
+
+    if len(items) > MAX_ROUTES:
+        raise DgrError(f"at most {MAX_ROUTES} --route options, got {len(items)}")
+    out = []
+    for item in items:
+        name, sep, rest = item.rpartition("=") if "=" in item else ("", "", item)
+        if sep and (not name.strip() or name != name.strip() or not name.isprintable()):
+            raise DgrError(f"--route {item!r}: the model name before '=' must be printable, non-empty text "
+                           "without leading or trailing spaces")
+        eps = [e.strip() for e in rest.split(",")]
+        if not rest.strip() or any(not e for e in eps):
+            raise DgrError(f"--route {item!r}: expected [MODEL=]HOST:PORT,HOST:PORT,... (workers in route order)")
+        out.append(RouteSpec(tuple(eps), model_id=name or None))
+    return out
 
 
 def fake_n_layer() -> int:
@@ -82,36 +109,46 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
            max_concurrent: Optional[int], queue: int, max_sessions: int, ctx_per_session: Optional[int],
            threads: Optional[int], slices: bool, lab: Optional[str], lab_hosts: Optional[str],
            shard_ca: Optional[Path], shard_cert: Optional[Path], shard_key: Optional[Path], fake: bool,
-           standby: List[str] = (), max_restarts: int = 2) -> None:
+           standby: List[str] = (), max_restarts: int = 2, route: List[str] = ()) -> None:
     from ..gguf.gguf_set import model_stem
     from ..gguf.models import resolve_model
     from ..route import local as rt
-    from ..serve.server import ServeOptions, serve_route
+    from ..serve.server import RouteSpec, ServeOptions, serve_route, serve_routes
 
     log = lambda m: typer.echo(f"dgr serve: {m}", err=True)  # noqa: E731
     opts = ServeOptions(host=host, port=port, api_key=api_key or None, tls_cert=tls_cert, tls_key=tls_key,
                         model_id=model_name, slots=max_concurrent, queue=queue, standby=list(standby),
                         max_restarts=max_restarts)
     opts.check()
-    if standby and not shard:
+    specs = parse_routes(route) if route else []
+    if route and shard:
+        raise DgrError("give --shard (one route) or --route (one or more), not both")
+    if standby and not (shard or route):
         raise DgrError("--standby goes with --shard (running workers of the route, then the standbys)")
-    if standby and set(standby) & set(shard or []):
+    if standby and len(specs) > 1:
+        raise DgrError("--standby goes with a single route", hint="several routes of one model already stand in "
+                       "for each other: a route that fails its health check gets no new requests")
+    running = list(shard or []) + [ep for sp in specs for ep in sp.endpoints]
+    if standby and set(standby) & set(running):
         raise DgrError("a --standby worker is already a --shard of the route")
 
     def ready(u: str, model_id: str) -> None:
         log(f"serving {model_id} at {u}/v1 (console: {u}/)")
 
-    if (shard_cert or shard_key or shard_ca) and not shard:
+    if (shard_cert or shard_key or shard_ca) and not running:
         raise DgrError("--shard-tls-ca/--shard-tls-cert/--shard-tls-key go with --shard (a --lab route has its own CA)")
-    if shard:
+    if running:
         if model or split or fake or lab:
-            raise DgrError("give only one of --shard (running workers), --lab (workers on lab hosts) or --model/--split (local workers), not both kinds")
+            raise DgrError("give only one of --shard/--route (running workers), --lab (workers on lab hosts) or --model/--split (local workers), not both kinds")
         if (shard_cert or shard_key) and not shard_ca:
             raise DgrError("--shard-tls-cert/--shard-tls-key need --shard-tls-ca")
         if shard_ca:
             from ..protocol.tls import TlsFiles
             opts.route_tls = TlsFiles(shard_ca, shard_cert, shard_key)
-        asyncio.run(serve_route(shard, opts, on_ready=ready))
+        if specs:
+            asyncio.run(serve_routes(specs, opts, on_ready=ready))
+        else:
+            asyncio.run(serve_route(shard, opts, on_ready=ready))
         return
     if max_sessions < 1 or (ctx_per_session is not None and ctx_per_session < 1):
         raise DgrError("--max-sessions and --ctx-per-session must be >= 1")

@@ -1,8 +1,11 @@
 """The HTTP application: OpenAI-compatible endpoints, the console, health and metrics.
 
+One gateway serves one or more routes (:mod:`dgr.serve.pool`): a request runs on a route of
+the model it names.
+
 Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (streaming as server-sent events, or one JSON answer), ``GET /health``, ``GET /metrics``
-(Prometheus text), ``GET /`` (the console) and ``GET /api/route`` (the route view it polls).
+(Prometheus text), ``GET /`` (the console) and ``GET /api/route`` (the routes' view it polls).
 Errors have OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 FastAPI (on Starlette) gives request validation from typed models and streaming responses;
@@ -30,6 +33,7 @@ from .api_fields import ApiRequest, ChatRequest, CompletionRequest, logprobs_jso
 from .choices import Choices
 from .engine import Engine, GatewayError, TokenLogprob
 from .metrics import GatewayMetrics
+from .pool import Routes, RouteState
 from .routeview import RouteView
 
 _log = logging.getLogger(__name__)
@@ -123,26 +127,39 @@ class _BearerAuth:
 
 class _Outcome:
     """One generation request's account in the metrics: in flight from its start, then counted
-    once by its final status (whichever path ends it: an answer, an error, a disconnect)."""
+    once by its final status (whichever path ends it: an answer, an error, a disconnect); and
+    its route's, from the moment one is picked for it to that same end."""
 
-    def __init__(self, metrics: GatewayMetrics) -> None:
-        self.metrics = metrics
+    def __init__(self, metrics: GatewayMetrics, routes: Routes) -> None:
+        self.metrics, self.routes = metrics, routes
         self.gen: Choices | None = None
+        self.route: RouteState | None = None
         self.done = False
         metrics.started()
+
+    def pick(self, model: str) -> Engine:
+        """The route this request runs on (404 for a model this gateway does not serve)."""
+        self.route = self.routes.take(self.routes.pick(model))
+        return self.route.engine
 
     def end(self, status: int) -> None:
         if not self.done:
             self.done = True
+            if self.route is not None:
+                self.routes.give_back(self.route)
             self.metrics.finished(self.gen, status)
 
 
-def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteView | None = None) -> FastAPI:
-    """The gateway application over a connected :class:`Engine`."""
+def create_app(routes: Engine | Routes, *, api_key: str | None = None) -> FastAPI:
+    """The gateway application over one connected :class:`Engine` (one route) or several
+    (:class:`Routes`)."""
     app = FastAPI(title="dgr gateway", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = GatewayMetrics(engine)
-    view = route_view or RouteView(engine.driver)
-    app.state.engine, app.state.metrics, app.state.view = engine, metrics, view
+    if not isinstance(routes, Routes):
+        routes = Routes([routes])
+    engine = routes.first
+    metrics = GatewayMetrics(routes)
+    views = {r.name: RouteView(r.engine) for r in routes.routes}
+    app.state.engine, app.state.routes, app.state.metrics = engine, routes, metrics
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_req: Request, exc: GatewayError) -> JSONResponse:
@@ -174,19 +191,20 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
     if api_key:
         app.add_middleware(_BearerAuth, api_key=api_key)
 
-    def check_model(name: str) -> None:
-        if name != engine.model_id:
-            raise GatewayError(404, f"the model {ascii(name)} does not exist; this gateway serves "
-                               f"{engine.model_id!r}", code="model_not_found", param="model")
-
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        out = {"status": "ok", "model": engine.model_id, "shards": len(engine.driver.shards),
-               "running": engine.admission.running, "queued": engine.admission.waiting}
+        # the first route's figures at the top (a gateway of one route), then every route
+        out: dict[str, Any] = {"status": "ok", "model": engine.model_id, "shards": len(engine.driver.shards),
+                               "running": sum(r.engine.admission.running for r in routes.routes),
+                               "queued": sum(r.engine.admission.waiting for r in routes.routes)}
         if engine.router is not None:   # with standby workers: the route requests run on now
             out["route"] = list(engine.driver.endpoints)
             out["failovers"] = engine.failovers
             out["failed_shards"] = sorted(engine.router.failed)
+        out["models"] = routes.models
+        out["routes"] = routes.view()
+        if not any(r.healthy for r in routes.routes):
+            out["status"] = "degraded"
         return out
 
     @app.get("/metrics")
@@ -195,12 +213,17 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": engine.created,
-                                            "owned_by": "dgr"}]}
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": rs[0].engine.created,
+                                            "owned_by": "dgr"} for m, rs in routes.by_model.items()]}
 
     @app.get("/api/route")
     async def route() -> dict[str, Any]:
-        return await view.snapshot(engine)
+        # the first route's view at the top (a gateway of one route), then every route's
+        snaps = await asyncio.gather(*(views[r.name].snapshot(r.engine) for r in routes.routes))
+        states = routes.view()
+        out = dict(snaps[0])
+        out["routes"] = [{**st, **snap} for st, snap in zip(states, snaps)]
+        return out
 
     @app.get("/", response_class=HTMLResponse)
     async def console() -> HTMLResponse:
@@ -215,7 +238,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
     async def complete(req: CompletionRequest, request: Request) -> Any:
         return await _answer(request, req, chat=False)
 
-    async def _prompt(req: ApiRequest, chat: bool) -> tuple[list[int], str]:
+    async def _prompt(engine: Engine, req: ApiRequest, chat: bool) -> tuple[list[int], str]:
         """The request's prompt token ids, and the text a completion echoes."""
         if chat:
             assert isinstance(req, ChatRequest)
@@ -245,12 +268,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
         failure, an unexpected exception, the client leaving) ends as an OpenAI-shaped answer,
         the request counted once by its final status and its session closed."""
         t0 = time.perf_counter()
-        out = _Outcome(metrics)
+        out = _Outcome(metrics, routes)
         try:
-            check_model(req.model)
+            eng = out.pick(req.model)
             params = req.params()
-            ids, echo = await _prompt(req, chat)
-            out.gen = Choices(engine, ids, params, req.n or 1, t0)
+            ids, echo = await _prompt(eng, req, chat)
+            out.gen = Choices(eng, ids, params, req.n or 1, t0)
             return await _respond(request, out, req, chat=chat, echo=echo)
         except GatewayError as exc:
             out.end(exc.status)
@@ -315,7 +338,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
             else:
                 choice["text"] = echo + text
             choices.append(choice)
-        return _Json({"id": rid, "object": obj, "created": created, "model": engine.model_id,
+        return _Json({"id": rid, "object": obj, "created": created, "model": gen.engine.model_id,
                       "choices": choices, "usage": gen.usage.to_json()}, headers=_server_timing(gen))
 
     async def _stream(gen: Choices, status: list[int], rid: str, created: int, obj: str, chat: bool,
@@ -333,7 +356,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
                                   ({"content": text} if text else {}))
                 else:
                     c["text"] = text or ""
-                out = {"id": rid, "object": obj, "created": created, "model": engine.model_id, "choices": [c]}
+                out = {"id": rid, "object": obj, "created": created, "model": gen.engine.model_id, "choices": [c]}
                 if include_usage:
                     out["usage"] = None
                 if finish is not None and gen.ttft_s is not None:
@@ -351,7 +374,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, route_view: RouteV
                 if d.text or d.finish_reason or d.logprobs:
                     yield _sse(chunk(d.text, d.finish_reason, lps=d.logprobs, index=i))
             if include_usage:
-                yield _sse({"id": rid, "object": obj, "created": created, "model": engine.model_id, "choices": [],
+                yield _sse({"id": rid, "object": obj, "created": created, "model": gen.engine.model_id, "choices": [],
                             "usage": gen.usage.to_json()})
             yield b"data: [DONE]\n\n"
             status[0] = 200

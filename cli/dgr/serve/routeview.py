@@ -27,10 +27,17 @@ def _counters(resp: pb.GetMetricsResponse) -> dict[str, float]:
 
 
 class RouteView:
-    def __init__(self, driver: Any, timeout: float = 2.0) -> None:
-        self.driver = driver
+    """The view of one gateway route (``engine``: its :class:`~dgr.serve.engine.Engine`; the
+    route it runs on is read at each snapshot, so that a failover shows)."""
+
+    def __init__(self, engine: Any, timeout: float = 2.0) -> None:
+        self.engine = engine
         self.timeout = timeout
         self._last: dict[str, tuple[float, dict[str, float]]] = {}
+
+    @property
+    def driver(self) -> Any:
+        return self.engine.driver
 
     async def _one(self, sh: Any) -> dict[str, Any]:
         cap = sh.capability

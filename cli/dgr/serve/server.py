@@ -1,4 +1,4 @@
-"""Serving: a route (local workers it starts, or running shards), the app, uvicorn.
+"""Serving: one route or several (local workers it starts, or running shards), the app, uvicorn.
 
 :class:`Gateway` is also what tests and ``dgr bench serve`` use: it starts uvicorn on a free
 port in a background thread with its own event loop, and stops it cleanly.
@@ -64,6 +64,17 @@ class ServeOptions:
             raise DgrError(f"--port {self.port} is not a TCP port")
 
 
+@dataclass(frozen=True)
+class RouteSpec:
+    """One route the gateway serves: its workers in route order, the model id clients name it
+    by (None: ServeOptions.model_id, else the artifact id the head reports) and its standby
+    workers (failover, dgr.route.failover)."""
+
+    endpoints: tuple[str, ...]
+    model_id: str | None = None
+    standby: tuple[str, ...] = ()
+
+
 def is_loopback(host: str) -> bool:
     """Parsed or resolved, every address checked (dgr.netaddr); never a prefix match."""
     return is_loopback_host(host)
@@ -114,21 +125,84 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+def _route_label(spec: RouteSpec) -> str:
+    return ",".join(spec.endpoints)
+
+
+async def connect_routes(specs: Sequence[RouteSpec], opts: ServeOptions) -> Any:
+    """Connects every route (side by side) and returns them as :class:`~dgr.serve.pool.Routes`.
+    Any route that cannot be connected fails the whole start, naming it (the others are
+    closed). Routes under one model id must serve the same artifact: they are replicas."""
+    from .engine import Engine
+    from .pool import Routes
+
+    if not specs:
+        raise DgrError("no route to serve")
+    if len(specs) > 1 and opts.standby:
+        raise DgrError("standby workers go with a single route",
+                       hint="several routes of one model already stand in for each other")
+    seen: dict[str, int] = {}
+    for i, sp in enumerate(specs):
+        if not sp.endpoints:
+            raise DgrError(f"route {i + 1} has no worker")
+        for ep in sp.endpoints:
+            if ep in seen:
+                raise DgrError(f"the worker {ep} is in route {seen[ep] + 1} and in route {i + 1}",
+                               hint="a worker serves one route of a gateway; start another for the second route")
+            seen[ep] = i
+
+    async def one(sp: RouteSpec) -> Any:
+        return await Engine.connect(list(sp.endpoints), model_id=sp.model_id or opts.model_id, slots=opts.slots,
+                                    queue=opts.queue, timeout=opts.timeout, tls=opts.route_tls,
+                                    standby=list(sp.standby) or (opts.standby if len(specs) == 1 else []),
+                                    max_restarts=opts.max_restarts)
+
+    got = await asyncio.gather(*(one(sp) for sp in specs), return_exceptions=True)
+    engines = [g for g in got if not isinstance(g, BaseException)]
+    failed = [(sp, g) for sp, g in zip(specs, got) if isinstance(g, BaseException)]
+    try:
+        if failed:
+            sp, exc = failed[0]
+            if len(specs) == 1 or not isinstance(exc, Exception):
+                raise exc
+            raise DgrError(f"route {specs.index(sp) + 1} ({_route_label(sp)}): {exc}") from exc
+        first: dict[str, Any] = {}
+        for sp, e in zip(specs, engines):
+            ident = e.driver.shards[0].capability.identity
+            if e.model_id not in first:
+                first[e.model_id] = (sp, ident)
+                continue
+            sp0, id0 = first[e.model_id]
+            if (ident.artifact_id, ident.n_vocab) != (id0.artifact_id, id0.n_vocab):
+                raise DgrError(f"routes {_route_label(sp0)} and {_route_label(sp)} are both named {e.model_id!r} but "
+                               f"serve different models (artifacts {id0.artifact_id!r} and {ident.artifact_id!r})",
+                               hint="name each model's routes: --route NAME=HOST:PORT,...")
+        return Routes(engines)
+    except BaseException:
+        await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
+        raise
+
+
 async def serve_route(endpoints: Sequence[str], opts: ServeOptions, *, log_level: str = "warning",
                       on_ready: Callable[[str, str], None] | None = None) -> None:
     """Connects to the route and serves until interrupted; ``on_ready(url, model id)`` once
     listening."""
+    await serve_routes([RouteSpec(tuple(endpoints))], opts, log_level=log_level, on_ready=on_ready)
+
+
+async def serve_routes(specs: Sequence[RouteSpec], opts: ServeOptions, *, log_level: str = "warning",
+                       on_ready: Callable[[str, str], None] | None = None) -> None:
+    """Connects to every route and serves until interrupted; ``on_ready(url, model ids)`` once
+    listening."""
     import uvicorn
 
     from .app import create_app
-    from .engine import Engine
 
     opts.check()
-    engine = await Engine.connect(endpoints, model_id=opts.model_id, slots=opts.slots, queue=opts.queue,
-                                  timeout=opts.timeout, tls=opts.route_tls, standby=opts.standby,
-                                  max_restarts=opts.max_restarts)
+    routes = await connect_routes(specs, opts)
     try:
-        app = create_app(engine, api_key=opts.api_key)
+        app = create_app(routes, api_key=opts.api_key)
+        routes.start_health()
         server = uvicorn.Server(_config(app, opts, log_level))
         if on_ready is not None:
             async def announce() -> None:
@@ -136,13 +210,13 @@ async def serve_route(endpoints: Sequence[str], opts: ServeOptions, *, log_level
                     if server.should_exit:
                         return
                     await asyncio.sleep(0.05)
-                on_ready(url(opts), engine.model_id)
+                on_ready(url(opts), ", ".join(routes.models))
             asyncio.ensure_future(announce())
         await server.serve()
         if not server.started:
             raise DgrError(f"cannot listen on {opts.host}:{opts.port} (in use, or not an address of this machine)")
     finally:
-        await engine.close()
+        await routes.close()
 
 
 def url(opts: ServeOptions) -> str:
@@ -152,12 +226,21 @@ def url(opts: ServeOptions) -> str:
 
 
 class Gateway:
-    """A gateway on a free loopback port, in a background thread (tests, benchmarks)."""
+    """A gateway on a free loopback port, in a background thread (tests, benchmarks): over one
+    route (``endpoints``) or several (``routes``: :class:`RouteSpec` s)."""
 
-    def __init__(self, endpoints: Sequence[str], **kw: Any) -> None:
-        self.endpoints = list(endpoints)
+    def __init__(self, endpoints: Sequence[str] | None = None, *, routes: Sequence[RouteSpec] | None = None,
+                 **kw: Any) -> None:
+        if (endpoints is None) == (routes is None):
+            raise ValueError("give endpoints (one route) or routes")
+        self.specs = list(routes) if routes is not None else [RouteSpec(tuple(endpoints or ()))]
+        self.endpoints = list(self.specs[0].endpoints)
+        from .pool import HEALTH_INTERVAL_S
+
+        self.health_interval = float(kw.pop("health_interval", HEALTH_INTERVAL_S))
         self.opts = ServeOptions(port=kw.pop("port", 0) or free_port(), **kw)
-        self.engine: Any = None
+        self.engine: Any = None       # the first route's Engine
+        self.routes: Any = None       # every route (dgr.serve.pool.Routes)
         self._server: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -181,18 +264,16 @@ class Gateway:
         import uvicorn
 
         from .app import create_app
-        from .engine import Engine
 
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             try:
                 self.opts.check()
-                self.engine = await Engine.connect(self.endpoints, model_id=self.opts.model_id, slots=self.opts.slots,
-                                                   queue=self.opts.queue, timeout=self.opts.timeout,
-                                                   tls=self.opts.route_tls, standby=self.opts.standby,
-                                                   max_restarts=self.opts.max_restarts)
-                self._server = uvicorn.Server(_config(create_app(self.engine, api_key=self.opts.api_key),
+                self.routes = await connect_routes(self.specs, self.opts)
+                self.engine = self.routes.first
+                self._server = uvicorn.Server(_config(create_app(self.routes, api_key=self.opts.api_key),
                                                       self.opts, "warning"))
+                self.routes.start_health(self.health_interval)
                 self._server.install_signal_handlers = lambda: None   # not the main thread
                 serving = asyncio.ensure_future(self._server.serve())
                 while not self._server.started and not serving.done():
@@ -203,12 +284,14 @@ class Gateway:
             except BaseException as exc:  # noqa: BLE001 - reported to start()
                 self._error = exc
                 self._ready.set()
+                if self.routes is not None:
+                    await self.routes.close()
                 return
             self._ready.set()
             try:
                 await serving
             finally:
-                await self.engine.close()
+                await self.routes.close()
 
         asyncio.run(main())
 
