@@ -50,7 +50,7 @@ from dgr.protocol import client as client_mod
 from dgr.route.supervisor import WorkerArgs, WorkerProcess, WorkerStartError, default_binary
 from dgr.shard.v1 import shard_runtime_pb2 as pb
 
-from .registration import Capacity, ShardRegistration, make_registration
+from .registration import Capacity, ShardRegistration, make_registration, measurement_of_capability
 
 
 class BackendError(DgrError):
@@ -378,9 +378,17 @@ class GgufShardBackend:
             raise BackendError(f"worker reports fingerprint {ident.compatibility_fingerprint[:12]}, the recipe "
                                f"is {recipe.fingerprint()[:12]}: refusing to register",
                                reason="ERROR_REASON_FINGERPRINT_MISMATCH")
-        reg = make_registration(node_id=node_id, endpoint=self.endpoint, recipe=recipe,
-                                architecture=ident.architecture, n_layer=ident.n_layer, start=ident.range.start,
-                                end=ident.range.end, capacity=self.capability(), registry=registry)
+        # the worker's own measurement of its range (started with --probe-budget-s), for route
+        # ranking; an absurd one is refused with the registration, not carried to the Tracker
+        try:
+            reg = make_registration(node_id=node_id, endpoint=self.endpoint, recipe=recipe,
+                                    architecture=ident.architecture, n_layer=ident.n_layer, start=ident.range.start,
+                                    end=ident.range.end, capacity=self.capability(), registry=registry,
+                                    measured=measurement_of_capability(cap))
+        except BackendError:
+            raise
+        except DgrError as exc:
+            raise BackendError(f"refusing to register: {exc}") from None
         return reg
 
     def capability(self) -> Capacity:

@@ -6,8 +6,12 @@ over (m)TLS, build its registration (:mod:`meshnet_adapter.registration`) and fo
         --tls-ca ca.pem --tls-cert client.pem --tls-key client.key
 
 prints JSON: ``{"registrations": [...], "refused": [...], "routes": [[node, …], …] | null,
-"no_route": [reason, …] | null}``. A worker whose fingerprint differs from the recipe of
-``--model`` is refused (listed, never registered). Exit 0 when at least one route formed.
+"ranking": {"by", "notes", "predicted_tok_s": [per route]} | null, "no_route": [reason, …] | null}``.
+A worker whose fingerprint differs from the recipe of ``--model``, or that reports an absurd
+measured cost, is refused (listed, never registered). Workers started with ``--probe-budget-s``
+report their measured cost; when every candidate's Shards do, routes are ranked by the cost
+model over ``--model``'s shape (:func:`meshnet_adapter.routing.form_routes`). Exit 0 when at
+least one route formed.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 
 from dgr.errors import DgrError
 
-from .registration import Capacity, ShardRegistration, make_registration
+from .registration import Capacity, ShardRegistration, make_registration, measurement_of_capability
 from .routing import NoRoute, form_routes
 
 
@@ -44,12 +48,16 @@ def register(nodes: list[tuple[str, str]], model: Path, *, backend: str = "cpu",
             refused.append({"node": node_id, "endpoint": ep, "reason": f"fingerprint {ident.compatibility_fingerprint[:12]} "
                             f"is not the recipe's {recipe.fingerprint()[:12]}"})
             continue
-        regs.append(make_registration(
-            node_id=node_id, endpoint=ep, recipe=recipe, architecture=ident.architecture, n_layer=ident.n_layer,
-            start=ident.range.start, end=ident.range.end, registry=registry,
-            capacity=Capacity(max_sessions=cap.capacity.max_sessions, active_sessions=load.active_sessions,
-                              kv_cells_total=load.kv_cells_total, kv_cells_used=load.kv_cells_used,
-                              max_batch_tokens=cap.capacity.max_batch_tokens)))
+        try:
+            regs.append(make_registration(
+                node_id=node_id, endpoint=ep, recipe=recipe, architecture=ident.architecture, n_layer=ident.n_layer,
+                start=ident.range.start, end=ident.range.end, registry=registry,
+                capacity=Capacity(max_sessions=cap.capacity.max_sessions, active_sessions=load.active_sessions,
+                                  kv_cells_total=load.kv_cells_total, kv_cells_used=load.kv_cells_used,
+                                  max_batch_tokens=cap.capacity.max_batch_tokens),
+                measured=measurement_of_capability(cap)))
+        except DgrError as exc:
+            refused.append({"node": node_id, "endpoint": ep, "reason": exc.one_line()})
     return regs, refused
 
 
@@ -76,11 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     except DgrError as exc:
         print(f"coverage: error: {exc.one_line()}", file=sys.stderr)
         return 1
-    routes = form_routes(regs, regs[0].artifact_id) if regs else NoRoute("", ("no worker registered",))
+    shape = None
+    if any(r.measured is not None for r in regs):   # the cost model needs the model's shape
+        from dgr.route.planner import model_shape
+
+        try:
+            shape = model_shape(a.model)
+        except DgrError as exc:   # ranked without it; the routes' notes say so
+            print(f"coverage: note: {exc.one_line()}", file=sys.stderr)
+    routes = form_routes(regs, regs[0].artifact_id, model=shape) if regs else NoRoute("", ("no worker registered",))
     doc = {"registrations": [r.to_json() for r in regs], "refused": refused,
            "routes": None if isinstance(routes, NoRoute) else
            [[{"node": s.node_id, "endpoint": s.endpoint, "range": [s.start, s.end], "fingerprint": s.fingerprint,
               "certified": s.certified} for s in r.shards] for r in routes],
+           "ranking": None if isinstance(routes, NoRoute) else
+           {"by": routes.ranked_by, "notes": list(routes.notes),
+            "predicted_tok_s": [r.predicted_tok_s for r in routes]},
            "no_route": list(routes.reasons) if isinstance(routes, NoRoute) else None}
     print(json.dumps(doc, indent=1, sort_keys=True))
     return 0 if doc["routes"] else 2

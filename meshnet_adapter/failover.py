@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Awaitable, Callable, Iterable, Sequence, Union
 
 from dgr.route.failover import NoRouteError
+from dgr.route.planner import ModelShape, Workload
 
 from .registration import ShardRegistration
 from .routing import NoRoute, form_routes
@@ -45,16 +46,23 @@ def no_route_kind(reasons: Sequence[str]) -> str:
 
 
 class TrackerRouteFinder:
-    def __init__(self, coverage: Coverage, artifact_id: str) -> None:
+    """``model`` / ``workload``: passed to :func:`form_routes`, so that among the routes that keep
+    as many of the session's Shards, the one the cost model predicts fastest is taken (when every
+    candidate's Shards are measured; else the fewest Shards, as without them)."""
+
+    def __init__(self, coverage: Coverage, artifact_id: str, *, model: ModelShape | None = None,
+                 workload: Workload | None = None) -> None:
         self.coverage = coverage
         self.artifact_id = artifact_id
+        self.model = model
+        self.workload = workload
 
     async def find(self, exclude: set[str], prefer: Sequence[str]) -> list[str]:
         regs = self.coverage()
         if inspect.isawaitable(regs):
             regs = await regs
         usable = [r for r in regs if r.endpoint not in exclude]
-        routes = form_routes(usable, self.artifact_id)
+        routes = form_routes(usable, self.artifact_id, model=self.model, workload=self.workload)
         if isinstance(routes, NoRoute):
             why = list(routes.reasons)
             if exclude:
