@@ -162,3 +162,14 @@ def test_dgr_plan_from_running_workers(tmp_path, native_bin):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "0.1", True])
+def test_capability_from_probe_refuses_figures_that_are_not_seconds(bad):
+    """A NaN would pass the clamps (max(1e-9, nan) is 1e-9) and read as a 1 ns step."""
+    shape = ModelShape.uniform(4, layer_bytes=1000, output_bytes=1000, embed_bytes=1000, n_embd=8,
+                               kv_bytes_per_cell_layer=64)
+    probe = {"tail": True, "layer_start": 0, "layer_end": 4, "n_layer": 4, "decode_s": {"1": 0.01, "4": bad},
+             "decode_no_output_s": {"1": 0.008, "4": 0.02}, "prompt_s_per_token": 0.001}
+    with pytest.raises(DgrError, match="not a finite, non-negative"):
+        capability_from_probe(probe, shape, name="h", memory_bytes=1 << 30)

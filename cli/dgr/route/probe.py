@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 import json
 import logging
 import os
@@ -91,6 +93,13 @@ def capability_from_probe(probe: dict[str, Any], shape: ModelShape, *, name: str
                                                          _nearest(output_ratio, int(k)) is not None))
     if not rows:
         raise DgrError("the probe measured no decode step")
+    for what, v in [*((f"decode_s[{r}]", dec[str(r)]) for r in rows),
+                    *((f"decode_no_output_s[{r}]", dec0[str(r)]) for r in rows),
+                    ("prompt_s_per_token", probe.get("prompt_s_per_token") or 0.0),
+                    ("prompt_no_output_s_per_token", probe.get("prompt_no_output_s_per_token") or 0.0)]:
+        # checked before the clamps below, which would turn a NaN into 1 ns
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise DgrError(f"the probe's {what} is {v!r}: not a finite, non-negative number of seconds")
     layer = {r: max(1e-9, dec0[str(r)] / eq) for r in rows}
     if tail:
         output = {r: max(1e-9, dec[str(r)] - dec0[str(r)]) for r in rows}
