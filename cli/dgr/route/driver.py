@@ -29,7 +29,9 @@ import asyncio
 import itertools
 import time
 import uuid
-from typing import Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
+
+import grpc
 
 from ..protocol.client import AsyncWorkerClient
 from ..protocol.errors import Reason, WorkerError
@@ -285,28 +287,59 @@ class RouteDriver:
                                          decode_steps=h.decode_steps) for s in self.shards[1:]]
             self._active.pop(sid, None)
             self._cancelled.discard(sid)
-            # bounded: a hung shard must not hold the caller (its session TTL frees it later). In
-            # chained mode the head closes its downstream streams; releasing them too is harmless.
-            # a cancelled session ends cancelled on the shards too (their dgr_sessions_cancelled_total),
-            # also when the cancel came before the session opened there and ended it at its next step
-            cancelled = tel.status == "cancelled"
-            tail_end = self._cancel_shard if cancelled else self._release_shard
-            extra = [tail_end(s, sid, epoch) for s in self.shards[1:]] if chained else []
-            end = self._end_cancelled if cancelled else self._release
-            release = asyncio.wait_for(asyncio.gather(*(end(sh, st, sid, epoch)
-                                                        for sh, st in zip(shards, streams)), *extra,
-                                                      return_exceptions=True), RELEASE_TIMEOUT_S)
-            if tel.status == "failed":
-                # a failed shard may be silent: release in the background so that the caller
-                # (failover, dgr/route/failover.py) moves on at once; close() waits for it
-                t = asyncio.ensure_future(release)
-                self._releasing.add(t)
-                t.add_done_callback(lambda f: (self._releasing.discard(f), f.cancelled() or f.exception()))
+            if tel.status == "completed":
+                # one round: the half-close ends the session on each stream's worker (and, in
+                # chained mode, the head ends its downstream streams), so a normal finish sends no
+                # ReleaseSession or CancelSession and returns at once. The streams' end is awaited
+                # in the background (close() waits for it); one that does not end cleanly in time
+                # gets the full release there.
+                for st in streams:
+                    await st.close()
+                self._background(self._settle(list(zip(shards, streams)), sid, epoch, chained))
             else:
-                try:
-                    await release
-                except asyncio.TimeoutError:
-                    pass
+                # bounded: a hung shard must not hold the caller (its session TTL frees it later). In
+                # chained mode the head closes its downstream streams; releasing them too is harmless.
+                # a cancelled session ends cancelled on the shards too (their dgr_sessions_cancelled_total),
+                # also when the cancel came before the session opened there and ended it at its next step
+                cancelled = tel.status == "cancelled"
+                tail_end = self._cancel_shard if cancelled else self._release_shard
+                extra = [tail_end(s, sid, epoch) for s in self.shards[1:]] if chained else []
+                end = self._end_cancelled if cancelled else self._release
+                release = asyncio.wait_for(asyncio.gather(*(end(sh, st, sid, epoch)
+                                                            for sh, st in zip(shards, streams)), *extra,
+                                                          return_exceptions=True), RELEASE_TIMEOUT_S)
+                if tel.status == "failed":
+                    # a failed shard may be silent: release in the background so that the caller
+                    # (failover, dgr/route/failover.py) moves on at once; close() waits for it
+                    self._background(release)
+                else:
+                    try:
+                        await release
+                    except asyncio.TimeoutError:
+                        pass
+
+    def _background(self, aw: Awaitable[Any]) -> None:
+        """Runs a session's cleanup off the caller's path; :meth:`close` waits for it."""
+        t = asyncio.ensure_future(aw)
+        self._releasing.add(t)
+        t.add_done_callback(lambda f: (self._releasing.discard(f), f.cancelled() or f.exception()))
+
+    async def _settle(self, pairs: list[tuple[ShardHandle, AsyncSessionStream]], sid: str, epoch: int,
+                      chained: bool) -> None:
+        """After a normal finish: waits (bounded) for each half-closed stream to end. A worker
+        that ends it with OK has dropped the session; otherwise (an error status, no end in time)
+        the session is released as before, with ReleaseSession on every shard of the route."""
+        async def ended(st: AsyncSessionStream) -> bool:
+            try:
+                return await st.wait_closed(RELEASE_TIMEOUT_S) == grpc.StatusCode.OK
+            except Exception:   # noqa: BLE001 - no clean end in time: released below
+                return False
+        ok = await asyncio.gather(*(ended(st) for _, st in pairs))
+        if all(ok):
+            return
+        extra = [self._release_shard(s, sid, epoch) for s in self.shards[1:]] if chained else []
+        await asyncio.wait_for(asyncio.gather(*(self._release(sh, st, sid, epoch) for sh, st in pairs), *extra,
+                                              return_exceptions=True), RELEASE_TIMEOUT_S)
 
     def _named_shard(self, exc: RouteSessionError) -> ShardHandle | None:
         """The downstream shard the head named as the one that failed (ShardError's
