@@ -175,13 +175,12 @@ def route(
     if split == "auto":
         if hosts:
             raise DgrError("--split auto places the shards itself; leave out --hosts")
-        rng, placement, groups, plan_doc = _auto_split(lab, src, sessions, budget)
-        split = ",".join(f"{a}:{b}" for a, b in rng)
-        extra = ("--pipeline-groups", str(groups)) if len(rng) > 1 else ()
-        _log(f"plan: {split} over {', '.join(placement)}, {groups} pipeline group(s); predicted "
-             f"{plan_doc['prediction']['aggregate_tok_s']:.1f} tok/s at {sessions} session(s)")
-        for d in plan_doc["dropped"]:
-            _log(f"plan leaves out {d['host']}: {d['why']}")
+        from ..route.autosplit import plan_lab
+
+        auto = plan_lab(lab, src, sessions, budget=budget, log=_log)
+        rng, placement, plan_doc, split, extra = auto.ranges, auto.placement, auto.plan, auto.split, auto.worker_args()
+        for line in auto.describe(sessions):
+            _log(line)
     else:
         rng = parse_split(split)
         if rng[-1][1] != model_n_layer(src):
@@ -222,26 +221,3 @@ def route(
                        "sessions identical")
     if not ok:
         raise typer.Exit(1)
-
-
-def _auto_split(lab, src: Path, sessions: int, budget: bool):
-    """--split auto: each lab host's probe (in its namespace, on its threads), then the plan for
-    ``sessions``. Returns the ranges, the hosts in route order, the pipeline groups and the plan."""
-    from ..route.planner import Link, Workload, model_shape, plan_route
-    from ..route.probe import (capability_from_probe, capability_of, default_probe_range, host_memory_bytes,
-                               run_probe)
-
-    shape = model_shape(src)
-    caps = []
-    for h in lab.hosts:
-        _log(f"probe on {h.name} ({h.threads} thread(s))")
-        raw = run_probe(src, default_probe_range(shape.n_layer), threads=h.threads, prefix=lab.prefix(h))
-        mem = host_memory_bytes(raw, (h.worker_budget_mb if budget else None))
-        caps.append(capability_of(capability_from_probe(raw, shape, name=h.name, memory_bytes=mem)))
-    shaping = lab.shaping or {}
-    rtt_ms = float(shaping.get("rtt_ms") or 0.0)
-    rate = float(shaping.get("rate_mbit") or 0.0)
-    link = Link(rtt_s=max(rtt_ms, 0.2) / 1e3, bandwidth_bytes_s=(rate or 10000.0) * 1e6 / 8)
-    p = plan_route(shape, caps, link, Workload(sessions=sessions, prompt_tokens=64, ctx_per_session=2048))
-    rng = [tuple(map(int, r.split(":"))) for r in p.split.split(",")]
-    return rng, p.hosts, p.prediction.groups, p.to_json()

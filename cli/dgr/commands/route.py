@@ -54,7 +54,9 @@ def _printer(n: int, as_json: bool):
 def run(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file or any part of a split set "
                                          "(default: embedded SmolLM2-135M)."),
-    split: str = typer.Option("0:15,15:30", "--split", help="Contiguous shard ranges, e.g. 0:15,15:30."),
+    split: str = typer.Option("0:15,15:30", "--split", help="Contiguous shard ranges, e.g. 0:15,15:30. 'auto': "
+                              "this machine probes the model and the planner chooses; local workers share one "
+                              "machine, so the model stays whole when it fits (a split adds hops, no capacity)."),
     slices: bool = typer.Option(False, "--slices", help="Serve per-range slice files (each worker maps only its tensors)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt (repeated for --sessions)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="A file with one prompt per line."),
@@ -80,7 +82,21 @@ def run(
     from ..route import run as route_run
 
     items = _prompts(prompt, prompts, sessions)
-    rng = local.parse_split(split)
+    if split == "auto":
+        if fake:
+            raise DgrError("--split auto probes the model's GGUF; the fake model has none")
+        if "," in backend:
+            raise DgrError("--split auto plans for one backend; give --backend once")
+        from ..route.autosplit import plan_local
+
+        local.ensure_worker()
+        auto = plan_local(resolve_model(model), len(items), threads=threads,
+                          log=lambda m: typer.echo(f"dgr route run: {m}", err=True))
+        for line in auto.describe(len(items)):
+            typer.echo(f"dgr route run: {line}", err=True)
+        rng = auto.ranges
+    else:
+        rng = local.parse_split(split)
     backends = local.parse_backends(backend, len(rng))
     if whole_backend is not None:
         local.parse_backends(whole_backend, 1)

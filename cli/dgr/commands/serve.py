@@ -16,7 +16,10 @@ def serve(
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file for a local route (default: embedded "
                                          "SmolLM2-135M). Not with --shard."),
     split: Optional[str] = typer.Option(None, "--split", help="Local shard ranges, e.g. 0:15,15:30 (default: the "
-                                        "whole model on one worker)."),
+                                        "whole model on one worker). 'auto': the hosts probe themselves and the "
+                                        "planner chooses (with --lab: hosts, order, ranges, pipeline groups for "
+                                        "--max-sessions; local workers: one machine, so the model stays whole "
+                                        "when it fits)."),
     shard: Optional[List[str]] = typer.Option(None, "--shard", help="HOST:PORT of a running worker, in route order "
                                               "(repeat); serve that route instead of starting workers."),
     route: Optional[List[str]] = typer.Option(None, "--route", help="[MODEL=]HOST:PORT,HOST:PORT,... one route of "
@@ -159,7 +162,18 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
         return
     src = None if fake else resolve_model(model)
     n_layer = fake_n_layer() if fake else rt.model_n_layer(src)
-    rng = rt.parse_split(split) if split else [(0, n_layer)]
+    if split == "auto":
+        if src is None:
+            raise DgrError("--split auto probes the model's GGUF; the fake model has none")
+        from ..route.autosplit import plan_local
+
+        rt.ensure_worker()
+        auto = plan_local(src, max_sessions, threads=threads, ctx_per_session=ctx_per_session or 2048, log=log)
+        for line in auto.describe(max_sessions):
+            log(line)
+        rng = auto.ranges
+    else:
+        rng = rt.parse_split(split) if split else [(0, n_layer)]
     if rng[-1][1] != n_layer:
         raise DgrError(f"split {split} ends at layer {rng[-1][1]}; the model has {n_layer} layers")
     if not fake:
@@ -186,7 +200,20 @@ def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Op
     src = None if fake else resolve_model(model)
     n_layer = fake_n_layer() if fake else rt.model_n_layer(src)
     placement = [h.strip() for h in hosts.split(",") if h.strip()] if hosts else None
-    if split:
+    extra: tuple[str, ...] = ()
+    if split == "auto":
+        if hosts:
+            raise DgrError("--split auto places the shards itself; leave out --lab-hosts")
+        if src is None:
+            raise DgrError("--split auto probes the model's GGUF; the fake model has none")
+        from ..route.autosplit import plan_lab
+
+        rt.ensure_worker()
+        auto = plan_lab(lab, src, max_sessions, log=log)
+        for line in auto.describe(max_sessions):
+            log(line)
+        rng, placement, extra = auto.ranges, auto.placement, auto.worker_args()
+    elif split:
         rng = rt.parse_split(split)
     else:
         n = len(placement) if placement else len(lab.hosts)
@@ -200,7 +227,7 @@ def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Op
         rt.ensure_worker()
     opts.model_id = opts.model_id or (model_stem(src) if src else "fake")
     with LabRoute(lab, src, rng, placement=placement, max_sessions=max_sessions, ctx_per_session=ctx_per_session,
-                  fake=fake) as lr:
+                  fake=fake, extra_args=extra) as lr:
         opts.route_tls = lr.tls
         where = ", ".join(f"{p.host.name} {a}:{b}" for p, (a, b) in zip(lr.placed, rng))
         log(f"route on lab {name!r}: {where}")
