@@ -220,6 +220,27 @@ def plan_bench(
     _write(out, doc, summary(doc))
 
 
+@app.command("replicas")
+def replicas_bench(
+    model: Optional[str] = typer.Option(None, "--model", help="GGUF file, or a packaged model (default: the embedded "
+                                        "SmolLM2-135M Q4_1)."),
+    concurrency: int = typer.Option(16, "--concurrency", min=2, max=64, help="Concurrent streaming requests."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=2, max=1024, help="Tokens per answer."),
+    repeats: int = typer.Option(3, "--repeats", min=1, max=20),
+    out: Path = typer.Option(Path("replicas-bench.json"), "--out", help="Where to write the results JSON."),
+) -> None:
+    """Two whole-model replicas on two lab hosts behind one gateway (dgr serve --route twice) against
+    one replica, at --concurrency streaming requests; the gateway pinned with h1; every repeat."""
+    _check_out(out)
+    from ..bench.replicas import ReplicaBenchConfig, run_replica_bench, summary
+    from ..gguf.models import resolve_model
+
+    cfg = ReplicaBenchConfig(concurrency=concurrency, max_tokens=max_tokens, repeats=repeats)
+    cfg.validate()
+    doc = run_replica_bench(resolve_model(model), cfg)
+    _write(out, doc, summary(doc))
+
+
 @app.command("gate")
 def gate(
     model: Optional[Path] = typer.Option(None, "--model", help="Source GGUF (default: embedded SmolLM2-135M Q4_1)."),
