@@ -98,6 +98,28 @@ def test_dgr_worker_probe_then_plan(tmp_path, native_bin):
 
 
 @pytest.mark.native
+def test_threads_default_to_the_cpus_the_worker_may_run_on(native_bin):
+    """--threads 0 (the default) is the process's affinity mask, not llama.cpp's fixed 4: a probe
+    (and serve) under `taskset -c 0` computes on one thread, and says so."""
+    import os
+    import shutil
+
+    exe = str(native_bin / "dgr-worker")
+
+    def threads(*prefix: str) -> int:
+        p = subprocess.run([*prefix, exe, "probe", "--fake-model", "--json", "--probe-budget-s", "0.5"],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)["threads"]
+
+    assert threads() == len(os.sched_getaffinity(0))
+    if not shutil.which("taskset"):
+        pytest.fail("taskset (util-linux) is missing")
+    first = min(os.sched_getaffinity(0))
+    assert threads("taskset", "-c", str(first)) == 1
+
+
+@pytest.mark.native
 def test_a_worker_started_with_a_probe_budget_reports_its_measured_cost(native_bin):
     from dgr.route.supervisor import WorkerArgs, WorkerProcess
 

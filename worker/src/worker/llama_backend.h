@@ -21,7 +21,7 @@ struct LlamaBackendOptions {
     std::string path;
     uint32_t layer_start = 0;
     uint32_t layer_end = 0;  // 0: n_layer
-    int32_t threads = default_i32(Opt::kThreads);  // 0: llama.cpp default
+    int32_t threads = default_i32(Opt::kThreads);  // 0: llama.cpp default (serve and probe resolve 0 first)
     uint32_t kv_cells = 4096;
     uint32_t n_seq_max = default_u32(Opt::kMaxSessions);
     uint32_t max_batch_tokens = default_u32(Opt::kMaxBatchTokens);

@@ -118,7 +118,7 @@ inline constexpr OptionSpec kOptionTable[] = {
     option_rows::flag(Opt::kRequireClientAuth, "require-client-auth",
                       "with --tls-client-ca: every ShardRuntimeService RPC needs a verified client cert "
                       "(UNAUTHENTICATED otherwise); health and reflection stay open to TLS clients without one"),
-    option_rows::i32(Opt::kThreads, "threads", "N", 0, "compute threads (llama.cpp); 0: llama.cpp's default"),
+    option_rows::i32(Opt::kThreads, "threads", "N", 0, "compute threads; 0: the CPUs this process may run on (its affinity mask)"),
     option_rows::i32(Opt::kNGpuLayers, "n-gpu-layers", "N", -1, "layers offloaded to an accelerator; -1: all")
         .at_least(-1),
     option_rows::u32(Opt::kMaxSessions, "max-sessions", "N", 16, "concurrent sessions (llama sequences)")
