@@ -323,20 +323,46 @@ class MeasuredCost(_message.Message):
     def __init__(self, decode: _Optional[_Iterable[_Union[MeasuredCost.Batch, _Mapping]]] = ..., prompt_seconds_per_token: _Optional[float] = ..., prompt_no_output_seconds_per_token: _Optional[float] = ..., duty: _Optional[float] = ..., threads: _Optional[int] = ..., probe_seconds: _Optional[float] = ..., from_cache: _Optional[bool] = ...) -> None: ...
 
 class GetCapabilityResponse(_message.Message):
-    __slots__ = ("schema_version", "min_schema_version", "identity", "capacity", "runtime", "measured")
+    __slots__ = ("schema_version", "min_schema_version", "identity", "capacity", "runtime", "measured", "device")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIN_SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     MEASURED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     min_schema_version: SchemaVersion
     identity: ShardIdentity
     capacity: Capacity
     runtime: RuntimeInfo
     measured: MeasuredCost
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., min_schema_version: _Optional[_Union[SchemaVersion, str]] = ..., identity: _Optional[_Union[ShardIdentity, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., runtime: _Optional[_Union[RuntimeInfo, _Mapping]] = ..., measured: _Optional[_Union[MeasuredCost, _Mapping]] = ...) -> None: ...
+    device: DeviceInfo
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., min_schema_version: _Optional[_Union[SchemaVersion, str]] = ..., identity: _Optional[_Union[ShardIdentity, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., runtime: _Optional[_Union[RuntimeInfo, _Mapping]] = ..., measured: _Optional[_Union[MeasuredCost, _Mapping]] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ...) -> None: ...
+
+class DeviceInfo(_message.Message):
+    __slots__ = ("backend", "name", "description", "vendor", "driver_version", "architecture", "device_class", "memory_total_bytes", "memory_free_bytes", "memory_predicted_bytes")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    VENDOR_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PREDICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    name: str
+    description: str
+    vendor: str
+    driver_version: str
+    architecture: str
+    device_class: str
+    memory_total_bytes: int
+    memory_free_bytes: int
+    memory_predicted_bytes: int
+    def __init__(self, backend: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., vendor: _Optional[str] = ..., driver_version: _Optional[str] = ..., architecture: _Optional[str] = ..., device_class: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., memory_predicted_bytes: _Optional[int] = ...) -> None: ...
 
 class CacheExpectation(_message.Message):
     __slots__ = ("kind", "position")
