@@ -230,6 +230,18 @@ MemoryUse ShardContext::memory_use() const {
     return m;
 }
 
+DeviceMemoryUse ShardContext::memory_on(ggml_backend_dev_t dev) const {
+    DeviceMemoryUse m;
+    if (!dev) return m;
+    for (const auto & kv : llama_get_memory_breakdown(ctx_)) {
+        if (ggml_backend_buft_is_host(kv.first) || ggml_backend_buft_get_device(kv.first) != dev) continue;
+        m.weights += kv.second.model;
+        m.kv += kv.second.context;
+        m.compute += kv.second.compute;
+    }
+    return m;
+}
+
 const float * ShardContext::boundary_output() const {
     if (model_.is_tail() || last_n_tokens_ == 0) {
         return nullptr;

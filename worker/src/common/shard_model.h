@@ -111,6 +111,11 @@ struct MemoryUse {
     uint64_t device_weights = 0, device_kv = 0, device_compute = 0;
 };
 
+// What one accelerator holds of a context's memory (its own buffers, not host buffers of its backend).
+struct DeviceMemoryUse {
+    uint64_t weights = 0, kv = 0, compute = 0;
+};
+
 class ShardContext {
 public:
     static std::unique_ptr<ShardContext> create(const ShardModel & model, const ShardContextOptions & opts,
@@ -140,6 +145,8 @@ public:
     void clear();
 
     MemoryUse memory_use() const;
+    // llama.cpp's breakdown for the device `dev` alone
+    DeviceMemoryUse memory_on(ggml_backend_dev_t dev) const;
 
 private:
     ShardContext(const ShardModel & model, llama_context * ctx) : model_(model), ctx_(ctx) {}

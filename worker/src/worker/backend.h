@@ -3,6 +3,8 @@
 // (tests) and over llama.cpp (production).
 #pragma once
 
+#include "worker/device_class.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -50,6 +52,7 @@ struct BackendInfo {
         return predicted_weight_bytes + predicted_kv_bytes + predicted_compute_bytes + predicted_runtime_bytes;
     }
     MeasuredCost measured;  // --probe-budget-s (not present: no probe)
+    ComputeDevice device;   // where the range computes (device_info.h; the fake's: --fake-device-*)
 };
 
 // One decode call: one row per (sequence, position); head rows carry token ids, other rows
@@ -88,6 +91,7 @@ public:
         in.predicted_runtime_bytes = runtime;
     }
     void set_measured(const MeasuredCost & m) { mutable_info().measured = m; }
+    void set_device(const ComputeDevice & d) { mutable_info().device = d; }
     // Runs one batch; on failure `*error` says why and nothing of the batch is kept.
     virtual BackendStatus decode(const DecodeBatch & batch, std::string * error) = 0;
     // After a successful decode: tail -> logits of row i (n_vocab floats; only rows that asked);

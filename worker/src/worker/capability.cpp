@@ -49,6 +49,17 @@ pb::GetCapabilityResponse capability_of(const BackendInfo & in, const SchedulerO
     c->set_scratch_bytes(in.scratch_bytes);
     c->set_memory_budget_bytes(o.memory_budget_bytes);
     c->set_predicted_memory_bytes(in.predicted_total());
+    auto * dev = resp.mutable_device();
+    dev->set_backend(in.device.backend);
+    dev->set_name(in.device.name);
+    dev->set_description(in.device.description);
+    dev->set_vendor(in.device.vendor);
+    dev->set_driver_version(in.device.driver_version);
+    dev->set_architecture(in.device.architecture);
+    dev->set_device_class(in.device.device_class);
+    dev->set_memory_total_bytes(in.device.memory_total);
+    dev->set_memory_free_bytes(in.device.memory_free);
+    dev->set_memory_predicted_bytes(in.device.memory_predicted);
     if (in.measured.present) {
         auto * m = resp.mutable_measured();
         for (const auto & b : in.measured.decode) {

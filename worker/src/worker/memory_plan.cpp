@@ -3,6 +3,7 @@
 #include "common/identity.h"
 #include "common/shard_model.h"
 #include "worker/cgroup_memory.h"
+#include "worker/device_info.h"
 #include "worker/kv_budget.h"
 #include "worker/llama_backend.h"
 
@@ -26,6 +27,12 @@ constexpr double kMiB = 1048576.0;
 // threads, the scheduler, allocator arenas. Measured on the CPU build (SmolLM2 and synthetic
 // models, 1-16 sessions): 4-8 MiB; docs/memory.md.
 constexpr uint64_t kServeAllowance = 8ull << 20;
+// What an accelerator's backend allocates outside llama.cpp's buffers: ggml-cuda's memory pool
+// (quantized or f16 copies of a matmul's operands), the cuBLAS workspace, CUDA graphs;
+// ggml-vulkan's preallocated dequantization and split-k buffers and staging. A stated estimate
+// (docs/backends.md, "VRAM admission"), not a measurement: the CUDA context itself is not in it,
+// as a device's free memory is read after the context exists.
+constexpr uint64_t kDeviceAllowance = 256ull << 20;
 // The kernel's default fault_around_bytes: a fault on a mapped file maps up to this much of the
 // page cache around it.
 constexpr uint64_t kFaultAround = 64ull << 10;
@@ -194,6 +201,15 @@ bool plan_memory(const MemoryPlanRequest & req, MemoryNeed * need, std::string *
     n.compute = mu.scratch - mu.device_compute + out;
     // offloaded layers' weights are read through the mapping once, then live on the accelerator
     n.weights -= std::min(n.weights, mu.device_weights);
+    // the compute device's share (device admission, device_plan.h)
+    ggml_backend_dev_t dev = compute_device(req.n_gpu_layers);
+    if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+        const DeviceMemoryUse du = ctx->memory_on(dev);
+        n.device_weights = du.weights;
+        n.device_kv = du.kv;
+        n.device_compute = du.compute;
+        n.device_allowance = kDeviceAllowance;
+    }
     ctx.reset();
     model.reset();
     n.runtime = self_status_bytes("VmRSS") + kServeAllowance;
@@ -266,7 +282,8 @@ std::string describe_need(const MemoryNeed & n) {
            (n.device ? "; on the accelerator " + mib(n.device) : std::string());
 }
 
-std::string need_json(const MemoryNeed & n, const MemoryBudget & b, const std::string & refusal) {
+std::string need_json(const MemoryNeed & n, const MemoryBudget & b, const std::string & refusal,
+                      const std::string & device_json) {
     std::ostringstream j;
     std::string r;
     for (char c : refusal) {
@@ -286,7 +303,9 @@ std::string need_json(const MemoryNeed & n, const MemoryBudget & b, const std::s
       << ",\"copied_bytes\":" << n.copied << ",\"kv_bytes\":" << n.kv << ",\"compute_bytes\":" << n.compute
       << ",\"runtime_bytes\":" << n.runtime << ",\"device_bytes\":" << n.device << ",\"total_bytes\":" << n.total()
       << ",\"budget_bytes\":" << b.bytes << ",\"budget_source\":\"" << src << "\",\"fits\":"
-      << (refusal.empty() ? "true" : "false") << ",\"refusal\":\"" << r << "\"}";
+      << (refusal.empty() ? "true" : "false") << ",\"refusal\":\"" << r << "\"";
+    if (!device_json.empty()) j << ",\"device\":" << device_json;
+    j << "}";
     return j.str();
 }
 

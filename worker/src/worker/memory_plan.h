@@ -42,6 +42,11 @@ struct MemoryNeed {
     uint64_t kv_cells = 0;
     uint64_t weights = 0, copied = 0, kv = 0, compute = 0, runtime = 0;  // copied: part of weights
     uint64_t device = 0;         // on an accelerator (not host memory; not in total())
+    // on the compute device alone (device_info.h: the first accelerator the layers go to; all 0
+    // when that is the CPU), for device admission (device_plan.h): llama.cpp's buffers there, and
+    // an allowance for what its backend allocates outside them
+    uint64_t device_weights = 0, device_kv = 0, device_compute = 0, device_allowance = 0;
+    uint64_t device_total() const { return device_weights + device_kv + device_compute + device_allowance; }
     uint64_t kv_per_cell = 0;    // kv / kv_cells
     uint32_t n_parts = 1;        // files of the model (split set)
     uint64_t total() const { return weights + kv + compute + runtime; }
@@ -77,7 +82,9 @@ std::string admission_refusal(const MemoryNeed & need, const MemoryBudget & budg
 
 // One line for the log and a JSON object (the `plan-memory --json` output, read by dgr's Python side).
 std::string describe_need(const MemoryNeed & need);
-std::string need_json(const MemoryNeed & need, const MemoryBudget & budget, const std::string & refusal);
+// device_json: the `device` member (device_plan.h: device_need_json), left out when empty.
+std::string need_json(const MemoryNeed & need, const MemoryBudget & budget, const std::string & refusal,
+                      const std::string & device_json = "");
 
 // VmRSS / VmHWM of this process in bytes (0 when /proc is not there).
 uint64_t self_status_bytes(const char * field);

@@ -116,6 +116,16 @@ std::vector<pm::MetricFamily> Metrics::families(const Gauges & g) const {
                         {{{"part", "kv"}}, (double) g.predicted_kv_bytes},
                         {{{"part", "compute"}}, (double) g.predicted_compute_bytes},
                         {{{"part", "runtime"}}, (double) g.predicted_runtime_bytes}}));
+    const Labels device = {{"device_class", g.device_class}};
+    f.push_back(family("dgr_device_memory_total_bytes", T::Gauge,
+                       "Memory of the compute device (the host's RAM for the CPU), by device class.",
+                       {{device, (double) g.device_memory_total_bytes}}));
+    f.push_back(family("dgr_device_memory_free_bytes", T::Gauge,
+                       "Free memory of the compute device when asked (read at most once a second).",
+                       {{device, (double) g.device_memory_free_bytes}}));
+    f.push_back(family("dgr_device_memory_predicted_bytes", T::Gauge,
+                       "Device memory admission predicted the range needs on its device (0: nothing offloaded).",
+                       {{device, (double) g.device_memory_predicted_bytes}}));
     f.push_back(counter("dgr_prefill_tokens_total", "Prompt rows computed.", d(prefill_tokens)));
     f.push_back(counter("dgr_decode_tokens_total", "Decode rows computed.", d(decode_tokens)));
     f.push_back(counter("dgr_decode_busy_seconds_total", "Seconds inside decode calls.", busy_seconds.load()));

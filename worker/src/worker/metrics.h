@@ -49,6 +49,9 @@ struct Gauges {
     uint32_t max_sessions = 0;
     uint64_t weight_bytes = 0, kv_bytes = 0, scratch_bytes = 0, memory_budget_bytes = 0;
     uint64_t predicted_weight_bytes = 0, predicted_kv_bytes = 0, predicted_compute_bytes = 0, predicted_runtime_bytes = 0;
+    // the compute device (GetCapabilityResponse.device); free re-read when asked (device_memory.h)
+    std::string device_class;
+    uint64_t device_memory_total_bytes = 0, device_memory_free_bytes = 0, device_memory_predicted_bytes = 0;
 };
 
 class Metrics {

@@ -26,6 +26,7 @@ enum class OptionKind : uint8_t {
 // One id per row of kOptionTable, in table order.
 enum class Opt : uint8_t {
     kFakeModel, kModel, kLayers, kNLayer, kNEmbd, kNVocab, kFakeDelayMs, kFakeRowDelayUs,
+    kFakeDeviceClass, kFakeDeviceMemoryMb, kFakeDeviceNeedMb,
     kListen, kAllowRemote, kTlsCert, kTlsKey, kTlsClientCa, kRequireClientAuth,
     kThreads, kNGpuLayers, kMaxSessions, kCtxPerSession, kKvCells, kKvBudgetMb, kMemoryBudgetMb, kKvUnified,
     kQueueLimit, kMaxBatchTokens, kMaxPrefillChunk, kPipelineGroups, kKeepWarmMs, kMaxMessageBytes,
@@ -108,6 +109,16 @@ inline constexpr OptionSpec kOptionTable[] = {
     option_rows::u32(Opt::kFakeDelayMs, "fake-delay-ms", "N", 0, "fake model: sleep N ms per decode call (tests)"),
     option_rows::u32(Opt::kFakeRowDelayUs, "fake-row-delay-us", "N", 0,
                      "fake model: and N us per row of the call (a batch-size cost)"),
+    option_rows::text(Opt::kFakeDeviceClass, "fake-device-class", "CLASS", "cpu",
+                      "fake model: the device class GetCapability reports (1..64 characters of a-z 0-9 : _ . -; "
+                      "docs/backends.md)"),
+    option_rows::u64(Opt::kFakeDeviceMemoryMb, "fake-device-memory-mb", "N", 0,
+                     "fake model: the fake device's total and free memory in MiB; 0: the host's RAM figures")
+        .within(0, 16777216, "the host's RAM"),
+    option_rows::u64(Opt::kFakeDeviceNeedMb, "fake-device-need-mb", "N", 0,
+                     "fake model: what device admission predicts the range needs on its device, in MiB; "
+                     "refused at start when above a non-zero --fake-device-memory-mb")
+        .within(0, 16777216),
     option_rows::text(Opt::kListen, "listen", "HOST:PORT", "127.0.0.1:50151", "gRPC address; port 0 picks a free port"),
     option_rows::flag(Opt::kAllowRemote, "allow-remote", "allow a non-loopback --listen without TLS"),
     option_rows::text(Opt::kTlsCert, "tls-cert", "F", "", "serve TLS with this PEM certificate (and --tls-key)"),

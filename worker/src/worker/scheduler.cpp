@@ -279,6 +279,10 @@ Gauges Scheduler::gauges() const {
     g.predicted_kv_bytes = st_.info.predicted_kv_bytes;
     g.predicted_compute_bytes = st_.info.predicted_compute_bytes;
     g.predicted_runtime_bytes = st_.info.predicted_runtime_bytes;
+    g.device_class = st_.info.device.device_class;
+    g.device_memory_total_bytes = st_.info.device.memory_total;
+    g.device_memory_free_bytes = st_.info.device.memory_free;
+    g.device_memory_predicted_bytes = st_.info.device.memory_predicted;
     return g;
 }
 

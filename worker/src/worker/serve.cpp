@@ -5,6 +5,8 @@
 #include "common/net_address.h"
 #include "version.h"
 #include "worker/capability_probe.h"
+#include "worker/device_info.h"
+#include "worker/device_plan.h"
 #include "worker/fake_backend.h"
 #include "worker/identity_check.h"
 #include "worker/kv_budget.h"
@@ -42,25 +44,6 @@
 namespace dgr::worker {
 
 namespace {
-
-// A GPU-class build that finds no device of its kind would still run: llama.cpp falls back to
-// the CPU, while the worker's recipe (and every route's admission) names the built backend. It
-// refuses instead. Returns the reason, empty when a device is present (or on a CPU build).
-std::string missing_device(const char * backend) {
-    if (std::strcmp(backend, "cpu") == 0) return {};
-    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-        const auto t = ggml_backend_dev_type(ggml_backend_dev_get(i));
-        if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) return {};
-    }
-    std::string why = std::string("this dgr-worker is built for backend ") + backend + " but sees no " + backend +
-                      " device, and would compute on the CPU under a " + backend + " recipe";
-    if (std::strcmp(backend, "vulkan") == 0) {
-        why += "; a CPU Vulkan driver (Mesa llvmpipe) is used only when named: GGML_VK_VISIBLE_DEVICES=0";
-    } else if (std::strcmp(backend, "cuda") == 0) {
-        why += "; it needs an NVIDIA GPU and driver (nvidia-smi)";
-    }
-    return why + " (`dgr doctor --backend " + backend + "`; the CPU build: build/cpu/bin/dgr-worker)";
-}
 
 // A dgr slice serves its own range (its dgr.slice.layer_start/layer_end pairs): without --layers
 // that range is the one planned and loaded; --layers that name another range are refused (a
@@ -132,7 +115,9 @@ int plan_memory_main(int argc, char ** argv) {
                         "         [--ctx-per-session C] [--kv-cells N | --kv-budget-mb M] [--kv-unified]\n"
                         "         [--max-batch-tokens N] [--n-gpu-layers N] [--memory-budget-mb M] [--json]\n"
                         "  what `serve` with these options would need in host memory, computed without loading\n"
-                        "  the weights (docs/memory.md), and whether its budget admits it; exit 0 fits, 3 does not\n");
+                        "  the weights (docs/memory.md), and whether its budget admits it; and what it would need\n"
+                        "  on its compute device against that device's free memory (docs/backends.md);\n"
+                        "  exit 0 fits, 3 does not\n");
             return 0;
         } else {
             args.push_back(argv[i]);
@@ -152,6 +137,7 @@ int plan_memory_main(int argc, char ** argv) {
         std::fprintf(stderr, "dgr-worker: error: cannot plan the memory of %s: %s\n", o.model.c_str(), err.c_str());
         return 1;
     }
+    take_device_census();
     llama_backend_init();
     if (!plan_for_options(&o, &kv_cells, &need, &err)) {
         std::fprintf(stderr, "dgr-worker: error: cannot plan the memory of %s: %s\n", o.model.c_str(), err.c_str());
@@ -160,15 +146,19 @@ int plan_memory_main(int argc, char ** argv) {
     }
     const MemoryBudget budget = memory_budget(o.memory_budget_mb);
     const std::string refusal = admission_refusal(need, budget, o.kv_unified);
+    const ComputeDevice dev = describe_device(compute_device(o.n_gpu_layers), build_info().backend);
+    const std::string dev_refusal = dev.accelerator ? device_admission_refusal(need, dev) : std::string();
     if (json) {
-        std::printf("%s\n", need_json(need, budget, refusal).c_str());
+        std::printf("%s\n", need_json(need, budget, refusal, device_need_json(need, dev, dev_refusal)).c_str());
     } else {
         std::printf("%s\n", describe_need(need).c_str());
         if (budget.bytes) std::printf("budget %.1f MiB (%s): %s\n", (double) budget.bytes / 1048576.0, budget.source.c_str(),
                                       refusal.empty() ? "fits" : refusal.c_str());
+        std::printf("%s%s%s\n", describe_device_need(need, dev).c_str(), dev_refusal.empty() ? "" : ": ",
+                    dev_refusal.c_str());
     }
     llama_backend_free();
-    return refusal.empty() ? 0 : 3;
+    return refusal.empty() && dev_refusal.empty() ? 0 : 3;
 }
 
 // The backend `serve` (and `probe`) runs: the fake model, or the GGUF with its identity proven
@@ -184,6 +174,16 @@ int load_backend(ServeOptions & o, uint64_t & kv_cells, MemoryBudget & budget,
         f.layer_end = o.has_layers ? o.layer_end : o.n_layer;
         if (f.layer_end > f.n_layer) {  // --n-embd and --n-vocab: bounded by the option table
             std::fprintf(stderr, "dgr-worker: error: fake model: --layers must fit --n-layer\n");
+            return 2;
+        }
+        // the fake device (--fake-device-*), admitted like a real one before anything is made
+        const ComputeDevice dev = fake_device(o.fake_device_class, o.fake_device_memory_mb, o.fake_device_need_mb,
+                                              read_host_memory());
+        const MemoryNeed dneed = fake_device_need(f.layer_start, f.layer_end, f.n_layer, o.max_sessions,
+                                                  o.ctx_per_session, o.fake_device_need_mb);
+        if (const std::string why = o.fake_device_memory_mb ? device_admission_refusal(dneed, dev) : std::string();
+            !why.empty()) {
+            std::fprintf(stderr, "dgr-worker: error: refusing to load: %s\n", why.c_str());
             return 2;
         }
         f.n_embd = o.n_embd;
@@ -202,6 +202,7 @@ int load_backend(ServeOptions & o, uint64_t & kv_cells, MemoryBudget & budget,
             f.kv_cells = (uint32_t) kv_cells;
             backend = std::make_unique<FakeBackend>(f);
         }
+        backend->set_device(dev);
     } else {
         {
             // Identity proven by the file (worker/identity_check.h): computed from what is loaded
@@ -229,6 +230,7 @@ int load_backend(ServeOptions & o, uint64_t & kv_cells, MemoryBudget & budget,
                 return 2;
             }
         }
+        take_device_census();  // before ggml registers its backends: the CUDA architecture (device_info.h)
         llama_backend_init();
         if (const std::string why = missing_device(build_info().backend); !why.empty()) {
             std::fprintf(stderr, "dgr-worker: error: %s\n", why.c_str());
@@ -246,6 +248,15 @@ int load_backend(ServeOptions & o, uint64_t & kv_cells, MemoryBudget & budget,
             std::fprintf(stderr, "dgr-worker: error: refusing to load: %s\n", why.c_str());
             return 2;
         }
+        // VRAM admission (device_plan.h): the range's need on its compute device against its free memory
+        ggml_backend_dev_t dev_handle = compute_device(o.n_gpu_layers);
+        ComputeDevice dev = describe_device(dev_handle, build_info().backend);
+        std::fprintf(stderr, "dgr-worker: %s\n", describe_device_need(need, dev).c_str());
+        if (const std::string why = dev.accelerator ? device_admission_refusal(need, dev) : ""; !why.empty()) {
+            std::fprintf(stderr, "dgr-worker: error: refusing to load: %s\n", why.c_str());
+            return 2;
+        }
+        if (dev.accelerator) dev.memory_predicted = need.device_total();
         LlamaBackendOptions l;
         l.kv_unified = o.kv_unified;
         l.path = o.model;
@@ -264,6 +275,8 @@ int load_backend(ServeOptions & o, uint64_t & kv_cells, MemoryBudget & budget,
             return 1;
         }
         backend->set_predicted_memory(need.weights, need.kv, need.compute, need.runtime);
+        device_memory_read(dev_handle)(&dev.memory_free, &dev.memory_total);  // after loading
+        backend->set_device(dev);
     }
     backend->set_identity(o.fingerprint, o.artifact_id, o.recipe_json);
     if (kv_cells == 0) {
@@ -373,7 +386,10 @@ int serve_main(int argc, char ** argv) {
     }
     // its delivery thread starts here, at --io-nice too
     ShardService service(*backend, scheduler, metrics,
-                         ServiceInfo{b.dgr_version, b.pin_commit, b.patch_digest, b.backend, o.require_client_auth});
+                         ServiceInfo{b.dgr_version, b.pin_commit, b.patch_digest, b.backend, o.require_client_auth,
+                                     std::make_shared<DeviceMemoryReader>(
+                                         o.fake ? fake_device_memory_read(o.fake_device_memory_mb)
+                                                : device_memory_read(compute_device(o.n_gpu_layers)))});
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;

@@ -1,6 +1,7 @@
 #include "worker/serve_options.h"
 
 #include "common/net_address.h"
+#include "worker/device_class.h"
 
 #include <sched.h>
 
@@ -47,6 +48,18 @@ void store_option(Opt id, const OptionValue & v, ServeOptions * o) {
         case Opt::kNVocab: o->n_vocab = u32; break;
         case Opt::kFakeDelayMs: o->fake_delay_ms = u32; break;
         case Opt::kFakeRowDelayUs: o->fake_row_delay_us = u32; break;
+        case Opt::kFakeDeviceClass:
+            o->fake_device_class = v.text;
+            o->fake_device_given = true;
+            break;
+        case Opt::kFakeDeviceMemoryMb:
+            o->fake_device_memory_mb = v.u64;
+            o->fake_device_given = true;
+            break;
+        case Opt::kFakeDeviceNeedMb:
+            o->fake_device_need_mb = v.u64;
+            o->fake_device_given = true;
+            break;
         case Opt::kListen: o->listen = v.text; break;
         case Opt::kAllowRemote: o->allow_remote = true; break;
         case Opt::kTlsCert: o->tls_cert = v.text; break;
@@ -126,6 +139,16 @@ int parse_serve_options(int argc, char ** argv, ServeOptions * o) {
     }
     if (o->fake == !o->model.empty()) {
         std::fprintf(stderr, "dgr-worker: error: give exactly one of --fake-model or --model FILE\n");
+        return 2;
+    }
+    if (o->fake_device_given && !o->fake) {
+        std::fprintf(stderr, "dgr-worker: error: --fake-device-class, --fake-device-memory-mb and "
+                             "--fake-device-need-mb describe the fake model's device; they need --fake-model\n");
+        return 2;
+    }
+    if (!valid_device_class(o->fake_device_class)) {
+        std::fprintf(stderr, "dgr-worker: error: --fake-device-class wants 1..%zu characters of a-z 0-9 : _ . -, "
+                             "got '%s'\n", kClassMax, o->fake_device_class.c_str());
         return 2;
     }
     const bool tls = !o->tls_cert.empty() || !o->tls_key.empty();

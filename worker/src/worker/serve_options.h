@@ -20,6 +20,11 @@ struct ServeOptions {
              n_vocab = default_u32(Opt::kNVocab);
     uint32_t fake_delay_ms = default_u32(Opt::kFakeDelayMs);
     uint32_t fake_row_delay_us = default_u32(Opt::kFakeRowDelayUs);
+    // the fake model's device (device_plan.h); fake_device_given: one of the three was named
+    std::string fake_device_class = default_text(Opt::kFakeDeviceClass);
+    uint64_t fake_device_memory_mb = default_u64(Opt::kFakeDeviceMemoryMb);
+    uint64_t fake_device_need_mb = default_u64(Opt::kFakeDeviceNeedMb);
+    bool fake_device_given = false;
     std::string listen = default_text(Opt::kListen);
     bool allow_remote = false;
     bool kv_unified = false;

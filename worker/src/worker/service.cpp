@@ -420,6 +420,14 @@ void ShardService::on_get_capability(grpc::CallbackServerContext *, const pb::Ge
     r->set_llama_commit(rt_.llama_commit);
     r->set_patch_digest(rt_.patch_digest);
     r->set_backend(rt_.backend);
+    if (rt_.device_memory) {
+        uint64_t free = 0, total = 0;
+        rt_.device_memory->get(&free, &total);
+        if (total) {
+            resp->mutable_device()->set_memory_free_bytes(free);
+            resp->mutable_device()->set_memory_total_bytes(total);
+        }
+    }
     done(grpc::Status::OK);
 }
 
@@ -441,7 +449,16 @@ void ShardService::on_cancel_session(grpc::CallbackServerContext *, const pb::Ca
 
 std::vector<prometheus::MetricFamily> ShardService::metric_families() const {
     metrics_.rejected_queue = SessionReactor::rejected_queue_.load();
-    return metrics_.families(scheduler_.gauges());
+    Gauges g = scheduler_.gauges();
+    if (rt_.device_memory) {
+        uint64_t free = 0, total = 0;
+        rt_.device_memory->get(&free, &total);
+        if (total) {
+            g.device_memory_free_bytes = free;
+            g.device_memory_total_bytes = total;
+        }
+    }
+    return metrics_.families(g);
 }
 
 void ShardService::on_get_metrics(grpc::CallbackServerContext *, const pb::GetMetricsRequest &,

@@ -6,6 +6,7 @@
 
 #include "dgr/shard/v1/shard_runtime.grpc.pb.h"
 #include "worker/backend.h"
+#include "worker/device_memory.h"
 #include "worker/metrics.h"
 #include "worker/scheduler.h"
 
@@ -24,6 +25,9 @@ struct ServiceInfo {
     // --require-client-auth: every ShardRuntimeService RPC needs an authenticated client
     // certificate (UNAUTHENTICATED otherwise); health and reflection do not (serve.cpp).
     bool require_client_auth = false;
+    // re-reads the compute device's free memory for GetCapability and the metrics (nullptr: the
+    // figures read at start-up)
+    std::shared_ptr<DeviceMemoryReader> device_memory;
 };
 
 // The authenticated client identity of a call: "subject=<x509 subject>;san=<peer identities>"
