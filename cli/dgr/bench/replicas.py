@@ -46,7 +46,7 @@ class ReplicaBenchConfig:
         if not 2 <= self.concurrency <= 64:
             raise DgrError(f"--concurrency must be 2..64, got {self.concurrency}")
         if not 2 <= self.max_tokens <= 1024:
-            raise DgrError(f"--max-tokens must be 2..1024, got {self.max_tokens}")
+            raise DgrError(f"--max-tokens must be 2..1024 (decode is timed after the first token), got {self.max_tokens}")
         if not 1 <= self.repeats <= 20:
             raise DgrError(f"--repeats must be 1..20, got {self.repeats}")
 

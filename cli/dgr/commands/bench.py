@@ -225,7 +225,7 @@ def replicas_bench(
     model: Optional[str] = typer.Option(None, "--model", help="GGUF file, or a packaged model (default: the embedded "
                                         "SmolLM2-135M Q4_1)."),
     concurrency: int = typer.Option(16, "--concurrency", min=2, max=64, help="Concurrent streaming requests."),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=2, max=1024, help="Tokens per answer."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, max=1024, help="Tokens per answer (at least 2: decode is timed after the first)."),
     repeats: int = typer.Option(3, "--repeats", min=1, max=20),
     out: Path = typer.Option(Path("replicas-bench.json"), "--out", help="Where to write the results JSON."),
 ) -> None:
