@@ -378,6 +378,11 @@ class GgufShardBackend:
             raise BackendError(f"worker reports fingerprint {ident.compatibility_fingerprint[:12]}, the recipe "
                                f"is {recipe.fingerprint()[:12]}: refusing to register",
                                reason="ERROR_REASON_FINGERPRINT_MISMATCH")
+        # the device the range computes on, as the worker reports it: certification is per device
+        # class ("" for an accelerator worker that reports none: registered, never certified)
+        from dgr.gguf.recipe import device_class_of_capability
+
+        recipe = recipe.with_(device_class=device_class_of_capability(cap))
         # the worker's own measurement of its range (started with --probe-budget-s), for route
         # ranking; an absurd one is refused with the registration, not carried to the Tracker
         try:

@@ -2,7 +2,9 @@
 
 A registration binds one served layer range of one exact Model Artifact to an exact, validated
 runtime recipe (and its compatibility fingerprint), the endpoint that serves it, the backend,
-and its concurrency/KV capacity. Route formation (:mod:`meshnet_adapter.routing`) only ever
+the device class it computes on (``recipe.device_class``, from ``GetCapability.device``; left
+out of the payload when the worker reports none, so such a payload reads as before) and its
+concurrency/KV capacity. Route formation (:mod:`meshnet_adapter.routing`) only ever
 combines registrations whose fingerprints are equal and whose recipe is certified.
 
 A registration may also carry what the worker measured for its own range at start-up
@@ -20,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 from dgr.errors import DgrError
-from dgr.gguf.recipe import RecipeError, Registry, RuntimeRecipe
+from dgr.gguf.recipe import RecipeError, Registry, RuntimeRecipe, device_class_backend
 from dgr.route.capabilities import MAX_MEMORY_BYTES, MAX_SECONDS
 
 # 1: the measured cost (``measured``) is an optional field that is left out when absent, so payloads
@@ -171,7 +173,7 @@ class ShardRegistration:
     end: int
     recipe: RuntimeRecipe
     fingerprint: str
-    certified: bool                # routable recipe (certified in the registry for this backend)
+    certified: bool                # routable recipe (certified in the registry for this backend and device class)
     capacity: Capacity
     schema: int = REGISTRATION_SCHEMA
     labels: dict[str, str] = field(default_factory=dict)
@@ -185,9 +187,16 @@ class ShardRegistration:
     def is_tail(self) -> bool:
         return self.end == self.n_layer
 
+    @property
+    def device_class(self) -> str:
+        """The device class the Shard computes on ("" when its worker reports none)."""
+        return self.recipe.device_class
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["recipe"]["weight_types"] = [list(t) for t in self.recipe.weight_types]
+        if not self.recipe.device_class:   # absent, not "": a payload without a device reads as before
+            del d["recipe"]["device_class"]
         if self.measured is None:   # absent, not null: an unmeasured Shard's payload is as before
             del d["measured"]
         else:
@@ -203,12 +212,19 @@ def make_registration(*, node_id: str, endpoint: str, recipe: RuntimeRecipe, arc
                       registry: Registry, measured: ShardMeasurement | None = None,
                       labels: Mapping[str, str] | None = None) -> ShardRegistration:
     """Validate and build a registration. The fingerprint is computed here, never taken from
-    the caller, and the certified flag comes from the recipe registry. A measurement with an
-    absurd figure is refused (DgrError naming it) rather than carried to route ranking."""
+    the caller, and the certified flag comes from the recipe registry, for the recipe's device
+    class (a Shard on an unknown device, an uncertified one, or one of another backend than its
+    recipe's is not certified). A device class that is not one is refused; so is a
+    measurement with an absurd figure (DgrError naming it) rather than carried to route ranking."""
     if not (0 <= start < end <= n_layer):
         raise DgrError(f"invalid served range [{start}, {end}) for a {n_layer}-layer model")
     if capacity.max_sessions <= 0:
         raise DgrError("a shard must accept at least one session (max_sessions > 0)")
+    if recipe.device_class:
+        try:
+            device_class_backend(recipe.device_class)
+        except RecipeError as exc:
+            raise DgrError(f"node {node_id}: device class {exc}") from None
     if measured is not None:
         try:
             measured.validate(tail=end == n_layer)

@@ -56,6 +56,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _local_certifications(tmp_path_factory, monkeypatch):
+    """Every test reads its own (empty) store of local certifications (`dgr certify`), never the
+    machine's: a certification made on this machine must not change what a test sees."""
+    monkeypatch.setenv("DGR_CERT_DIR", str(tmp_path_factory.mktemp("certified")))
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

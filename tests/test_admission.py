@@ -118,14 +118,20 @@ def test_unregistered_recipe_is_rejected() -> None:
 
 
 def test_backend_plan_must_be_certified_and_fails_closed() -> None:
-    mixed_head, mixed_tail = recipe(backends="cpu+vulkan"), recipe(backend="vulkan", backends="cpu+vulkan")
+    vk = "vulkan:llvmpipe"   # a Vulkan Shard is admitted only on a device class its entry holds for
+    mixed_head, mixed_tail = recipe(backends="cpu+vulkan"), recipe(backend="vulkan", backends="cpu+vulkan",
+                                                                   device_class=vk)
     # certified on cpu and on vulkan alone: a mixed CPU-head/Vulkan-tail route is still refused
-    reg = Registry((entry(backends=("cpu", "vulkan")),))
+    reg = Registry((entry(backends=("cpu", "vulkan"), devices=("cpu", vk)),))
     d = decide(cap_recipe=mixed_tail, req_recipe=mixed_head, req_range=(15, 30), cap_range=(15, 30), registry=reg)
     assert d.reasons == {Reason.BACKEND_NOT_CERTIFIED}
-    assert decide(cap_recipe=recipe(backend="vulkan"), req_recipe=recipe(backend="vulkan"), registry=reg).admitted
+    vulkan = recipe(backend="vulkan", device_class=vk)
+    assert decide(cap_recipe=vulkan, req_recipe=recipe(backend="vulkan"), registry=reg).admitted
+    # the same Shard on a device that does not report its class: refused
+    d = decide(cap_recipe=vulkan.with_(device_class=""), req_recipe=recipe(backend="vulkan"), registry=reg)
+    assert d.reasons == {Reason.BACKEND_NOT_CERTIFIED} and "unknown" in d.summary()
     # a certified mixed plan admits both of its Shards
-    reg = Registry((entry(backends=("cpu",)), entry(name="mixed", backends=("cpu+vulkan",),
+    reg = Registry((entry(backends=("cpu",)), entry(name="mixed", backends=("cpu+vulkan",), devices=("cpu", vk),
                                                      tolerance=(("max_abs_dlogprob", 0.5),))))
     for cap in (mixed_head, mixed_tail):
         assert decide(cap_recipe=cap, req_recipe=mixed_head, registry=reg).admitted

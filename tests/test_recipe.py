@@ -46,7 +46,8 @@ def test_every_fingerprint_field_changes_the_fingerprint(field: str) -> None:
 
 
 @pytest.mark.parametrize("change", [{"compute_dtype": "f16"}, {"dgr_version": "0.2.0"},
-                                    {"weight_types_digest": "e" * 64}, {"weight_types": (("Q4_1", 3),)}])
+                                    {"weight_types_digest": "e" * 64}, {"weight_types": (("Q4_1", 3),)},
+                                    {"device_class": "cpu"}])
 def test_fields_outside_the_fingerprint_do_not_change_it(change: dict) -> None:
     assert base().with_(**change).fingerprint() == base().fingerprint()
 
@@ -68,7 +69,7 @@ def test_backend_plan_distinguishes_backends() -> None:
 
 
 def test_every_recipe_field_is_classified() -> None:
-    outside = {"weight_types_digest", "weight_types", "compute_dtype", "backend", "dgr_version"}
+    outside = {"weight_types_digest", "weight_types", "compute_dtype", "backend", "dgr_version", "device_class"}
     names = {f.name for f in fields(R.RuntimeRecipe)}
     assert names == set(R.FINGERPRINT_FIELDS) | outside
 
@@ -134,7 +135,8 @@ def test_packaged_registry_loads_and_nothing_dark_routes() -> None:
             assert not reg.routable(probe)
 
 
-def _registry(tmp_path: Path, status: str, evidence: str = "evidence/DGR-010", backends: str = '["cpu"]') -> Path:
+def _registry(tmp_path: Path, status: str, evidence: str = "evidence/DGR-010", backends: str = '["cpu"]',
+              devices: str = '["cpu"]') -> Path:
     p = tmp_path / "r.toml"
     p.write_text(f"""[[recipe]]
 name = "t"
@@ -146,6 +148,7 @@ kv_dtype = "f16"
 kv_layout = "{R.DEFAULT_KV_LAYOUT}"
 boundary_schema_version = 1
 backends = {backends}
+devices = {devices}
 evidence = "{evidence}"
 """)
     return p

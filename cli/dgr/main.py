@@ -96,6 +96,8 @@ def _register() -> None:
     app.add_typer(pki_cmd.app, name="pki", help="Certificates for mutual TLS between a route's machines: issue, show.")
     from .commands import plan as plan_cmd
     app.command("plan", help="Choose a route's split over unequal hosts from their measured capabilities (a prediction).")(plan_cmd.plan)
+    from .commands import certify as certify_cmd
+    app.command("certify", help="Certify this machine's device for a backend plan: parity or drift on local workers, local evidence.")(certify_cmd.certify)
     # Further command groups register here.
 
 

@@ -172,21 +172,50 @@ def recipe_cmd(
     backend: str = typer.Option("cpu", "--backend", help="Backend this Shard would run on."),
     plan: Optional[str] = typer.Option(None, "--plan", help="The route's backend plan, e.g. cpu+vulkan "
                                        "(default: --backend alone); part of the fingerprint."),
+    device_class: Optional[str] = typer.Option(
+        None, "--device-class", help="The device class the Shard computes on, as its worker reports it "
+        "(GetCapability.device): cpu, vulkan:llvmpipe, vulkan:nvidia, cuda:sm_90, … Default: cpu on the cpu "
+        "backend; on any other there is none without a worker (unknown: not routable)."),
     activation_dtype: str = typer.Option("f32", "--activation-dtype", help="Activation dtype on the wire."),
     kv_dtype: str = typer.Option("f16", "--kv-dtype", help="KV cache dtype."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """The runtime recipe a Shard of this GGUF (artifact or slice) would serve, its fingerprint and registry status."""
+    """The runtime recipe a Shard of this GGUF (artifact or slice) would serve, its fingerprint and
+    registry status: routable only on a device class the registry entry is certified for."""
+    from ..errors import DgrError
     from ..gguf import recipe as recipe_mod
 
+    if device_class is None:
+        device_class = "cpu" if backend == "cpu" else ""
+    elif device_class:
+        try:
+            on = recipe_mod.device_class_backend(device_class)
+        except recipe_mod.RecipeError as exc:
+            raise DgrError(f"--device-class {exc}", hint=exc.hint) from None
+        if on != backend:
+            raise DgrError(f"--device-class {device_class} is a {on} device, not a {backend} one (--backend {backend})")
     r = recipe_mod.recipe_for(resolve_model(file), backend=backend, activation_dtype=activation_dtype,
-                              kv_dtype=kv_dtype, backends=plan or "")
+                              kv_dtype=kv_dtype, backends=plan or "").with_(device_class=device_class)
     reg = recipe_mod.load_registry()
     entry = reg.lookup(r)
     status = "unregistered" if entry is None else f"{entry.status} ({entry.name})"
+    why = reg.refusal(r)
+    if not device_class:
+        why = (f"device class unknown: not routable (give --device-class as the {backend} worker reports it; "
+               f"`{recipe_mod.certify_command(r.plan)}` certifies this machine's device)")
+    certified_on = list(entry.certified_devices(r.plan)) if entry is not None and entry.status == "certified" else []
+    local = set(entry.local_devices(r.plan)) if entry is not None else set()
     if as_json:
-        typer.echo(json.dumps({**r.to_json(), "registry": status, "routable": reg.routable(r)}, indent=2))
+        typer.echo(json.dumps({**r.to_json(), "registry": status, "routable": not why,
+                               "certified_devices": certified_on, "certified_here": sorted(local),
+                               **({"why": why} if why else {})}, indent=2))
         return
     for k, v in r.to_json().items():
+        if k == "device_class":
+            v = v or "unknown"
         typer.echo(f"{k + ':':<26}{v}")
-    typer.echo(f"{'registry:':<26}{status}; routable: {'yes' if reg.routable(r) else 'no'}")
+    typer.echo(f"{'registry:':<26}{status}; routable: {'yes' if not why else 'no'}")
+    shown = ", ".join(d + (" (this machine)" if d in local else "") for d in certified_on) or "none"
+    typer.echo(f"{'certified devices:':<26}{shown}")
+    if why:
+        typer.echo(f"{'why:':<26}{why}")

@@ -14,14 +14,22 @@ an explicit plan every Shard of it is started with, and the registry says which 
 certified (cli/dgr/gguf/recipes.toml). The Shard's own ``backend`` is recorded beside it.
 
 Not in the fingerprint, deliberately: ``compute_dtype`` (a property of the backend's kernels, certified with it), ``dgr_version``
-(a release label; wire compatibility is the boundary schema version) and the weight
-quantization (already fixed by the artifact id).
+(a release label; wire compatibility is the boundary schema version), the weight
+quantization (already fixed by the artifact id) and ``device_class``, the device the Shard
+computes on ("cpu", "vulkan:llvmpipe", "cuda:sm_90"): Shards on different devices of one backend
+may form a route, but the registry certifies a recipe class per device class (``devices``), and
+an operator extends that to their own device with ``dgr certify`` (local evidence, below).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import math
+import os
 import re
+import stat
 import sys
 import tomllib
 from dataclasses import dataclass, fields, replace
@@ -50,6 +58,14 @@ _VALUE = re.compile(r"[A-Za-z0-9._:/+-]{1,128}")
 
 VECTORS_DIR = Path("tests") / "vectors" / "fingerprint"
 
+_log = logging.getLogger(__name__)
+
+# A device class: "cpu" (the CPU backend has one), or "<backend>:<kind>" for an accelerator
+# ("vulkan:llvmpipe", "vulkan:nvidia", "cuda:sm_90"). Never normalised: anything else is refused.
+# The worker writes classes of at most 64 characters of [a-z0-9:_.-] (worker/src/worker/device_class.h).
+_DEVICE_KIND = re.compile(r"[a-z0-9][a-z0-9._-]*")
+DEVICE_CLASS_MAX = 64
+
 
 class RecipeError(DgrError):
     """A recipe value that cannot be put in canonical form."""
@@ -74,6 +90,14 @@ class RuntimeRecipe:
     pin_commit: str = ""
     patch_digest: str = ""
     boundary_schema_version: int = BOUNDARY_SCHEMA_VERSION
+    device_class: str = ""                        # this Shard's device ("" = cpu on cpu, else unknown)
+
+    @property
+    def effective_device_class(self) -> str:
+        """The Shard's device class: the one it names, else "cpu" for a CPU Shard (the CPU
+        backend has one device class; workers that predate device reporting are CPU only), else
+        "" (unknown: never routable)."""
+        return self.device_class or ("cpu" if self.backend == "cpu" else "")
 
     @property
     def plan(self) -> str:
@@ -145,6 +169,45 @@ def plan_backends(plan: str) -> list[str]:
     return plan.split("+") if plan else []
 
 
+def device_class_backend(device_class: str) -> str:
+    """The backend of a device class ("cpu" -> cpu, "vulkan:nvidia" -> vulkan); RecipeError
+    for anything that is not one (odd characters, an unknown backend, "cpu:x")."""
+    if not isinstance(device_class, str):
+        raise RecipeError(f"a device class is a string, not {type(device_class).__name__}")
+    if device_class == "cpu":
+        return "cpu"
+    backend, sep, kind = device_class.partition(":")
+    if (not sep or backend not in BACKENDS or backend == "cpu" or not _DEVICE_KIND.fullmatch(kind)
+            or len(device_class) > DEVICE_CLASS_MAX):
+        shown = device_class if len(device_class) <= 80 else device_class[:77] + "..."
+        raise RecipeError(f"{shown!r} is not a device class",
+                          hint="'cpu', or BACKEND:KIND such as vulkan:llvmpipe or cuda:sm_90: at most "
+                               f"{DEVICE_CLASS_MAX} characters, KIND of a-z 0-9 . _ -")
+    return backend
+
+
+def device_class_of_capability(cap: Any) -> str:
+    """The device class a worker's ``GetCapabilityResponse`` reports (``device.device_class``);
+    "cpu" for a CPU worker that reports no device (one built before device reporting); "" when
+    unknown (an accelerator worker that reports none). Not validated here."""
+    device = getattr(cap, "device", None)
+    reported = str(getattr(device, "device_class", "") or "") if device is not None else ""
+    if reported:
+        return reported
+    if device is None:
+        empty = True
+    elif hasattr(device, "ByteSize"):
+        empty = device.ByteSize() == 0
+    else:
+        empty = not any(vars(device).values())
+    return "cpu" if empty and str(cap.runtime.backend) == "cpu" else ""
+
+
+def certify_command(plan: str) -> str:
+    """The command that certifies this machine's device for a backend plan."""
+    return f"dgr certify --backend {','.join(plan_backends(plan)) or 'cpu'}"
+
+
 # ---- building a recipe for a local artifact ----
 
 def local_runtime() -> tuple[str, str, str]:
@@ -198,6 +261,19 @@ STATUSES = ("certified", "dark")
 
 
 @dataclass(frozen=True)
+class LocalCertification:
+    """A device class certified on this machine for an entry's backend plan (``dgr certify``),
+    with the runtime (llama.cpp pin, patch series) it was measured with: it holds for Shards of
+    that runtime only."""
+    plan: str
+    device_class: str
+    pin_commit: str
+    patch_digest: str
+    path: str = ""
+    date: str = ""
+
+
+@dataclass(frozen=True)
 class RegistryEntry:
     """A recipe class: the fields a certification run fixes (artifact and runtime are free)."""
     name: str
@@ -214,6 +290,11 @@ class RegistryEntry:
     # What a certification of a plan that is not bit-exact against the CPU whole model allows
     # (mixed plans): e.g. {"tokens": 64, "top1_agreement_min": 0.95, "max_abs_dlogprob": 0.5}.
     tolerance: tuple[tuple[str, float], ...] = ()
+    # The device classes the evidence was recorded on ("cpu", "vulkan:llvmpipe"); recipes.toml
+    # states them for every certified entry (an entry built in code defaults to the CPU).
+    devices: tuple[str, ...] = ("cpu",)
+    # Device classes certified on this machine (local evidence, merged by load_registry).
+    local: tuple[LocalCertification, ...] = ()
 
     def matches(self, r: RuntimeRecipe) -> bool:
         return (self.arch_adapter, self.arch_adapter_version, self.activation_dtype, self.kv_dtype,
@@ -221,10 +302,25 @@ class RegistryEntry:
             r.arch_adapter, r.arch_adapter_version, r.activation_dtype, r.kv_dtype, r.kv_layout,
             r.boundary_schema_version)
 
+    def certified_devices(self, plan: str | None = None) -> tuple[str, ...]:
+        """The device classes this entry holds for: its evidence's, then this machine's (for
+        ``plan``, or any plan), in that order, without repeats."""
+        out = list(self.devices)
+        for c in self.local:
+            if (plan is None or c.plan == plan) and c.device_class not in out:
+                out.append(c.device_class)
+        return tuple(out)
+
+    def local_devices(self, plan: str | None = None) -> tuple[str, ...]:
+        """The device classes only this machine's evidence adds (for ``plan``, or any plan)."""
+        return tuple(d for d in self.certified_devices(plan) if d not in self.devices)
+
 
 @dataclass(frozen=True)
 class Registry:
     entries: tuple[RegistryEntry, ...]
+    ignored: tuple[str, ...] = ()      # local evidence files not honoured, each "PATH: reason"
+    store: str = ""                    # the local evidence folder that was read ("" none)
 
     def lookup(self, recipe: RuntimeRecipe) -> RegistryEntry | None:
         """The entry of this recipe's class that lists its backend plan; else the first entry of
@@ -232,15 +328,74 @@ class Registry:
         cls = [e for e in self.entries if e.matches(recipe)]
         return next((e for e in cls if recipe.plan in e.backends), cls[0] if cls else None)
 
+    def device_refusal(self, entry: RegistryEntry, recipe: RuntimeRecipe) -> str:
+        """Why ``entry`` does not hold for the device ``recipe``'s Shard computes on (its
+        ``effective_device_class``); "" when it does: a device class of the entry's evidence,
+        or one certified on this machine for the recipe's plan and runtime."""
+        plan, cls = recipe.plan, recipe.effective_device_class
+        how = f"run `{certify_command(plan)}` on this machine"
+        if not cls:
+            return (f"the device class of this {recipe.backend} Shard is unknown (its worker reports no device; "
+                    f"a dgr-worker built before device reporting): not routable on an uncertified device")
+        try:
+            backend = device_class_backend(cls)
+        except RecipeError as exc:
+            return f"{exc}: not routable"
+        if backend != recipe.backend:
+            return f"device class {cls} is not a {recipe.backend} device: not routable"
+        if cls in entry.devices:
+            return ""
+        local = [c for c in entry.local if c.plan == plan and c.device_class == cls]
+        if any((c.pin_commit, c.patch_digest) == (recipe.pin_commit, recipe.patch_digest) for c in local):
+            return ""
+        if local:
+            c = local[0]
+            return (f"recipe {entry.name} (plan {plan}) was certified on {cls} on this machine with llama.cpp "
+                    f"{c.pin_commit[:12]} and patch series {c.patch_digest[-12:]}, this Shard runs "
+                    f"{recipe.pin_commit[:12]} and {recipe.patch_digest[-12:]}: {how} again")
+        where = ", ".join(entry.certified_devices(plan)) or "no device"
+        return f"recipe {entry.name} (plan {plan}) is certified on {where}, not on device class {cls}: {how}"
+
+    def refusal(self, recipe: RuntimeRecipe) -> str:
+        """Why ``recipe`` is not routable, in one sentence; "" when it is."""
+        e = self.lookup(recipe)
+        if e is None:
+            return (f"recipe class ({recipe.arch_adapter} v{recipe.arch_adapter_version}, wire "
+                    f"{recipe.activation_dtype}, KV {recipe.kv_dtype}/{recipe.kv_layout}, boundary "
+                    f"v{recipe.boundary_schema_version}) is not in the registry")
+        if e.status != "certified":
+            return f"recipe {e.name} is registered but dark (not certified)"
+        if recipe.plan not in e.backends:
+            return f"recipe {e.name} is certified for the backend plans {', '.join(e.backends)}, not {recipe.plan}"
+        if recipe.backend not in plan_backends(recipe.plan):
+            return f"the Shard runs on {recipe.backend}, which is not part of the backend plan {recipe.plan}"
+        return self.device_refusal(e, recipe)
+
     def routable(self, recipe: RuntimeRecipe) -> bool:
         """Certified for this recipe's class and backend plan, with the Shard's own backend part
-        of the plan. Dark and unknown recipes never route."""
-        e = self.lookup(recipe)
-        return (e is not None and e.status == "certified" and recipe.plan in e.backends
-                and recipe.backend in plan_backends(recipe.plan))
+        of the plan, on a device class the entry holds for. Dark and unknown recipes, and
+        Shards on an unknown or uncertified device, never route."""
+        return not self.refusal(recipe)
 
 
-def load_registry(path: Path | None = None) -> Registry:
+def _check_devices(path: Path, e: RegistryEntry) -> None:
+    for d in e.devices:
+        try:
+            backend = device_class_backend(d)
+        except RecipeError as exc:
+            raise DgrError(f"recipe registry {path}: {e.name} lists device {exc}") from None
+        if not any(backend in plan_backends(p) for p in e.backends):
+            raise DgrError(f"recipe registry {path}: {e.name} lists device {d}, a {backend} device, "
+                           f"for the backend plans {', '.join(e.backends)}")
+
+
+def load_registry(path: Path | None = None, *, local: bool | None = None, warn: bool = True) -> Registry:
+    """The recipe registry (default: the packaged recipes.toml). ``local`` (default: only for the
+    packaged registry) merges this machine's device evidence from :func:`local_store_dir`: an
+    entry then also holds for the device classes ``dgr certify`` certified here; evidence that
+    does not hold is ignored with the reason (``Registry.ignored``, and a warning once per
+    process unless ``warn`` is false)."""
+    use_local = path is None if local is None else local
     path = path or REGISTRY_FILE
     try:
         data = tomllib.loads(Path(path).read_text())
@@ -252,6 +407,7 @@ def load_registry(path: Path | None = None) -> Registry:
     names: set[str] = set()
     for i, raw in enumerate(data.get("recipe", [])):
         try:
+            devices = raw.get("devices")
             e = RegistryEntry(
                 name=str(raw["name"]), status=str(raw["status"]), arch_adapter=str(raw["arch_adapter"]),
                 arch_adapter_version=int(raw["arch_adapter_version"]),
@@ -259,7 +415,8 @@ def load_registry(path: Path | None = None) -> Registry:
                 kv_layout=str(raw["kv_layout"]), boundary_schema_version=int(raw["boundary_schema_version"]),
                 backends=tuple(str(b) for b in raw["backends"]), evidence=str(raw.get("evidence", "")),
                 note=str(raw.get("note", "")),
-                tolerance=tuple((str(k), float(v)) for k, v in dict(raw.get("tolerance", {})).items()))
+                tolerance=tuple((str(k), float(v)) for k, v in dict(raw.get("tolerance", {})).items()),
+                devices=() if devices is None else tuple(str(d) for d in devices))
         except (KeyError, TypeError, ValueError) as exc:
             raise DgrError(f"recipe registry {path}: entry {i} is incomplete ({exc})") from None
         if e.status not in STATUSES:
@@ -277,19 +434,54 @@ def load_registry(path: Path | None = None) -> Registry:
         if e.status == "certified" and any("+" in b for b in e.backends) and not e.tolerance:
             raise DgrError(f"recipe registry {path}: {e.name} certifies a mixed backend plan without a tolerance",
                            hint="a mixed plan is certified within a stated drift tolerance (tolerance = {…})")
+        if e.status == "certified" and not e.devices:
+            raise DgrError(f"recipe registry {path}: {e.name} is certified without devices",
+                           hint="devices = [...]: the device classes its evidence was recorded on, e.g. [\"cpu\"]")
+        _check_devices(Path(path), e)
         if e.name in names:
             raise DgrError(f"recipe registry {path}: duplicate entry {e.name}")
         names.add(e.name)
         entries.append(e)
-    return Registry(tuple(entries))
+    if not use_local:
+        return Registry(tuple(entries))
+    store = local_store_dir()
+    found, ignored = read_local_evidence(store, entries)
+    for why in ignored if warn else ():
+        if why not in _WARNED:
+            _WARNED.add(why)
+            _log.warning("local device evidence ignored: %s", why)
+    merged = tuple(replace(e, local=tuple(found.get(e.name, ()))) for e in entries)
+    return Registry(merged, tuple(ignored), str(store))
+
+
+def _figure(v: Any) -> float | None:
+    """A measured figure as a float ("inf" reads infinity); None when it is not a number."""
+    if v == "inf":
+        return math.inf
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+        return None
+    return float(v)
+
+
+def tolerance_problems(figures: Any, tolerance: tuple[tuple[str, float], ...], what: str) -> list[str]:
+    """Each bound of ``tolerance`` the measured ``figures`` (a drift record: tokens,
+    top1_agreement, max_abs_dlogprob, …) break, or do not state, each naming ``what``."""
+    if not isinstance(figures, dict):
+        return [f"{what} has no drift figures"]
+    out = []
+    for key, bound in tolerance:
+        name = key[:-4] if key.endswith("_min") else key
+        v = _figure(figures.get(name))
+        ok = v is not None and (v >= bound if key.endswith("_min") or key == "tokens" else v <= bound)
+        if not ok:
+            out.append(f"{what} measured {name} = {figures.get(name)}, tolerance {key} = {bound:g}")
+    return out
 
 
 def certification_problems(entry: RegistryEntry, root: Path) -> list[str]:
     """Why ``entry``'s certification does not follow from its evidence (empty: it does). A
     certified entry needs ``<root>/<evidence>/results.json`` with verdict pass; one with a
     tolerance needs, for each of its plans, a drift record there within that tolerance."""
-    import json
-
     if entry.status != "certified":
         return []
     res = Path(root) / entry.evidence / "results.json"
@@ -306,14 +498,221 @@ def certification_problems(entry: RegistryEntry, root: Path) -> list[str]:
         if d is None:
             out.append(f"{entry.name}: {entry.evidence} has no drift measurement of plan {plan}")
             continue
-        for key, bound in entry.tolerance:
-            name = key[:-4] if key.endswith("_min") else key
-            v = d.get(name)
-            v = float("inf") if v == "inf" else v
-            ok = isinstance(v, (int, float)) and (v >= bound if key.endswith("_min") or key == "tokens" else v <= bound)
-            if not ok:
-                out.append(f"{entry.name}: plan {plan} measured {name} = {v}, tolerance {key} = {bound:g}")
+        out += tolerance_problems(d, entry.tolerance, f"{entry.name}: plan {plan}")
     return out
+
+
+# ---- local device evidence: `dgr certify` on this machine ----
+
+EVIDENCE_KIND = "dgr-device-certification"
+EVIDENCE_SCHEMA = 1
+EVIDENCE_MAX_BYTES = 1 << 20
+_WARNED: set[str] = set()
+
+
+def local_store_dir() -> Path:
+    """Where this machine's device evidence lives: ``$DGR_CERT_DIR``, else
+    ``$XDG_DATA_HOME/dgr/certified``, else ``~/.local/share/dgr/certified``. Per machine, never in
+    the repository: it certifies this machine's devices only."""
+    env = os.environ.get("DGR_CERT_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "share"
+    return base / "dgr" / "certified"
+
+
+class _Ignored(Exception):
+    """A local evidence document that does not hold (the message says why)."""
+
+
+def _need(doc: dict, key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    v = doc.get(key)
+    if isinstance(v, bool) and kind is not bool or not isinstance(v, kind):
+        raise _Ignored(f"{key} is missing or not {what}")
+    return v
+
+
+_RECIPE_TYPES = {f.name: f.type for f in fields(RuntimeRecipe)}
+
+
+def _evidence_recipe(rd: Any) -> RuntimeRecipe:
+    if not isinstance(rd, dict):
+        raise _Ignored("recipe is missing or not an object")
+    kw: dict[str, Any] = {}
+    for name, typ in _RECIPE_TYPES.items():
+        if name == "weight_types" or name not in rd:
+            continue
+        v = rd[name]
+        want_int = typ in (int, "int")
+        if isinstance(v, bool) or not isinstance(v, int if want_int else str):
+            raise _Ignored(f"recipe field {name} is not {'an integer' if want_int else 'a string'}")
+        kw[name] = v
+    missing = [f for f in ("artifact_id", "tokenizer_digest", "arch_adapter", "arch_adapter_version") if f not in kw]
+    if missing:
+        raise _Ignored(f"recipe lacks {', '.join(missing)}")
+    return RuntimeRecipe(**kw)
+
+
+def check_evidence(doc: Any, entries: "tuple[RegistryEntry, ...] | list[RegistryEntry]", *,
+                   allow_fake: bool = False) -> list[LocalCertification]:
+    """The device certifications a local evidence document gives (one per device class of its
+    plan); :class:`DgrError` saying why it gives none: not a certification, malformed, fake, for
+    an entry that is not certified for its plan, a recipe of another class, a fingerprint that
+    is not its recipe's (another artifact or runtime), or figures the entry's exact parity or
+    current tolerance does not allow."""
+    try:
+        return _check_evidence(doc, tuple(entries), allow_fake)
+    except _Ignored as exc:
+        raise DgrError(str(exc)) from None
+
+
+def _check_evidence(doc: Any, entries: tuple[RegistryEntry, ...], allow_fake: bool) -> list[LocalCertification]:
+    if not isinstance(doc, dict):
+        raise _Ignored("not a JSON object")
+    if doc.get("kind") != EVIDENCE_KIND or doc.get("schema") != EVIDENCE_SCHEMA:
+        raise _Ignored(f"not a dgr device certification (kind {str(doc.get('kind'))[:40]!r}, schema "
+                       f"{str(doc.get('schema'))[:10]}; want {EVIDENCE_KIND} schema {EVIDENCE_SCHEMA})")
+    fake = _need(doc, "fake", bool, "true or false")
+    if fake and not allow_fake:
+        raise _Ignored("recorded by fake-model workers (dgr certify --fake): certifies nothing")
+    if doc.get("verdict") != "pass":
+        raise _Ignored(f"verdict is {str(doc.get('verdict'))[:40]!r}, not pass")
+    name = _need(doc, "entry", str, "a registry entry name")
+    plan = _need(doc, "plan", str, "a backend plan")
+    try:
+        if backend_plan(plan_backends(plan)) != plan:
+            raise RecipeError(plan)
+    except RecipeError:
+        raise _Ignored(f"plan {plan[:40]!r} is not a backend plan") from None
+    classes = _need(doc, "device_classes", list, "a list of device classes")
+    if not classes or not all(isinstance(c, str) for c in classes):
+        raise _Ignored("device_classes is not a list of device classes")
+    by_backend: dict[str, str] = {}
+    for c in classes:
+        try:
+            b = device_class_backend(c)
+        except RecipeError as exc:
+            raise _Ignored(f"device_classes: {exc}") from None
+        if b in by_backend:
+            raise _Ignored(f"device_classes names two {b} devices ({by_backend[b]}, {c}): one per backend")
+        by_backend[b] = c
+    if set(by_backend) != set(plan_backends(plan)):
+        raise _Ignored(f"device_classes {', '.join(classes)} are not one device per backend of the plan {plan}")
+    entry = next((e for e in entries if e.name == name), None)
+    if entry is None:
+        raise _Ignored(f"names recipe class {name[:80]!r}, which the registry does not have")
+    if entry.status != "certified" or plan not in entry.backends:
+        raise _Ignored(f"recipe {name} is not certified for the backend plan {plan} (a device certification "
+                       "extends a certified entry to another device, nothing else)")
+    recipe = _evidence_recipe(doc.get("recipe"))
+    try:
+        fp = recipe.fingerprint()
+    except RecipeError as exc:
+        raise _Ignored(f"its recipe is not canonical: {exc}") from None
+    if recipe.plan != plan:
+        raise _Ignored(f"its recipe's backend plan {recipe.plan} is not {plan}")
+    if doc.get("fingerprint") != fp:
+        raise _Ignored(f"fingerprint {str(doc.get('fingerprint'))[:16]} is not its recipe's {fp[:16]} "
+                       "(evidence for another artifact or runtime)")
+    if doc.get("artifact_id") != recipe.artifact_id:
+        raise _Ignored(f"artifact_id {str(doc.get('artifact_id'))[:16]} is not its recipe's {recipe.artifact_id[:16]}")
+    if not entry.matches(recipe):
+        raise _Ignored(f"its recipe ({recipe.arch_adapter} v{recipe.arch_adapter_version}, wire "
+                       f"{recipe.activation_dtype}, KV {recipe.kv_dtype}/{recipe.kv_layout}) is not of class {name}")
+    runs = _need(doc, "runs", list, "a list of runs")
+    if not runs:
+        raise _Ignored("runs is empty")
+    for i, run in enumerate(runs):
+        if not isinstance(run, dict):
+            raise _Ignored(f"run {i} is not an object")
+        if "+" in plan:
+            bad = tolerance_problems(run.get("drift"), entry.tolerance, f"run {i}")
+            if bad:
+                raise _Ignored("outside the tolerance of " + name + ": " + "; ".join(bad))
+        else:
+            parity = run.get("parity")
+            if not isinstance(parity, dict) or parity.get("identical") is not True:
+                raise _Ignored(f"run {i} does not record exact greedy parity")
+    date = doc.get("date") if isinstance(doc.get("date"), str) else ""
+    return [LocalCertification(plan, c, recipe.pin_commit, recipe.patch_digest, "", date[:40]) for c in classes]
+
+
+def read_local_evidence(store: Path, entries: "tuple[RegistryEntry, ...] | list[RegistryEntry]",
+                        ) -> tuple[dict[str, list[LocalCertification]], list[str]]:
+    """Every ``*.json`` in ``store`` read as local evidence: (entry name -> certifications,
+    ["PATH: why it was ignored", …]). A missing folder is no evidence; nothing here raises."""
+    found: dict[str, list[LocalCertification]] = {}
+    ignored: list[str] = []
+    try:
+        names = sorted(p.name for p in Path(store).iterdir())
+    except FileNotFoundError:
+        return found, ignored
+    except OSError as exc:
+        return found, [f"{store}: cannot list it ({exc.strerror or exc})"]
+    for fname in names:
+        if not fname.endswith(".json") or fname.startswith("."):
+            continue
+        path = Path(store) / fname
+        try:
+            st = path.stat()
+            if not stat.S_ISREG(st.st_mode):
+                raise _Ignored("not a regular file")
+            if st.st_size > EVIDENCE_MAX_BYTES:
+                raise _Ignored(f"{st.st_size} bytes, more than {EVIDENCE_MAX_BYTES} (not evidence)")
+            with open(path, "rb") as f:
+                raw = f.read(EVIDENCE_MAX_BYTES + 1)
+            try:
+                doc = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise _Ignored(f"not JSON ({exc})") from None
+            certs = _check_evidence(doc, tuple(entries), False)
+        except _Ignored as exc:
+            ignored.append(f"{path}: {exc}")
+            continue
+        except OSError as exc:
+            ignored.append(f"{path}: cannot read it ({exc.strerror or exc})")
+            continue
+        except RecursionError:
+            ignored.append(f"{path}: nested too deeply (not evidence)")
+            continue
+        found.setdefault(doc["entry"], []).extend(replace(c, path=str(path)) for c in certs)
+    return found, ignored
+
+
+def evidence_file_name(doc: dict) -> str:
+    """``<entry>.<plan>.<device classes>.json`` (":" written "_"): a later certification of the
+    same entry, plan and devices replaces the earlier one."""
+    raw = f"{doc['entry']}.{doc['plan']}.{'+'.join(doc['device_classes'])}"
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", raw)[:200] + ".json"
+
+
+def write_local_evidence(doc: dict, store: Path | None = None, *, allow_fake: bool = False,
+                         registry: "Registry | None" = None) -> Path:
+    """Write ``doc`` (checked as :func:`read_local_evidence` will read it) into the local store,
+    atomically; the path. Refused inside the repository checkout: the evidence holds for this
+    machine only and must not be committed."""
+    from .. import paths
+
+    store = Path(store or local_store_dir()).expanduser()
+    try:
+        repo = paths.repo_root()
+    except DgrError:
+        repo = None
+    if repo is not None and (store.resolve() == repo or repo in store.resolve().parents):
+        raise DgrError(f"local device evidence would go to {store}, inside the repository {repo}",
+                       hint="it holds for this machine only: set DGR_CERT_DIR to a folder outside the checkout")
+    entries = (registry or load_registry(local=False)).entries
+    check_evidence(doc, entries, allow_fake=allow_fake)
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        path = store / evidence_file_name(doc)
+        tmp = store / f".{path.name}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise DgrError(f"cannot write local device evidence to {store}: {exc.strerror or exc}") from None
+    return path
 
 
 # ---- shared test vectors (C++ and Python) ----

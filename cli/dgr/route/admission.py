@@ -3,6 +3,10 @@
 :func:`admit` compares a Shard's advertised capability with a route's request and returns every
 reason to reject, not just the first, so an operator sees the whole mismatch at once. The data
 model is plain dataclasses; mapping to and from the protobuf messages lives elsewhere.
+
+A Shard on a device class the registry entry does not hold for (an uncertified GPU, or a device
+its worker does not report) is refused as ``backend_not_certified``, the message naming the
+``dgr certify`` command that certifies that device on its machine.
 """
 
 from __future__ import annotations
@@ -150,8 +154,8 @@ def admit(cap: ShardCapability, req: RouteRequest, registry: Registry | None = N
     if fp_have and fp_want and fp_have != fp_want and not out:
         out.append(Rejection(Reason.FINGERPRINT_MISMATCH, "recipe fingerprints differ"))
 
-    # Registry: the route's recipe class must be certified for the route's backend plan, and
-    # this Shard's backend must be part of that plan. (If the
+    # Registry: the route's recipe class must be certified for the route's backend plan, this
+    # Shard's backend must be part of that plan, and its device class certified. (If the
     # Shard's own recipe differs, the specific mismatches above already say how.)
     entry = registry.lookup(want)
     if entry is None:
@@ -170,6 +174,13 @@ def admit(cap: ShardCapability, req: RouteRequest, registry: Registry | None = N
     elif have.backend not in plan_backends(want.plan):
         out.append(Rejection(Reason.BACKEND_NOT_CERTIFIED,
                              f"shard runs on {have.backend}, which is not part of the route's backend plan {want.plan}"))
+    else:
+        # ... and the entry must hold for the device this Shard computes on (its device class:
+        # evidence recorded on llvmpipe says nothing about a GPU); `dgr certify` extends it
+        why = registry.device_refusal(entry, want.with_(backends=want.plan, backend=have.backend,
+                                                         device_class=have.device_class))
+        if why:
+            out.append(Rejection(Reason.BACKEND_NOT_CERTIFIED, why))
     return AdmissionDecision(_dedupe(out))
 
 

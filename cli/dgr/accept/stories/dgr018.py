@@ -173,7 +173,9 @@ def run(ctx: StoryContext) -> None:
 
     # -- admission fails closed for the mixed plans unless certified -----------------------------
     head = recipe_for(model, backend="cpu", backends="cpu+vulkan", progress=False)
-    tail = recipe_for(model, backend="vulkan", backends="cpu+vulkan", progress=False)
+    # the evidence's device (Mesa llvmpipe): the tail's certification holds for that device class
+    tail = recipe_for(model, backend="vulkan", backends="cpu+vulkan", progress=False).with_(
+        device_class="vulkan:llvmpipe")
     cap, req = ShardCapability(tail, 15, 30, 30, tail.fingerprint()), RouteRequest(head, 15, 30, 30, head.fingerprint())
     mixed = [e for e in reg.entries if "cpu+vulkan" in e.backends]
     dark = Registry(tuple(e for e in reg.entries if e not in mixed) +
