@@ -298,3 +298,15 @@ def test_demo_runs_gemma3_270m(gemma3_path, native_bin, tmp_path):
     assert doc["parity"]["ok"] and [w["range"] for w in doc["route"]["workers"]] == ["0:9", "9:18"]
     assert Path(doc["model"]) == gemma3_path
     assert 0 < doc["route"]["seam_bytes_per_decode_token"] <= 2 * 640 * 4 + 256
+
+
+def test_summary_table_names_each_workers_device_and_its_vram():
+    run = _run(llama=WHOLE)
+    run.route.workers[0].device_class = "cpu"
+    run.route.workers[1].device_class, run.route.workers[1].device_memory_bytes = "cuda:sm_90", 812_300_000
+    table = report.summary_table(run)
+    flat = " ".join(table.split())
+    assert "devices: [0:15) cpu, [15:30) cuda:sm_90 812.3 MB VRAM, [0:30) ?" in flat
+    assert max(len(ln) for ln in table.splitlines()) <= 100, table
+    js = run.to_json()["route"]["workers"][1]
+    assert js["device_class"] == "cuda:sm_90" and js["device_memory_bytes"] == 812_300_000

@@ -110,6 +110,7 @@ def summary_table(run: RouteRun) -> str:
         who = "driver -> head, then each worker -> its next shard" if run.route.mode == "chained" else "driver -> each shard"
         lines.append("decode round trip per hop, ms (" + who + "): " + ", ".join(f"{h * 1e3:.2f}" for h in hops))
     wrows = [("worker", "RSS", "KV peak", "KV cells peak/total", "mean batch rows", "mean queue ms")]
+    devices = []
     for label, rep in (("route", run.route), ("whole 1 dgr-worker", run.whole)):
         if rep is None:
             continue
@@ -117,6 +118,10 @@ def summary_table(run: RouteRun) -> str:
             wrows.append((f"{label} [{w.range})", _mb(w.rss_peak_bytes), _mb(w.kv_peak_bytes),
                           f"{w.kv_cells_peak}/{w.kv_cells_total}", f"{w.mean_batch_rows:.2f}",
                           f"{w.mean_queue_wait_s * 1e3:.2f}"))
+            # the device each computes on and, on an accelerator, the memory admission predicted
+            # its range needs there (VRAM; on the CPU that use is the RSS above)
+            devices.append(f"[{w.range}) {w.device_class or '?'}"
+                           + (f" {_mb(w.device_memory_bytes)} VRAM" if w.device_memory_bytes else ""))
     if run.llama and run.llama.rows:
         # peak RSS of the llama.cpp process; KV its sequences held at the largest B
         top = max(run.llama.rows, key=lambda r: r.sessions)
@@ -124,6 +129,10 @@ def summary_table(run: RouteRun) -> str:
                       "-", "-", "-"))
     widths = [max(len(r[k]) for r in wrows) for k in range(len(wrows[0]))]
     lines += ["  ".join([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:], widths[1:]))]) for r in wrows]
+    if devices:
+        import textwrap
+
+        lines += textwrap.wrap("devices: " + ", ".join(devices), TABLE_WIDTH, subsequent_indent="  ")
     if run.parity:
         p = run.parity
         lines.append("")

@@ -43,6 +43,12 @@ class WorkerStats:
     step_count: int = 0
     sessions_left: int = 0
     kv_cells_left: int = 0
+    # the device the range computes on (GetCapability.device): its class, and the memory
+    # admission predicted the range needs on it (weights offloaded, KV, compute; 0 on the CPU,
+    # whose use is the RSS above) out of the device's total
+    device_class: str = ""
+    device_memory_bytes: int = 0
+    device_memory_total_bytes: int = 0
 
     @property
     def mean_batch_rows(self) -> float:
@@ -212,6 +218,11 @@ class _Sampler:
         return maps
 
     async def start(self) -> None:
+        for sh, st in zip(self.driver.shards, self.stats):
+            dev = sh.capability.device
+            st.device_class = dev.device_class or ("cpu" if sh.capability.runtime.backend == "cpu" else "")
+            st.device_memory_bytes = int(dev.memory_predicted_bytes)
+            st.device_memory_total_bytes = int(dev.memory_total_bytes)
         self.before = await self._poll_once()
 
         async def loop() -> None:
