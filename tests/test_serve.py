@@ -437,6 +437,7 @@ def test_health_metrics_and_route_view(gw, shards):
     assert [s["range"] for s in v["shards"]] == [[0, 4], [4, 8]]
     assert [s["endpoint"] for s in v["shards"]] == [w.target for w in shards]
     assert all(s["ok"] and s["kv_cells_total"] > 0 for s in v["shards"])
+    assert [(s["device"], s["vram_bytes"]) for s in v["shards"]] == [("cpu", 0), ("cpu", 0)]
 
 
 def test_tls_and_the_key_when_exposed(shards, tmp_path):

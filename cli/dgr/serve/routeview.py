@@ -1,7 +1,7 @@
 """The live route view the console shows (``GET /api/route``), from every shard's GetMetrics.
 
-Per shard: endpoint, host, layer range, role, active sessions / slots, queued steps, KV cells
-used / total, batch occupancy (mean rows per batch since the previous snapshot) and tok/s
+Per shard: endpoint, host, layer range, role, device class and predicted VRAM, active sessions
+/ slots, queued steps, KV cells used / total, batch occupancy (mean rows per batch since the previous snapshot) and tok/s
 (decode rows per second since the previous snapshot). Rates need two snapshots: the first one
 reports 0.
 """
@@ -45,6 +45,9 @@ class RouteView:
             "endpoint": sh.endpoint, "host": sh.endpoint.rsplit(":", 1)[0],
             "range": [sh.start, sh.end], "head": cap.identity.head, "tail": cap.identity.tail,
             "slots": cap.capacity.max_sessions, "ok": False,
+            # the device it computes on; VRAM: what admission predicted its range needs there
+            "device": cap.device.device_class or ("cpu" if cap.runtime.backend == "cpu" else ""),
+            "vram_bytes": int(cap.device.memory_predicted_bytes),
         }
         try:
             r = await sh.client.metrics(timeout=self.timeout)
