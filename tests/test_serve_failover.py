@@ -120,3 +120,28 @@ def test_concurrent_streams_all_survive_one_failover(native_bin):
     finally:
         for w in ws:
             w.kill()
+
+
+def test_a_request_that_arrives_just_after_the_head_died_is_answered(native_bin):
+    """The head is killed between two requests: no session has noticed yet, so the route still
+    names it. The next request's prompt is tokenized (and its chat template applied) by a worker
+    that answers, the tail or a standby of the same recipe, and its session fails over to the
+    standby head: the client gets the uninterrupted answer, not a 502 (found by the chaos soak)."""
+    ws = [start_fake(native_bin, "--layers", r, "--fake-delay-ms", "1") for r in ("0:4", "4:8", "0:4")]
+    head, tail, spare = ws
+    try:
+        with Gateway([head.target, tail.target], model_id=MODEL, standby=[spare.target]) as gw:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
+            args = dict(ARGS, max_tokens=20)
+            ref = c.completions.create(**args)
+            chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                             temperature=0, extra_body={"ignore_eos": True})
+            head.kill()
+            assert c.completions.create(**args).choices[0].text == ref.choices[0].text
+            again = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                              temperature=0, extra_body={"ignore_eos": True})
+            assert again.choices[0].message.content == chat.choices[0].message.content
+            assert httpx.get(gw.url + "/health", timeout=10).json()["failed_shards"] == [head.target]
+    finally:
+        for w in ws:
+            w.kill()

@@ -21,7 +21,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -395,6 +395,15 @@ def _head_unavailable(endpoint: str, exc: WorkerError) -> GatewayError:
 # what a head answers to text it refuses: the request's fault (400); any other failure is the route's
 _REQUEST_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                              grpc.StatusCode.OUT_OF_RANGE})
+# with standby workers: how many standbys a tokenizer call may try when the head does not answer,
+# and how long each may take
+MAX_TOKENIZER_FALLBACKS = 4
+TOKENIZER_FALLBACK_TIMEOUT_S = 2.0
+
+
+def _unavailable(exc: WorkerError) -> bool:
+    """The worker did not answer (gone, silent, failing), as opposed to refusing the request."""
+    return isinstance(exc, WorkerUnavailable) or exc.code not in _REQUEST_FAULTS
 
 
 class Engine:
@@ -472,9 +481,46 @@ class Engine:
         """Each token's text bytes (a token id's piece never changes: looked up once)."""
         return await self._pieces.pieces(toks)
 
+    async def _tokenizer_call(self, call: Callable[[AsyncWorkerClient], Awaitable[Any]]) -> Any:
+        """``call(client)`` on the head. With standby workers, a head that does not answer (it
+        may have failed a moment ago, before any session noticed) is not the end: the call goes
+        to the next worker that answers, the route's other shards first, then the standbys that
+        serve the same recipe (equal fingerprints: the same tokenizer and chat template).
+        Raises the head's own error when none answers, or at once for a request fault."""
+        try:
+            return await call(self.head)
+        except WorkerError as exc:
+            if self.router is None or not _unavailable(exc):
+                raise
+            first = exc
+        route = self.driver
+        fp = route.head.capability.identity.compatibility_fingerprint
+        for sh in route.shards[1:]:
+            try:
+                return await call(sh.client)
+            except WorkerError as exc:
+                if not _unavailable(exc):
+                    raise
+        tried = {s.endpoint for s in route.shards} | set(self.router.failed)
+        tls = self.router.finder.tls
+        creds = tls.grpc_credentials() if tls else None
+        for ep in [e for e in self.router.finder.endpoints if e not in tried][:MAX_TOKENIZER_FALLBACKS]:
+            client = AsyncWorkerClient(ep, timeout=TOKENIZER_FALLBACK_TIMEOUT_S, credentials=creds)
+            try:
+                cap = await client.capability()
+                if cap.identity.compatibility_fingerprint != fp:
+                    continue
+                return await call(client)
+            except WorkerError as exc:
+                if not _unavailable(exc):
+                    raise
+            finally:
+                await client.close()
+        raise first
+
     async def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         try:
-            text = await chat_prompt_text(self.head, messages, timeout=self.driver.timeout)
+            text = await self._tokenizer_call(lambda c: chat_prompt_text(c, messages, timeout=self.driver.timeout))
         except WorkerError as exc:
             if isinstance(exc, WorkerUnavailable) or exc.code not in _REQUEST_FAULTS:
                 raise _head_unavailable(self.driver.head.endpoint, exc) from None
@@ -486,7 +532,8 @@ class Engine:
 
     async def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         try:
-            return await self.driver.tokenize(text, add_special=True, parse_special=special)
+            return await self._tokenizer_call(lambda c: c.tokenize(text, add_special=True, parse_special=special,
+                                                                   timeout=self.driver.timeout))
         except WorkerError as exc:
             if isinstance(exc, WorkerUnavailable) or exc.code not in _REQUEST_FAULTS:
                 raise _head_unavailable(self.driver.head.endpoint, exc) from None
@@ -512,3 +559,14 @@ class Engine:
                 task.exception()        # retrieved (a failure was already reported or is moot)
         finally:
             self.admission.release()
+
+    def add_standby(self, endpoint: str) -> None:
+        """Adds a worker to the standby pool that failover forms new routes from (a route served
+        with standby workers only). Refused for an endpoint failover has excluded: it is never
+        taken back. Safe to call from another thread (one list append)."""
+        if self.router is None or not isinstance(self.router.finder, PoolRouteFinder):
+            raise DgrError("this route has no standby pool: serve it with standby workers")
+        if endpoint in self.router.failed:
+            raise DgrError(f"{endpoint} was excluded after a failure and is not taken back")
+        if endpoint not in self.router.finder.endpoints:
+            self.router.finder.endpoints.append(endpoint)
