@@ -41,7 +41,7 @@ from ..protocol.stream import Sampling  # re-exported: one Sampling class for th
 from ..protocol.tls import TlsFiles  # noqa: F401  (RouteDriver(tls=…))
 from ..shard.v1 import shard_runtime_pb2 as pb
 from .generation import Collector, GenerationResult, run_chained, run_stepwise
-from .shards import RouteError, RouteSessionError, ShardHandle, route_error  # noqa: F401  (re-exported)
+from .shards import RouteError, RouteSessionError, ShardHandle, ShardUnreachable, route_error  # noqa: F401  (re-exported)
 from .telemetry import GenerationTelemetry, NodeTiming
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_TOKENS_PER_ANSWER", "GenerationResult", "RouteDriver", "RouteError",
@@ -102,7 +102,7 @@ class RouteDriver:
                 cap = await client.capability(timeout=self.timeout)
             except WorkerError as exc:
                 await client.close()
-                raise RouteError(f"shard {ep} is unreachable: {exc.code.name}: {exc.details}") from None
+                raise ShardUnreachable(ep, f"shard {ep} is unreachable: {exc.code.name}: {exc.details}") from None
             try:
                 check_capacity(cap, endpoint=ep)   # every limit reported: none is assumed below
             except CapabilityError as exc:

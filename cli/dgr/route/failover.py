@@ -44,13 +44,16 @@ from ..errors import DgrError
 from ..protocol.client import AsyncWorkerClient, WorkerError
 from ..protocol.errors import Reason
 from ..shard.v1 import shard_runtime_pb2 as pb
-from .driver import GenerationResult, RouteDriver, RouteSessionError, Sampling
+from .driver import GenerationResult, RouteDriver, RouteSessionError, Sampling, ShardUnreachable
 from .work_records import AttemptRecord, SessionWorkRecord, ShardWork
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESTARTS = 2
 PROBE_TIMEOUT_S = 1.0
+# new routes formed in a row when a chosen worker stops answering between the finder's probe and
+# the route's connect (each try excludes it)
+CONNECT_TRIES = 3
 
 # the Shard is gone (or its link): exclude it and move the session to another route
 SHARD_LOST = frozenset({Reason.UNAVAILABLE, Reason.PEER_SILENT, Reason.KEEPALIVE, Reason.DEADLINE_EXCEEDED,
@@ -261,8 +264,23 @@ class FailoverRouter:
             if not any(ep in self.failed for ep in self.route.endpoints):
                 return self.route          # another session formed a route without it already
             assert self.finder is not None
-            eps = await self.finder.find(set(self.failed), self.route.endpoints)
-            d = await RouteDriver(eps, **self.driver_kw).connect()
+            for _ in range(CONNECT_TRIES):
+                eps = await self.finder.find(set(self.failed), self.route.endpoints)
+                d = RouteDriver(eps, **self.driver_kw)
+                try:
+                    await d.connect()
+                    break
+                except ShardUnreachable as gone:
+                    # it answered the finder's probe, then not the connect: it ended in between
+                    await d.close()
+                    self.failed[gone.endpoint] = f"unreachable when the new route connected: {gone}"
+                    self.on_event("shard_failed", {"endpoint": gone.endpoint, "reason": "unreachable"})
+                except BaseException:
+                    await d.close()
+                    raise
+            else:
+                raise NoRouteError("unreachable", f"{CONNECT_TRIES} new routes in a row had a worker that "
+                                   f"stopped answering before the route connected (failed: {sorted(self.failed)})")
             self.drivers.append(d)
             self.routes.append(eps)
             self.route = d

@@ -20,6 +20,14 @@ class RouteError(DgrError):
     """The route cannot be used (incomplete, incompatible, unreachable)."""
 
 
+class ShardUnreachable(RouteError):
+    """A shard of the route did not answer its capability call when the route was connected."""
+
+    def __init__(self, endpoint: str, message: str) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
 class RouteSessionError(DgrError):
     """One route session failed: ``reason`` (a :class:`~dgr.protocol.errors.Reason`), the Shard
     it is attributed to (``shard_endpoint``, ``shard_range``) and the worker's words
