@@ -466,6 +466,7 @@ def test_tls_and_the_key_when_exposed(shards, tmp_path):
     (["--shard-tls-ca", "/nonexistent.pem"], "go with --shard"),
     (["--shard", "127.0.0.1:1", "--shard-tls-cert", "c.pem"], "need --shard-tls-ca"),
     (["--lab-hosts", "h1,h2"], "goes with --lab"),
+    (["--lab-standby"], "--lab-standby goes with --lab"),
     (["--standby", "127.0.0.1:2"], "--standby goes with --shard"),
     (["--shard", "127.0.0.1:1", "--standby", "127.0.0.1:1"], "already a --shard"),
     (["--lab", "nosuchlab-x", "--fake"], "nosuchlab-x"),

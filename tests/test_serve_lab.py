@@ -88,3 +88,37 @@ def test_serve_over_lab_hosts(lab, native_bin):
     finally:
         for w in ws:
             w.kill()
+
+
+def test_serve_over_lab_hosts_with_standbys(lab, native_bin):
+    """`--lab-standby`: a standby per range on the next lab host; every worker of h2 killed (the
+    tail and the head's standby), the gateway answers on the route head@h1 + tail standby@h1."""
+    env = {**os.environ, "DGR_WORKER_BIN": str(native_bin / "dgr-worker")}
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-c", "from dgr.main import main; main()", "serve", "--lab", "sv1",
+                          "--fake", "--port", str(port), "--max-sessions", "4", "--lab-standby"],
+                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        lines = []
+        for _ in range(200):
+            line = p.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "serving " in line:
+                break
+        assert any("serving " in ln for ln in lines), "".join(lines)
+        spare_line = next(ln for ln in lines if "standbys on lab" in ln)
+        assert "h2 0:4" in spare_line and "h1 4:8" in spare_line
+        url = re.search(r"at (http://\S+)/v1", lines[-1]).group(1)
+        before = _ask(url)
+        h2 = lab.host("h2")
+        for pid in lab.host_pids(h2):
+            os.kill(pid, signal.SIGKILL)
+        assert _ask(url) == before
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["failovers"] >= 1 and all(ep.split(":")[0] == lab.host("h1").ip for ep in health["route"])
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(30)
+    assert p.returncode == 0

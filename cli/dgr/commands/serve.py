@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 from typing import List, Optional
@@ -49,6 +50,8 @@ def serve(
                                       "even range per host."),
     lab_hosts: Optional[str] = typer.Option(None, "--lab-hosts", help="With --lab: the host of each shard, "
                                             "comma-separated (e.g. h1,h2); default h1, h2, ... in order."),
+    lab_standby: bool = typer.Option(False, "--lab-standby", help="With --lab: also start a standby worker per range, "
+                                     "on the lab host after its shard's (failover as with --standby)."),
     shard_ca: Optional[Path] = typer.Option(None, "--shard-tls-ca", help="With --shard: PEM CA of workers that "
                                             "serve TLS (the gateway then dials them over TLS)."),
     shard_cert: Optional[Path] = typer.Option(None, "--shard-tls-cert", help="With --shard-tls-ca: the gateway's "
@@ -73,7 +76,7 @@ def serve(
         try:
             _serve(model, split, shard, host, port, api_key, tls_cert, tls_key, model_name, max_concurrent, queue,
                    max_sessions, ctx_per_session, threads, slices, lab, lab_hosts, shard_ca, shard_cert, shard_key,
-                   fake, standby or [], max_restarts, route or [])
+                   fake, standby or [], max_restarts, route or [], lab_standby)
         except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the workers were stopped on the way out
             pass
 
@@ -112,7 +115,7 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
            max_concurrent: Optional[int], queue: int, max_sessions: int, ctx_per_session: Optional[int],
            threads: Optional[int], slices: bool, lab: Optional[str], lab_hosts: Optional[str],
            shard_ca: Optional[Path], shard_cert: Optional[Path], shard_key: Optional[Path], fake: bool,
-           standby: List[str] = (), max_restarts: int = 2, route: List[str] = ()) -> None:
+           standby: List[str] = (), max_restarts: int = 2, route: List[str] = (), lab_standby: bool = False) -> None:
     from ..gguf.gguf_set import model_stem
     from ..gguf.models import resolve_model
     from ..route import local as rt
@@ -155,10 +158,10 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
         return
     if max_sessions < 1 or (ctx_per_session is not None and ctx_per_session < 1):
         raise DgrError("--max-sessions and --ctx-per-session must be >= 1")
-    if lab_hosts and not lab:
-        raise DgrError("--lab-hosts goes with --lab")
+    if (lab_hosts or lab_standby) and not lab:
+        raise DgrError(f"{'--lab-hosts' if lab_hosts else '--lab-standby'} goes with --lab")
     if lab:
-        _serve_lab(lab, model, split, lab_hosts, opts, max_sessions, ctx_per_session, fake, log, ready)
+        _serve_lab(lab, model, split, lab_hosts, opts, max_sessions, ctx_per_session, fake, log, ready, lab_standby)
         return
     src = None if fake else resolve_model(model)
     n_layer = fake_n_layer() if fake else rt.model_n_layer(src)
@@ -186,9 +189,10 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
 
 
 def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Optional[str], opts, max_sessions: int,
-               ctx_per_session: Optional[int], fake: bool, log, ready) -> None:
+               ctx_per_session: Optional[int], fake: bool, log, ready, standby: bool = False) -> None:
     """Workers on a lab's hosts (each in its namespace, CPU set and memory budget, mTLS on every
-    hop); the gateway runs here and dials the head with the lab's driver certificate."""
+    hop); the gateway runs here and dials the head with the lab's driver certificate. With
+    ``standby``: one more worker per range, on the lab host after its shard's (its failover pool)."""
     from ..gguf.gguf_set import model_stem
     from ..gguf.models import resolve_model
     from ..lab.hosts import Lab
@@ -227,8 +231,15 @@ def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Op
         rt.ensure_worker()
     opts.model_id = opts.model_id or (model_stem(src) if src else "fake")
     with LabRoute(lab, src, rng, placement=placement, max_sessions=max_sessions, ctx_per_session=ctx_per_session,
-                  fake=fake, extra_args=extra) as lr:
+                  fake=fake, extra_args=extra) as lr, contextlib.ExitStack() as stack:
         opts.route_tls = lr.tls
         where = ", ".join(f"{p.host.name} {a}:{b}" for p, (a, b) in zip(lr.placed, rng))
         log(f"route on lab {name!r}: {where}")
+        if standby:
+            names = [h.name for h in lab.hosts]
+            spare_at = [names[(names.index(p.host.name) + 1) % len(names)] for p in lr.placed]
+            spares = stack.enter_context(LabRoute(lab, src, rng, placement=spare_at, max_sessions=max_sessions,
+                                                  ctx_per_session=ctx_per_session, fake=fake, extra_args=extra))
+            opts.standby = list(spares.endpoints)
+            log("standbys on lab " + ", ".join(f"{p.host.name} {a}:{b}" for p, (a, b) in zip(spares.placed, rng)))
         asyncio.run(serve_route(lr.endpoints, opts, on_ready=ready))
