@@ -44,6 +44,11 @@ class WorkerBenchConfig:
     gen_tokens: int = 64
     threads: int = 2
     repeats: int = 3
+    # llama-batched-bench's -ngl (None: its default); "99" puts every layer on the GPU, as the
+    # worker does by default (--n-gpu-layers -1)
+    gpu_layers: str | None = None
+    # runs of llama-batched-bench per measurement when one prints no rows (llama_tools.batched_bench)
+    batched_bench_attempts: int = 3
 
 
 def _batched_bench(exe: Path, model: Path, cfg: WorkerBenchConfig) -> dict[int, float]:
@@ -53,7 +58,8 @@ def _batched_bench(exe: Path, model: Path, cfg: WorkerBenchConfig) -> dict[int, 
         raise DgrError(f"{exe} missing", hint="run `dgr build --target llama-batched-bench`")
     ctx = max(cfg.levels) * (cfg.prompt_tokens + cfg.gen_tokens) + 256
     rows, _ = batched_bench(exe, model, threads=cfg.threads, n_prompt=cfg.prompt_tokens, n_gen=cfg.gen_tokens,
-                            npl=cfg.levels, ctx=ctx, timeout=3600)
+                            npl=cfg.levels, ctx=ctx, timeout=3600, gpu_layers=cfg.gpu_layers,
+                            attempts=cfg.batched_bench_attempts)
     return {b: r.speed_tg for b, r in rows.items()}
 
 
@@ -70,12 +76,14 @@ def _worker_level(target: str, b: int, cfg: WorkerBenchConfig, mode: str = "step
 async def _worker_level_async(target: str, b: int, cfg: WorkerBenchConfig, mode: str) -> dict[str, float]:
     from ..protocol.client import AsyncWorkerClient
 
-    prompt = [(17 * i) % 1000 + 10 for i in range(cfg.prompt_tokens)]
     client = AsyncWorkerClient(target, timeout=600)
     streams: list = []
     try:
+        # token ids below 1010, or below the vocabulary of a smaller (synthetic) model
+        span = max(1, min(1000, (await client.capability()).identity.n_vocab - 10))
+        prompt = [(17 * i) % span + 10 for i in range(cfg.prompt_tokens)]
         streams = [await client.open_session(step_timeout=600) for _ in range(b)]   # fresh ids per run
-        firsts = await asyncio.gather(*(s.prefill([(t + i) % 1000 + 10 for t in prompt])
+        firsts = await asyncio.gather(*(s.prefill([(t + i) % span + 10 for t in prompt])
                                         for i, s in enumerate(streams)))
 
         async def run(s, tok: int) -> int:
@@ -211,7 +219,8 @@ def run_worker_bench(model: Path, cfg: WorkerBenchConfig, *, worker_bin: Path, b
                     if best is None or r["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
                         results[b][mode] = r
                 one = _batched_bench(batched_bench, model, WorkerBenchConfig(
-                    levels=(b,), prompt_tokens=cfg.prompt_tokens, gen_tokens=cfg.gen_tokens, threads=cfg.threads))
+                    levels=(b,), prompt_tokens=cfg.prompt_tokens, gen_tokens=cfg.gen_tokens, threads=cfg.threads,
+                    gpu_layers=cfg.gpu_layers, batched_bench_attempts=cfg.batched_bench_attempts))
                 ref[b] = max(ref.get(b, 0.0), one.get(b, 0.0))
                 ref_runs[b].append(one.get(b, 0.0))
             sg, sw = results[b]["server_generation"], results[b]["stepwise"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List, Optional
 
 import typer
 
+from ..errors import DgrError
 from ..upstream import build as build_mod
 
 app = typer.Typer()
@@ -26,6 +28,14 @@ def build(
                                   "(then: ctest --test-dir build/<backend>-asan; docs/fuzzing.md)."),
     rpc: bool = typer.Option(False, "--rpc", help="Also build llama.cpp's rpc-server and RPC llama-bench, llama-batched-bench in "
                                                   "build/<backend>-rpc/ (the RPC lane of `dgr bench route`)."),
+    bundle: Optional[Path] = typer.Option(None, "--bundle", metavar="OUT_DIR",
+                                          help="Build a relocatable bundle for a lent GPU machine into OUT_DIR (an ignored folder, "
+                                               "e.g. build/bundle-cuda): ggml/llama shared (build/gpu-bundle-<backend>/), dgr-worker, "
+                                               "llama-bench, llama-batched-bench, their libraries, stripped; refuses when it and the "
+                                               "tree would not travel (64 MiB). --backend cpu or cuda (cuda also holds the CPU build; "
+                                               "--cuda-arch default 90-real: sm_90 code, no PTX). docs/backends.md."),
+    wheels: Optional[bool] = typer.Option(None, "--wheels/--no-wheels",
+                                          help="With --bundle: carry the Python packages the lent machine lacks (default: with cuda)."),
 ) -> None:
     """Build build/<backend>/bin/dgr-worker (static llama.cpp, distribution gRPC).
 
@@ -33,6 +43,16 @@ def build(
     prints the command) and fetches newer Vulkan headers into build/vulkan-sdk (hash-checked).
     cuda: compile with the machine's nvcc; cuBLAS comes from the toolkit or build/cuda-sdk.
     `dgr doctor` shows what each backend has and lacks."""
+    if bundle is not None:
+        from ..upstream import bundle as bundle_mod
+
+        if backend not in ("cpu", "cuda") or target or tests or tools or sanitize or rpc or clean:
+            raise DgrError("--bundle takes --backend cpu|cuda, --cuda-arch, --jobs and --wheels only")
+        doc = bundle_mod.make_bundle(bundle, backend, cuda_arch=cuda_arch or bundle_mod.DEFAULT_CUDA_ARCH, jobs=jobs,
+                                     wheels=wheels)
+        typer.echo(bundle_mod.summary(doc))
+        typer.echo(f"manifest: {bundle / build_mod.BUNDLE_MANIFEST}")
+        return
     if cuda_arch:
         import os
 

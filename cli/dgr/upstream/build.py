@@ -172,6 +172,44 @@ def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> No
         raise DgrError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}); last lines:\n" + "\n".join(tail[-15:]))
 
 
+# A relocatable build (`dgr build --bundle`): ggml/llama shared, RPATH $ORIGIN (worker/CMakeLists.txt
+# DGR_SHARED_LLAMA); the CPU code for AVX2 (with FMA, F16C, BMI2) instead of -march=native,
+# since it runs on another machine whose CPU this one cannot see. NCCL stays out (one GPU).
+SHARED_CMAKE = ("-DDGR_SHARED_LLAMA=ON",)
+PORTABLE_CPU_CMAKE = ("-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_BMI2=ON",
+                      "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF")
+PORTABLE_CUDA_CMAKE = ("-DGGML_CUDA_NCCL=OFF",)
+
+
+def portable_cmake(backend: str) -> tuple[str, ...]:
+    """The CMake flags of a build that runs elsewhere (see PORTABLE_CPU_CMAKE)."""
+    flags = PORTABLE_CPU_CMAKE if platform.machine().lower() in ("x86_64", "amd64") else ("-DGGML_NATIVE=OFF",)
+    return (*flags, *(PORTABLE_CUDA_CMAKE if backend == "cuda" else ()))
+
+
+def _shared_link_flags(backend: str) -> tuple[str, ...]:
+    """A shared CUDA build links its programs against libggml-cuda.so, whose own dependencies
+    (cuBLAS, the CUDA runtime) the linker must find to check it: -rpath-link names their folders
+    (cuBLAS may come from build/cuda-sdk). Nothing of it is recorded in the programs."""
+    if backend != "cuda":
+        return ()
+    from . import cuda_sdk
+    from .doctor import nvcc_path
+
+    nvcc = nvcc_path()
+    dirs: list[str] = []
+    blas = cuda_sdk.find_cublas(nvcc)
+    if blas is not None:
+        dirs.append(str(blas.library.parent))
+    root = cuda_sdk.toolkit_root(nvcc)
+    if root is not None:
+        dirs += [str(d) for d in (root / "lib64", root / "lib", root / "targets" / "x86_64-linux" / "lib") if d.is_dir()]
+    if not dirs:
+        return ()
+    link = "-Wl,-rpath-link," + ":".join(dict.fromkeys(dirs))
+    return (f"-DCMAKE_EXE_LINKER_FLAGS={link}", f"-DCMAKE_SHARED_LINKER_FLAGS={link}")
+
+
 def sanitize_build_dir(backend: str = "cpu") -> Path:
     """build/<backend>-asan: the dgr targets built with AddressSanitizer + UBSan (`dgr build --sanitize`)."""
     return paths.build_dir() / f"{backend}-asan"
@@ -179,13 +217,25 @@ def sanitize_build_dir(backend: str = "cpu") -> Path:
 
 def build(backend: str = "cpu", *, jobs: int | None = None, clean: bool = False,
           targets: tuple[str, ...] = DEFAULT_TARGETS, extra_cmake: tuple[str, ...] = (),
-          sanitize: bool = False) -> BuildResult:
+          sanitize: bool = False, shared: bool = False, build_dir: Path | None = None) -> BuildResult:
     """Build ``targets`` in build/<backend>/; concurrent calls on one tree wait for each other.
 
     ``sanitize``: build in build/<backend>-asan/ with the dgr targets (worker core, worker, tools,
-    CTest programs; not llama.cpp) compiled with -fsanitize=address,undefined."""
+    CTest programs; not llama.cpp) compiled with -fsanitize=address,undefined.
+    ``shared``: ggml/llama as shared libraries next to the programs (RPATH $ORIGIN), the CPU code
+    portable (:func:`portable_cmake`), in ``build_dir`` (required: never build/<backend>/, which
+    stays the static native tree)."""
+    refuse_in_bundle()
     flags = check_toolchain(backend)
-    bdir = sanitize_build_dir(backend) if sanitize else paths.backend_build_dir(backend)
+    if shared:
+        if build_dir is None or sanitize:
+            raise DgrError("a shared build needs its own build dir (and no --sanitize)")
+        bdir = build_dir
+        extra_cmake = (*extra_cmake, *SHARED_CMAKE, *portable_cmake(backend), *_shared_link_flags(backend))
+    elif build_dir is not None:
+        bdir = build_dir
+    else:
+        bdir = sanitize_build_dir(backend) if sanitize else paths.backend_build_dir(backend)
     if sanitize:
         extra_cmake = (*extra_cmake, "-DDGR_SANITIZE=ON")
     paths.build_dir().mkdir(parents=True, exist_ok=True)
@@ -282,10 +332,31 @@ def worker_binary(backend: str = "cpu") -> Path:
     return exe
 
 
+BUNDLE_MANIFEST = "dgr-bundle.json"
+
+
+def bundle_manifest() -> dict | None:
+    """The manifest of a prebuilt bundle (`dgr build --bundle`) when the build dir is one
+    (DGR_BUILD_DIR=<bundle>: its <backend>/bin hold the programs), else None."""
+    try:
+        return json.loads((paths.build_dir() / BUNDLE_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def refuse_in_bundle() -> None:
+    """A bundle is prebuilt and travels without sources: nothing is (re)built inside it."""
+    if bundle_manifest() is not None:
+        raise DgrError(f"{paths.build_dir()} is a prebuilt bundle ({BUNDLE_MANIFEST}): nothing is built here",
+                       hint="build on the machine that made the bundle (`dgr build --bundle`), then carry it again")
+
+
 def tool_binary(name: str, backend: str = "cpu", *, build_missing: bool = True) -> Path:
     """A built program of build/<backend>/bin; with ``build_missing`` it is (re)built when
-    missing or out of date (a no-op Ninja run otherwise)."""
+    missing or out of date (a no-op Ninja run otherwise; never inside a prebuilt bundle)."""
     exe = paths.backend_build_dir(backend) / "bin" / name
+    if build_missing and bundle_manifest() is not None:
+        build_missing = False
     if build_missing:
         build(backend, targets=(name,))
     elif not exe.is_file():

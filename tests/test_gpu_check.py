@@ -1,0 +1,165 @@
+"""The GPU check for a lent machine: the bundle (`dgr build --bundle`) and tools/gpu-check.sh.
+
+The fast tests check the pieces without building anything. The dry run (real-model lane, which
+CI runs with MESHNET_ENABLE_REAL_INFERENCE_TESTS=1) builds or reuses the CPU bundle
+(build/bundle-cpu from the shared tree build/gpu-bundle-cpu: minutes from cold, seconds once
+built), checks that it travels, and runs every step of the script on it with tiny models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tools" / "gpu-check.sh"
+# every step the script records, in order; the large-model steps run on a second tiny model here
+STEPS = ("preflight", "device", "synth-small", "parity-2", "parity-3", "drift-mixed", "worker-bench", "prefill",
+         "route-b8", "certify-cuda", "vulkan", "synth-large", "worker-bench-large", "prefill-large", "route-b8-large")
+
+
+def _step(tmp: Path, name: str, **doc) -> None:
+    (tmp / f"{name}.json").write_text(json.dumps({"step": name, **doc}))
+
+
+def test_report_counts_steps_and_names_missing_ones(tmp_path: Path, monkeypatch):
+    from dgr.bench import gpu_check
+
+    monkeypatch.setenv("DGR_BUILD_DIR", str(tmp_path / "no-bundle"))
+    _step(tmp_path, "a", status="pass", kind="cli")
+    _step(tmp_path, "b", status="measured", kind="prefill",
+          result={"n_prompt": 8, "worker_tok_s": 10.0, "llama_bench_pp_tok_s": 11.0, "ratio": 10 / 11})
+    _step(tmp_path, "c", status="skipped", reason="why")
+    out = tmp_path / "doc.json"
+    assert gpu_check.main(["report", "--steps", str(tmp_path), "--out", str(out), "--backend", "cpu",
+                           "--order", "a,b,c,d"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "dgr.gpu-check/1" and doc["mode"] == "cpu-dry-run" and doc["targets_judged"] is False
+    assert [s["step"] for s in doc["steps"]][:4] == ["a", "b", "c", "d"]
+    assert doc["steps"][3]["status"] == "error" and "no result" in doc["steps"][3]["reason"]
+    assert doc["summary"]["pass"] == 1 and doc["summary"]["measured"] == 1 and doc["summary"]["skipped"] == 1
+    assert doc["summary"]["verdict"] == "incomplete"
+
+
+def test_a_step_that_wrote_nothing_is_recorded_from_its_exit(tmp_path: Path):
+    from dgr.bench import gpu_check
+
+    out = tmp_path / "s.json"
+    gpu_check.main(["fallback", "--step-id", "slow", "--out", str(out), "--exit", "124", "--limit", "30"])
+    doc = json.loads(out.read_text())
+    assert doc["status"] == "error" and "deadline (30 s)" in doc["reason"]
+
+
+def test_targets_are_judged_on_an_accelerator_only():
+    from dgr.bench import gpu_check
+
+    assert gpu_check._status(True, "cuda") == "pass" and gpu_check._status(False, "cuda") == "fail"
+    assert gpu_check._status(False, "cpu") == "measured"
+    assert gpu_check.TARGETS["worker_vs_llama_batched_bench"]["min_ratio"] == 0.95
+    assert gpu_check.TARGETS["route_vs_whole"]["min_ratio"] == 0.9
+
+
+def test_nothing_is_built_inside_a_bundle(tmp_path: Path, monkeypatch):
+    from dgr.errors import DgrError
+    from dgr.upstream import build
+
+    (tmp_path / build.BUNDLE_MANIFEST).write_text("{}")
+    monkeypatch.setenv("DGR_BUILD_DIR", str(tmp_path))
+    with pytest.raises(DgrError, match="prebuilt bundle"):
+        build.build("cpu")
+    # a program is only located there, never (re)built
+    with pytest.raises(DgrError, match="not built"):
+        build.tool_binary("llama-bench", "cpu")
+
+
+def test_the_bundle_goes_to_an_ignored_folder_of_the_checkout(tmp_path: Path):
+    from dgr.errors import DgrError
+    from dgr.upstream import bundle
+
+    with pytest.raises(DgrError, match="outside the checkout"):
+        bundle._check_out_dir(tmp_path / "b")
+    with pytest.raises(DgrError, match="not ignored"):
+        bundle._check_out_dir(REPO / "docs" / "bundle-here")
+    bundle._check_out_dir(REPO / "build" / "bundle-test-never-made")   # ignored, absent: fine
+
+
+def test_the_tree_that_travels_leaves_room_for_a_bundle():
+    from dgr.upstream import bundle
+
+    tree = bundle.travelling_tree_bytes()
+    assert 0 < tree < bundle.TRAVEL_LIMIT_BYTES - bundle.DEFAULT_MARGIN_BYTES - 30 * bundle.MiB
+
+
+def test_the_script_parses_and_says_how_to_run_it():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--dry-run-cpu" in out and "build/bundle-cuda" in out
+
+
+@pytest.mark.real
+def test_cpu_dry_run_runs_every_step(tmp_path: Path, monkeypatch):
+    """The CPU bundle builds (or is up to date), travels with the tree, and the script's dry run
+    records every step with its numbers in one JSON document."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "cli")}
+    bundle_dir = REPO / "build" / "bundle-cpu"
+    r = subprocess.run([sys.executable, "-m", "dgr.main", "build", "--bundle", str(bundle_dir), "--backend", "cpu",
+                        "--no-wheels", "-j", "2"], capture_output=True, text=True, env=env, timeout=3600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    manifest = json.loads((bundle_dir / "dgr-bundle.json").read_text())
+    assert manifest["kind"] == "dgr.bundle/1" and manifest["fits"]
+    assert manifest["travel_bytes"] <= manifest["limit_bytes"] - manifest["margin_bytes"]
+    # what is carried: the xz archive (about 9 MiB for the CPU build), no wheels here
+    assert manifest["bundle_bytes"] < 16 * (1 << 20) and manifest["archive"]["bytes"] < manifest["unpacked_bytes"]
+    names = set(manifest["files"])
+    for prog in ("dgr-worker", "llama-bench", "llama-batched-bench"):
+        assert f"cpu/bin/{prog}" in names
+    # one libggml and one libllama that every program loads; the backend registry per backend
+    assert {"lib/libggml-base.so.0", "lib/libllama.so.0", "cpu/bin/libggml.so.0"} <= names
+    assert any(n.startswith("lib/libgrpc++.so") for n in names)
+
+    # a bundle that would not travel is refused and removed (the archive stood in for: 60 MiB)
+    from dgr.errors import DgrError
+    from dgr.upstream import bundle
+
+    refused = REPO / "build" / "bundle-test-refused"
+    monkeypatch.setattr(bundle, "_pack", lambda stage, archive: archive.write_bytes(b"\0" * (60 << 20)))
+    with pytest.raises(DgrError, match="over the 64 MiB limit"):
+        bundle.make_bundle(refused, "cpu", build=False, wheels=False)
+    assert not refused.exists()
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**env, "OUT": str(out), "GPU_CHECK_WORK": str(work), "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(SCRIPT), "--dry-run-cpu", "--bundle", str(bundle_dir)], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    doc = json.loads((out / "gpu-check.json").read_text())
+    assert (out / "gpu-check.log").is_file()
+    steps = {s["step"]: s for s in doc["steps"]}
+    assert doc["kind"] == "dgr.gpu-check/1" and doc["mode"] == "cpu-dry-run"
+    assert list(steps) == list(STEPS), list(steps)
+    bad = {k: (s["status"], s.get("reason")) for k, s in steps.items()
+           if s["status"] not in ("pass", "measured") and k != "vulkan"}
+    assert not bad, bad
+    assert steps["vulkan"]["status"] == "skipped" and steps["vulkan"]["reason"]
+    for name in ("parity-2", "parity-3"):
+        assert steps[name]["result"]["parity"]["ok"] and steps[name]["result"]["parity"]["compared_tokens"] > 0
+    assert steps["drift-mixed"]["result"]
+    for name in ("worker-bench", "worker-bench-large"):
+        levels = steps[name]["result"]["levels"]
+        assert [lv["sessions"] for lv in levels] == [1, 8, 32]
+        assert all(lv["worker_tok_s"] > 0 and lv["llama_batched_bench_tok_s"] > 0 for lv in levels)
+    for name in ("prefill", "prefill-large"):
+        res = steps[name]["result"]
+        assert res["worker_tok_s"] > 0 and res["llama_bench_pp_tok_s"] > 0 and res["ratio"] > 0
+    for name in ("route-b8", "route-b8-large"):
+        res = steps[name]["result"]
+        assert res["identical_tokens"] and res["ratio"] > 0 and res["tokens_compared"] > 0
+        assert len(res["memory"]) == 3   # the whole-model worker and the two shards
+        assert all(m["predicted_bytes"] and m["measured_bytes"] for m in res["memory"])
+    assert steps["certify-cuda"]["result"]["refused"]
+    assert doc["summary"]["verdict"] == "pass" and doc["summary"]["error"] == 0
