@@ -266,7 +266,11 @@ class RouteDriver:
                                         f"cancelled by the driver ({exc.reason})", grpc_code=1)
             elif chained and sid not in self._cancelled:
                 exc = await self._attribute(exc)
-            tel.status = "cancelled" if exc.reason == Reason.CANCELLED else "failed"
+            # cancelled only when this driver was asked to cancel it: a worker that ends the stream
+            # CANCELLED on its own (it is stopping, SIGTERM) failed the session, and failover may
+            # restart it elsewhere (found by the chaos soak: a draining head's CANCELLED read as a
+            # client's cancel, answered 499)
+            tel.status = "cancelled" if exc.reason == Reason.CANCELLED and sid in self._cancelled else "failed"
             tel.error = str(exc)
             return GenerationResult(sid, list(prompt_tokens), g.out, "error", tel, error=exc, top_logprobs=g.top)
         except asyncio.CancelledError:

@@ -395,9 +395,9 @@ def _head_unavailable(endpoint: str, exc: WorkerError) -> GatewayError:
 # what a head answers to text it refuses: the request's fault (400); any other failure is the route's
 _REQUEST_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                              grpc.StatusCode.OUT_OF_RANGE})
-# with standby workers: how many standbys a tokenizer call may try when the head does not answer,
-# and how long each may take
-MAX_TOKENIZER_FALLBACKS = 4
+# with standby workers: how many standbys (the newest) a tokenizer call may try when the head does
+# not answer, all asked at once, and how long that may take
+MAX_TOKENIZER_FALLBACKS = 16
 TOKENIZER_FALLBACK_TIMEOUT_S = 2.0
 
 
@@ -504,18 +504,28 @@ class Engine:
         tried = {s.endpoint for s in route.shards} | set(self.router.failed)
         tls = self.router.finder.tls
         creds = tls.grpc_credentials() if tls else None
-        for ep in [e for e in self.router.finder.endpoints if e not in tried][:MAX_TOKENIZER_FALLBACKS]:
-            client = AsyncWorkerClient(ep, timeout=TOKENIZER_FALLBACK_TIMEOUT_S, credentials=creds)
+        pool = [e for e in self.router.finder.endpoints if e not in tried][-MAX_TOKENIZER_FALLBACKS:]
+        clients = [AsyncWorkerClient(ep, timeout=TOKENIZER_FALLBACK_TIMEOUT_S, credentials=creds) for ep in pool]
+
+        async def same_recipe(c: AsyncWorkerClient) -> bool:
             try:
-                cap = await client.capability()
-                if cap.identity.compatibility_fingerprint != fp:
+                return (await c.capability()).identity.compatibility_fingerprint == fp
+            except Exception:   # noqa: BLE001 - a standby that does not answer is skipped
+                return False
+        try:
+            # every standby asked at once (dead ones cost one timeout together, not one each);
+            # the newest first: standbys that died idle are never excluded and pile up in front
+            ok = await asyncio.gather(*(same_recipe(c) for c in clients))
+            for c, good in reversed(list(zip(clients, ok))):
+                if not good:
                     continue
-                return await call(client)
-            except WorkerError as exc:
-                if not _unavailable(exc):
-                    raise
-            finally:
-                await client.close()
+                try:
+                    return await call(c)
+                except WorkerError as exc:
+                    if not _unavailable(exc):
+                        raise
+        finally:
+            await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         raise first
 
     async def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
