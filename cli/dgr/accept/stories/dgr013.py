@@ -12,6 +12,11 @@ Drills (``dgr drill``, in-process) on a route with a standby worker per range:
   lab's link proxy in front of every worker, each range's standby on the other host): the tail
   killed, stopped, and its link blackholed.
 
+The gateway lane: the same failover behind the API users call (`dgr serve --standby`): the
+gateway's failover tests, and a chaos soak through it (`dgr drill --soak`, synthetic workers):
+8 concurrent streaming requests for SOAK_MINUTES while a random fault hits a worker every
+~SOAK_EVERY_S seconds (kill, stop, term, blackhole, and a new standby for each worker lost).
+
 Plus single-worker state errors measured on a fake worker (malformed bundle, stale epoch, cache
 miss, duplicate step, stream reset) and the tests that pin cancellation, no-route reasons and
 every fault kind in CI. Figures are wall-clock on a shared 2-core machine: read them as bounds
@@ -31,6 +36,8 @@ T = "tests/"
 KILLED_BOUND_S = 1.0
 SILENT_BOUND_S = 3.0
 LAB = "acc13"
+SOAK_MINUTES = 3.0
+SOAK_EVERY_S = 2.0
 
 
 def _drill(ctx: StoryContext, name: str, **kw: Any) -> dict[str, Any]:
@@ -70,6 +77,18 @@ def _lab_drills(ctx: StoryContext, drills: dict[str, dict[str, Any]], real: dict
             drills[f"lab-{f}-tail"] = _drill(ctx, f"lab-{f}-tail", fault=f, target="tail", lab=LAB, **real)
     ctx.record_command(f"dgr lab down --name {LAB}")
     return True
+
+
+def _soak(ctx: StoryContext) -> dict[str, Any]:
+    """The chaos soak through the gateway, synthetic workers on local processes."""
+    from ...lab.soak import SoakConfig, run_soak
+
+    ctx.record_command(f"dgr drill --soak {SOAK_MINUTES:g} --synthetic --fault-every-s {SOAK_EVERY_S:g} --seed 13 "
+                       "(dgr.lab.soak.run_soak) -> soak.json")
+    doc = run_soak(SoakConfig(minutes=SOAK_MINUTES, fault_every_s=SOAK_EVERY_S, seed=13))
+    ctx.attach("soak.json", json.dumps(doc, indent=1) + "\n")
+    ctx.results["soak"] = {k: doc[k] for k in ("violations_total", "requests", "next_delta_after_fault_s")}
+    return doc
 
 
 def _state_errors(ctx: StoryContext) -> dict[str, Any]:
@@ -311,6 +330,29 @@ def run(ctx: StoryContext) -> None:
                             f"{s['time_to_first_new_token_s']['max']:.3f} s (re-prefill {s['reprefill_ttft_s']['max']:.3f} s), "
                             f"recovered {s['sessions_recovered']}/8, equal {s['answers_equal_reference']}"
                             for k, s in lab.items() if s["time_to_detect_s"]))
+    # 8. the gateway lane: failover behind `dgr serve`
+    tests_criterion(ctx, "through the gateway (dgr serve --standby): a shard killed mid-stream is replaced without "
+                    "losing or repeating a token, a request arriving just after the head died is answered, and "
+                    "without a standby left the stream ends with the API's error event",
+                    [T + "test_serve_failover.py"])
+    soak = _soak(ctx)
+    n = soak["next_delta_after_fault_s"]
+    kill = n["by_kind"].get("kill") or {}
+    faults = soak["faults"]
+    ctx.check(f"a chaos soak through the gateway ({SOAK_MINUTES:g} min, 8 concurrent streams, a random fault every "
+              f"~{SOAK_EVERY_S:g} s): every answer complete and equal to the uninterrupted greedy answer, no token "
+              "lost or repeated, every surviving worker back to 0 sessions/KV cells/queued steps, the in-flight "
+              "gauge back to 0, no process left: 0 violations, every fault kind injected",
+              soak["violations_total"] == 0 and soak["requests"]["failed"] == 0 and soak["requests"]["ok"] > 0
+              and all(faults["by_kind"].get(k, 0) > 0 for k in ("kill", "stop", "term", "blackhole", "restart")),
+              f"{faults['injected']} actions ({', '.join(f'{k} {v}' for k, v in faults['by_kind'].items())}), "
+              f"requests ok {soak['requests']['ok']}, failed {soak['requests']['failed']}, violations "
+              f"{soak['violations_total']}" + (f": {soak['violations'][0]}" if soak["violations"] else ""))
+    ctx.check("in the soak, after a kill the next token of every stream in flight comes within 1 s (p99)",
+              bool(kill) and kill["p99"] is not None and kill["p99"] <= 1.0,
+              f"next token after a kill: p50 {kill.get('p50')} s, p99 {kill.get('p99')} s, max {kill.get('max')} s "
+              f"({kill.get('n', 0)} streams); after a stop {n['by_kind'].get('stop', {}).get('p99')} s p99, after a "
+              f"blackhole {n['by_kind'].get('blackhole', {}).get('p99')} s p99 (silent faults: detection first)")
     ctx.limitation("The lab drills run on one 2-core machine (one core per simulated host); latency, loss and "
                    "SIGTERM on lab hosts are run with `dgr drill --lab` by hand (docs/failover.md).")
     ctx.limitation("Seeded sampling after a restart draws from the seed again at the restart position: the delivered "
