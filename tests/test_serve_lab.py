@@ -48,6 +48,20 @@ def _ask(url: str) -> str:
     return r.choices[0].message.content
 
 
+def _announced(p: subprocess.Popen) -> list[str]:
+    """`dgr serve`'s stderr lines up to the one announcing it serves (bounded)."""
+    lines = []
+    for _ in range(200):
+        line = p.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "serving " in line:
+            break
+    assert any("serving " in ln for ln in lines), "".join(lines)
+    return lines
+
+
 def test_serve_over_lab_hosts(lab, native_bin):
     env = {**os.environ, "DGR_WORKER_BIN": str(native_bin / "dgr-worker")}
     port = free_port()
@@ -55,15 +69,7 @@ def test_serve_over_lab_hosts(lab, native_bin):
                           "--fake", "--port", str(port), "--max-sessions", "4"],
                          stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
-        lines = []
-        for _ in range(200):                       # bounded: the gateway announces itself once ready
-            line = p.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "serving " in line:
-                break
-        assert any("serving " in ln for ln in lines), "".join(lines)
+        lines = _announced(p)
         hosts_line = next(ln for ln in lines if "route on lab" in ln)
         assert "h1 0:4" in hosts_line and "h2 4:8" in hosts_line
         url = re.search(r"at (http://\S+)/v1", lines[-1]).group(1)
@@ -99,15 +105,7 @@ def test_serve_over_lab_hosts_with_standbys(lab, native_bin):
                           "--fake", "--port", str(port), "--max-sessions", "4", "--lab-standby"],
                          stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
-        lines = []
-        for _ in range(200):
-            line = p.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "serving " in line:
-                break
-        assert any("serving " in ln for ln in lines), "".join(lines)
+        lines = _announced(p)
         spare_line = next(ln for ln in lines if "standbys on lab" in ln)
         assert "h2 0:4" in spare_line and "h1 4:8" in spare_line
         url = re.search(r"at (http://\S+)/v1", lines[-1]).group(1)

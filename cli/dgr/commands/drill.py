@@ -106,12 +106,7 @@ def drill(
                       max_restarts=2 if max_restarts is None else max_restarts, fake_delay_ms=fake_delay_ms,
                       threads=threads, timeout_s=timeout_s)
     doc = run_drill(cfg)   # progress lines: dgr.lab.drill's logger (dgr.console shows INFO on stderr)
-    text = json.dumps(doc, indent=1)
-    if out:
-        out.write_text(text + "\n")
-    if as_json:
-        typer.echo(text)
-    else:
+    if not _emit(doc, out, as_json):
         s = doc["summary"]
         fmt = lambda r: "-" if r is None else f"{r['min']:.3f}..{r['max']:.3f} s"   # noqa: E731
         typer.echo(f"fault {doc['fault']['kind']} on {doc['fault']['target']}")
@@ -138,6 +133,17 @@ def drill(
         raise typer.Exit(1)
 
 
+def _emit(doc: dict, out: Optional[Path], as_json: bool) -> bool:
+    """Writes the JSON document to ``out`` (when given) and prints it with ``as_json``; True when
+    it was printed (the caller then prints no summary)."""
+    text = json.dumps(doc, indent=1)
+    if out:
+        out.write_text(text + "\n")
+    if as_json:
+        typer.echo(text)
+    return as_json
+
+
 def _soak(minutes: float, *, sessions: int, max_tokens: int, split, model: Optional[Path], lab: Optional[str],
           hold_s: float, max_restarts: Optional[int], fake_delay_ms: int, threads: Optional[int], timeout_s: float,
           fault_every_s: float, seed: int, kinds: str, workers_per_range: int, prompt_ids: bool, as_json: bool,
@@ -155,12 +161,7 @@ def _soak(minutes: float, *, sessions: int, max_tokens: int, split, model: Optio
         from ..errors import DgrError
         raise DgrError(f"--out: the folder {out.parent} does not exist")
     doc = run_soak(cfg)    # progress lines: dgr.lab.soak's logger (dgr.console shows INFO on stderr)
-    text = json.dumps(doc, indent=1)
-    if out:
-        out.write_text(text + "\n")
-    if as_json:
-        typer.echo(text)
-    else:
+    if not _emit(doc, out, as_json):
         f, r, nt = doc["faults"], doc["requests"], doc["next_delta_after_fault_s"]
         sec = lambda x: "-" if x is None else f"{x:.3f} s"   # noqa: E731
         typer.echo(f"soak {doc['soak_s']:.1f} s ({doc['placement']}, {doc['mode']}): {f['injected']} actions "
