@@ -27,14 +27,16 @@ def worker(monkeypatch, native_bin):
     monkeypatch.setattr("dgr.route.local.ensure_worker", lambda *a, **k: native_bin / "dgr-worker")
 
 
-def test_one_machine_keeps_the_model_whole(synth, worker):
+def test_one_machine_keeps_the_model_whole(synth, worker, caplog):
+    import logging
+
     from dgr.route.autosplit import plan_local
 
-    lines: list[str] = []
-    auto = plan_local(synth, 4, threads=1, log=lines.append)
+    with caplog.at_level(logging.INFO, logger="dgr.route.autosplit"):
+        auto = plan_local(synth, 4, threads=1)
     assert auto.ranges == [(0, 6)] and auto.placement is None and auto.groups == 1
     assert auto.worker_args() == ()
-    assert lines and "probe on this machine" in lines[0]
+    assert "probe on this machine" in caplog.text
     text = auto.describe(4)[0]
     assert text.startswith("plan: 0:6 on this machine, 1 pipeline group(s); predicted ") and "at 4 session(s)" in text
     assert auto.plan["prediction"]["aggregate_tok_s"] > 0

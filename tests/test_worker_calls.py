@@ -117,7 +117,8 @@ def test_a_head_failure_is_the_routes_and_a_refusal_is_the_requests(code, status
         raise WorkerError(code, "boom")
 
     eng = Engine.__new__(Engine)
-    eng._driver, eng.router = SimpleNamespace(head=SimpleNamespace(endpoint="127.0.0.1:9"), timeout=1.0, tokenize=fail), None
+    head = SimpleNamespace(endpoint="127.0.0.1:9", client=SimpleNamespace(tokenize=fail))
+    eng._driver, eng.router = SimpleNamespace(head=head, timeout=1.0), None
     with pytest.raises(GatewayError) as ei:
         asyncio.run(eng.tokenize("hi"))
     assert ei.value.status == status, ei.value

@@ -1,4 +1,6 @@
-"""The steps of the GPU check (``tools/gpu-check.sh``; docs/backends.md, "Running the GPU check on a
+"""Over 500 lines on purpose: every step of one device run, each short, read in order.
+
+The steps of the GPU check (``tools/gpu-check.sh``; docs/backends.md, "Running the GPU check on a
 lent machine") and the one JSON document it writes (schema ``dgr.gpu-check/1``).
 
 ``python -m dgr.bench.gpu_check STEP --step-id ID --out STEP.json [options]``, one process per

@@ -177,7 +177,7 @@ def route(
             raise DgrError("--split auto places the shards itself; leave out --hosts")
         from ..route.autosplit import plan_lab
 
-        auto = plan_lab(lab, src, sessions, budget=budget, log=_log)
+        auto = plan_lab(lab, src, sessions, budget=budget)
         rng, placement, plan_doc, split, extra = auto.ranges, auto.placement, auto.plan, auto.split, auto.worker_args()
         for line in auto.describe(sessions):
             _log(line)

@@ -90,8 +90,7 @@ def run(
         from ..route.autosplit import plan_local
 
         local.ensure_worker()
-        auto = plan_local(resolve_model(model), len(items), threads=threads,
-                          log=lambda m: typer.echo(f"dgr route run: {m}", err=True))
+        auto = plan_local(resolve_model(model), len(items), threads=threads)
         for line in auto.describe(len(items)):
             typer.echo(f"dgr route run: {line}", err=True)
         rng = auto.ranges

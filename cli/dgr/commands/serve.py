@@ -171,7 +171,7 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
         from ..route.autosplit import plan_local
 
         rt.ensure_worker()
-        auto = plan_local(src, max_sessions, threads=threads, ctx_per_session=ctx_per_session or 2048, log=log)
+        auto = plan_local(src, max_sessions, threads=threads, ctx_per_session=ctx_per_session or 2048)
         for line in auto.describe(max_sessions):
             log(line)
         rng = auto.ranges
@@ -213,7 +213,7 @@ def _serve_lab(name: str, model: Optional[Path], split: Optional[str], hosts: Op
         from ..route.autosplit import plan_lab
 
         rt.ensure_worker()
-        auto = plan_lab(lab, src, max_sessions, log=log)
+        auto = plan_lab(lab, src, max_sessions)
         for line in auto.describe(max_sessions):
             log(line)
         rng, placement, extra = auto.ranges, auto.placement, auto.worker_args()

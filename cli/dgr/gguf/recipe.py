@@ -1,5 +1,8 @@
 """Runtime recipe and its compatibility fingerprint (docs/identity.md).
 
+Over 500 lines on purpose, for now: the recipe, its fingerprint, the registry and the local
+certifications it merges; the local store should move to a module of its own.
+
 A :class:`RuntimeRecipe` records everything that decides the numbers a Shard produces. The
 **compatibility fingerprint** is the sha256 of a canonical text over the subset of fields that
 must be equal on every Shard of one Inference Route (``FINGERPRINT_FIELDS``). The C++ worker

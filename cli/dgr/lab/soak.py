@@ -1,5 +1,8 @@
 """`dgr drill --soak MINUTES`: a bounded chaos soak through the gateway.
 
+Over 500 lines on purpose, for now: the soak's load, fault chooser and invariant checks share its
+state; the chooser and the checks could move out once they settle.
+
 The one-fault drill (:mod:`dgr.lab.drill`) measures a single recovery on the route driver. The
 soak runs `dgr serve`'s gateway (:class:`~dgr.serve.server.Gateway`, in this process) over a
 2-shard route with standby workers, keeps ``concurrency`` streaming OpenAI-API requests running

@@ -17,11 +17,14 @@ pipeline groups, and the plan as JSON (what ``dgr plan --json`` prints).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import DgrError
+
+_log = logging.getLogger(__name__)
 
 PROBE_BUDGET_S = 5.0
 
@@ -54,8 +57,7 @@ def _ranges(plan: Any) -> list[tuple[int, int]]:
     return [tuple(map(int, r.split(":"))) for r in plan.split.split(",")]   # type: ignore[misc]
 
 
-def plan_lab(lab: Any, src: Path, sessions: int, *, budget: bool = True,
-             log: Callable[[str], None] = lambda _m: None) -> AutoSplit:
+def plan_lab(lab: Any, src: Path, sessions: int, *, budget: bool = True) -> AutoSplit:
     """Each lab host's probe (in its namespace, on its threads), then the plan for ``sessions``
     concurrent sessions over the lab's link shaping."""
     from .planner import Link, Workload, model_shape, plan_route
@@ -64,7 +66,7 @@ def plan_lab(lab: Any, src: Path, sessions: int, *, budget: bool = True,
     shape = model_shape(src)
     caps = []
     for h in lab.hosts:
-        log(f"probe on {h.name} ({h.threads} thread(s))")
+        _log.info("probe on %s (%s thread(s))", h.name, h.threads)
         raw = run_probe(src, default_probe_range(shape.n_layer), threads=h.threads, prefix=lab.prefix(h),
                         budget_s=PROBE_BUDGET_S)
         mem = host_memory_bytes(raw, (h.worker_budget_mb if budget else None))
@@ -77,14 +79,13 @@ def plan_lab(lab: Any, src: Path, sessions: int, *, budget: bool = True,
     return AutoSplit(_ranges(p), list(p.hosts), p.prediction.groups, p.to_json())
 
 
-def plan_local(src: Path, sessions: int, *, threads: int | None = None, ctx_per_session: int = 2048,
-               log: Callable[[str], None] = lambda _m: None) -> AutoSplit:
+def plan_local(src: Path, sessions: int, *, threads: int | None = None, ctx_per_session: int = 2048) -> AutoSplit:
     """This machine's probe, then the plan for one host (see the module's docstring)."""
     from .planner import Link, Workload, model_shape, plan_route
     from .probe import capability_from_probe, capability_of, default_probe_range, host_memory_bytes, run_probe
 
     shape = model_shape(src)
-    log(f"probe on this machine ({threads or 'all'} thread(s), up to {PROBE_BUDGET_S:g} s)")
+    _log.info("probe on this machine (%s thread(s), up to %g s)", threads or "all", PROBE_BUDGET_S)
     raw = run_probe(src, default_probe_range(shape.n_layer), threads=threads, budget_s=PROBE_BUDGET_S)
     cap = capability_of(capability_from_probe(raw, shape, name="local", memory_bytes=host_memory_bytes(raw, None)))
     try:

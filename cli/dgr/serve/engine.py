@@ -1,5 +1,8 @@
 """One route session per HTTP request: prompt formatting, admission, incremental text.
 
+Over 500 lines on purpose, for now: admission and the text stream could move out; they are
+small and used only here.
+
 The :class:`Engine` owns a connected route driver. A request becomes a :class:`Generation`:
 its prompt is formatted with the model's own chat template (the head worker's
 ``ApplyChatTemplate``) and tokenized by the head; the driver runs the session (many sessions
