@@ -143,6 +143,21 @@ def test_a_mixed_plan_outside_the_tolerance_is_refused(tiny, store) -> None:
     assert res.doc["runs"][0]["drift"]["first_divergence"] == [2, None]
 
 
+def test_a_gpu_certifies_the_cuda_plan_that_no_repository_evidence_holds(tiny, store) -> None:
+    """The CUDA entry lists no device: a CUDA Shard is refused, naming the command, until this
+    machine's own run certifies its GPU's class; then that class routes and no other does."""
+    r = R.recipe_for(tiny, backend="cuda", progress=False).with_(device_class="cuda:sm_90")
+    why = R.load_registry().refusal(r)
+    assert "certified on no device, not on device class cuda:sm_90" in why
+    assert "dgr certify --backend cuda" in why
+    res = _run(tiny, "cuda", StandIn({"cuda": "cuda:sm_90"}))
+    assert res.ok and res.doc["entry"] == "llama-v1-f32wire-f16kv-cuda" and res.doc["device_classes"] == ["cuda:sm_90"]
+    reg = R.load_registry()
+    assert reg.routable(r)
+    assert not reg.routable(r.with_(device_class="cuda:sm_89"))
+    assert not reg.routable(r.with_(backend="vulkan", backends="vulkan", device_class="vulkan:nvidia"))
+
+
 @pytest.mark.parametrize("runner, says", [
     (StandIn({}), "reports no device class"),                                            # a worker from before
     (StandIn({"vulkan": "cuda:sm_90"}), "a cuda device"),
@@ -158,8 +173,8 @@ def test_device_problems_refuse_and_record_nothing(tiny, store, runner, says) ->
 
 
 @pytest.mark.parametrize("spec, kw, says", [
-    ("cuda", {}, "no certified registry entry .* holds the backend plan cuda"),
-    ("cpu,cuda", {}, "holds the backend plan cpu\\+cuda"),
+    ("cpu,cuda", {}, "no certified registry entry .* holds the backend plan cpu\\+cuda"),
+    ("cuda,vulkan", {}, "holds the backend plan cuda\\+vulkan"),
     ("cpu,vulkan", {"n_tokens": 8}, "needs 64 compared tokens"),
     ("opencl", {}, "unknown backend opencl"),
     ("vulkan", {"splits": [[(0, 2), (2, 5)]]}, "not a split of the model's 6 layers"),
@@ -270,7 +285,7 @@ def test_a_refused_certification_records_nothing_and_exits_1_in_one_line(fake_de
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--fake", "--backend", "cuda"], "holds the backend plan cuda"),
+    (["--fake", "--backend", "cpu,cuda", "--tokens", "32"], "holds the backend plan cpu+cuda"),
     (["--fake", "--backend", "opencl"], "unknown backend opencl"),
     (["--backend", "vulkan", "--fake-device-class", "vulkan:x"], "--fake-device-class goes with --fake"),
     (["--fake", "--backend", "vulkan", "--fake-device-class", "cuda:sm_90"], "has no cuda Shard"),

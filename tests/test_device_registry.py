@@ -75,7 +75,9 @@ def test_packaged_entries_state_the_devices_of_their_evidence() -> None:
     # nothing is certified on CUDA or on a GPU: there is no such evidence
     assert not [d for e in reg.entries for d in e.devices if d.startswith(("cuda", "hip", "metal"))
                 or d.startswith("vulkan:") and d != "vulkan:llvmpipe"]
-    assert all(e.devices for e in reg.entries if e.status == "certified")
+    # every certified entry states devices; only the CUDA plan has none (local certification only)
+    assert [e.name for e in reg.entries if e.status == "certified" and not e.devices] == ["llama-v1-f32wire-f16kv-cuda"]
+    assert by["llama-v1-f32wire-f16kv-cuda"].backends == ("cuda",)
 
 
 def test_an_uncertified_device_class_is_refused_naming_dgr_certify() -> None:
@@ -85,11 +87,12 @@ def test_an_uncertified_device_class_is_refused_naming_dgr_certify() -> None:
     assert not reg.routable(gpu)
     why = reg.refusal(gpu)
     assert "vulkan:llvmpipe" in why and "vulkan:nvidia" in why and "`dgr certify --backend vulkan`" in why
-    # the same for a Shard of the mixed plan, and for a CUDA device of a plan nothing certifies
+    # the same for a Shard of the mixed plan, and for a CUDA device that no evidence certifies
     tail = vulkan("vulkan:nvidia", backends="cpu+vulkan")
     assert not reg.routable(tail) and "`dgr certify --backend cpu,vulkan`" in reg.refusal(tail)
     assert reg.routable(recipe(backends="cpu+vulkan")) and reg.routable(tail.with_(device_class="vulkan:llvmpipe"))
-    assert not reg.routable(recipe(backend="cuda", device_class="cuda:sm_90"))
+    cuda = recipe(backend="cuda", device_class="cuda:sm_90")
+    assert not reg.routable(cuda) and "`dgr certify --backend cuda`" in reg.refusal(cuda)
 
 
 @pytest.mark.parametrize("device_class, says", [
@@ -142,7 +145,6 @@ def _toml(tmp_path: Path, devices: str | None, backends: str = '["vulkan"]', sta
 
 @pytest.mark.parametrize("devices, message", [
     (None, "certified without devices"),
-    ("[]", "certified without devices"),
     ('["vulkan:a b"]', "not a device class"),
     ('["cuda:sm_90"]', "a cuda device, for the backend plans vulkan"),
 ])
@@ -150,6 +152,8 @@ def test_registry_file_refuses_certified_entries_without_valid_devices(tmp_path:
     with pytest.raises(DgrError, match=message):
         R.load_registry(_toml(tmp_path, devices))
     assert R.load_registry(_toml(tmp_path, None, status="dark")).entries[0].devices == ()
+    # an explicit empty list is a statement (no device in the repository's evidence), not an omission
+    assert R.load_registry(_toml(tmp_path, "[]"), local=False).entries[0].devices == ()
 
 
 # ---- admission ----

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tools" / "gpu-check.sh"
 # every step the script records, in order; the large-model steps run on a second tiny model here
 STEPS = ("preflight", "device", "synth-small", "parity-2", "parity-3", "drift-mixed", "worker-bench", "prefill",
-         "route-b8", "certify-cuda", "vulkan", "synth-large", "worker-bench-large", "prefill-large", "route-b8-large")
+         "route-b8", "certify", "vulkan", "synth-large", "worker-bench-large", "prefill-large", "route-b8-large")
 
 
 def _step(tmp: Path, name: str, **doc) -> None:
@@ -161,5 +161,7 @@ def test_cpu_dry_run_runs_every_step(tmp_path: Path, monkeypatch):
         assert res["identical_tokens"] and res["ratio"] > 0 and res["tokens_compared"] > 0
         assert len(res["memory"]) == 3   # the whole-model worker and the two shards
         assert all(m["predicted_bytes"] and m["measured_bytes"] for m in res["memory"])
-    assert steps["certify-cuda"]["result"]["refused"]
+    cert = steps["certify"]["result"]
+    assert cert["verdict"] == "pass" and cert["plan"] == "cpu" and cert["device_classes"] == ["cpu"]
+    assert cert["identical"] == [True, True] and cert["evidence"]["runs"]
     assert doc["summary"]["verdict"] == "pass" and doc["summary"]["error"] == 0

@@ -234,6 +234,17 @@ def test_certification_problems_reads_the_drift(tmp_path: Path) -> None:
     assert R.certification_problems(replace(e, tolerance=()), tmp_path)
 
 
+def test_certified_entry_must_state_its_devices_and_empty_means_local_only(tmp_path: Path) -> None:
+    p = _registry(tmp_path, "certified")
+    p.write_text(p.read_text().replace('devices = ["cpu"]\n', ""))
+    with pytest.raises(DgrError, match="certified without devices"):
+        R.load_registry(p)
+    reg = R.load_registry(_registry(tmp_path, "certified", devices="[]"), local=False)
+    assert reg.entries[0].devices == ()
+    assert not reg.routable(base())
+    assert "certified on no device, not on device class cpu" in reg.refusal(base())
+
+
 def test_mixed_plan_certified_without_tolerance_is_refused(tmp_path: Path) -> None:
     with pytest.raises(DgrError, match="tolerance"):
         R.load_registry(_registry(tmp_path, "certified", backends='["cpu+vulkan"]'))

@@ -195,8 +195,8 @@ step worker-bench 240 "dgr-worker vs llama-batched-bench, B=1,8,32" -- worker-be
 step prefill 120 "dgr-worker prefill vs llama-bench pp" -- prefill --model "$SMALL" --threads "$THREADS" "${PP[@]}"
 step route-b8 180 "2-process route vs whole model at B=8; VRAM per shard" -- route --model "$SMALL" --split "$S2" \
   --threads "$THREADS" "${ROUTE[@]}"
-step certify-cuda 120 "dgr certify --backend cuda (expected to refuse)" -- cli --expect refusal -- \
-  certify --backend cuda --model "$SMALL" --tokens 8 --threads "$THREADS" --json
+step certify 150 "dgr certify --backend $BACKEND: this device's own certification" -- cli --expect certified -- \
+  certify --backend "$BACKEND" --model "$SMALL" --tokens 16 --threads "$THREADS" --json
 step vulkan 10 "the Vulkan worker on the NVIDIA driver" -- skip \
   --reason "not carried: the bundle holds no Vulkan build (a shared ggml-vulkan tree, and the Vulkan loader and EGL .debs of the device notes: a call of its own; docs/backends.md)"
 

@@ -9,7 +9,8 @@ step (the script bounds each with ``timeout``):
 - ``device``: the GPU (nvidia-smi), the host, the bundle's manifest;
 - ``cli``: one ``dgr`` command (``-- ARGS``), judged by ``--expect``: ``ok`` (exit 0), ``parity``
   (``route run --parity --json``: identical greedy tokens), ``drift`` (``route drift --json``:
-  recorded), ``refusal`` (a non-zero exit with the reason, e.g. ``certify --backend cuda``);
+  recorded), ``certified`` (``certify --json``: verdict pass, the evidence document kept in the
+  result), ``refusal`` (a non-zero exit with the reason);
 - ``worker-bench``: dgr-worker (server-side generation) vs llama-batched-bench at B sessions
   (:func:`dgr.bench.worker.run_worker_bench`), target >= 0.95x at every B;
 - ``prefill``: one worker's prefill of N tokens in one piece vs llama-bench ppN, target >= 0.95x;
@@ -51,7 +52,9 @@ TARGETS = {
                                "greedy tokens identical"},
     "vram_prediction": {"max_relative_error": 0.10,
                         "what": "GetCapability.device.memory_predicted_bytes vs nvidia-smi's used memory of the worker"},
-    "certify_cuda": {"expect": "refused", "what": "dgr certify --backend cuda refuses (no certified CUDA entry)"},
+    "certify": {"expect": "certified", "what": "dgr certify --backend cuda: exact greedy parity of a 2- and a 3-range "
+                                               "split against the whole model on this GPU; the local evidence (device "
+                                               "class, figures) comes back in the step's result"},
 }
 STATUSES = ("pass", "fail", "measured", "skipped", "error")
 MiB = 1 << 20
@@ -215,7 +218,7 @@ def step_cli(args: argparse.Namespace) -> dict:
     sys.stderr.write(r.stderr[-20000:])
     out: dict[str, Any] = {"command": "dgr " + " ".join(args.cli), "exit": r.returncode, "wall_s": round(wall, 2)}
     tail = (r.stderr.strip().splitlines() or [""])[-1]
-    doc = _cli_json(r.stdout) if args.expect in ("parity", "drift", "json") else None
+    doc = _cli_json(r.stdout) if args.expect in ("parity", "drift", "json", "certified") else None
     if args.expect == "refusal":
         message = (r.stderr.strip() or r.stdout.strip())[-600:]
         refused = r.returncode != 0 and "Traceback" not in r.stderr
@@ -249,6 +252,16 @@ def step_cli(args: argparse.Namespace) -> dict:
         # parity is exact on every backend (the same kernels on both sides): judged on the CPU too
         out["status"] = "pass" if ok else "fail"
         out["reason"] = None if ok else f"greedy tokens differ (first divergence {par.get('first_divergence')}; exit {r.returncode})"
+        return out
+    if args.expect == "certified":
+        # judged on the CPU too: certification is exact parity on one device, whatever it is
+        ok = r.returncode == 0 and doc.get("verdict") == "pass"
+        out["result"] = {"verdict": doc.get("verdict"), "entry": doc.get("entry"), "plan": doc.get("plan"),
+                         "device_classes": doc.get("device_classes"),
+                         "identical": [(run.get("parity") or {}).get("identical") for run in doc.get("runs", [])],
+                         "evidence": doc}
+        out["status"] = "pass" if ok else "fail"
+        out["reason"] = None if ok else f"not certified (exit {r.returncode}): {tail}"
         return out
     if args.expect == "drift":
         out["result"] = doc
@@ -551,7 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("device"); _common(p)
     p = sub.add_parser("preflight"); _common(p)
     p = sub.add_parser("cli"); _common(p)
-    p.add_argument("--expect", choices=("ok", "parity", "drift", "refusal", "json"), default="ok")
+    p.add_argument("--expect", choices=("ok", "parity", "drift", "refusal", "json", "certified"), default="ok")
     p.add_argument("cli", nargs=argparse.REMAINDER)
     for name in ("worker-bench", "prefill", "route"):
         p = sub.add_parser(name); _common(p)

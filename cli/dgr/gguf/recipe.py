@@ -294,7 +294,9 @@ class RegistryEntry:
     # (mixed plans): e.g. {"tokens": 64, "top1_agreement_min": 0.95, "max_abs_dlogprob": 0.5}.
     tolerance: tuple[tuple[str, float], ...] = ()
     # The device classes the evidence was recorded on ("cpu", "vulkan:llvmpipe"); recipes.toml
-    # states them for every certified entry (an entry built in code defaults to the CPU).
+    # states them for every certified entry (an entry built in code defaults to the CPU). Empty:
+    # no device has evidence for the entry's plans in the repository, so a Shard is routable only
+    # on a device class this machine certified (`dgr certify`, merged into ``local``).
     devices: tuple[str, ...] = ("cpu",)
     # Device classes certified on this machine (local evidence, merged by load_registry).
     local: tuple[LocalCertification, ...] = ()
@@ -437,9 +439,11 @@ def load_registry(path: Path | None = None, *, local: bool | None = None, warn: 
         if e.status == "certified" and any("+" in b for b in e.backends) and not e.tolerance:
             raise DgrError(f"recipe registry {path}: {e.name} certifies a mixed backend plan without a tolerance",
                            hint="a mixed plan is certified within a stated drift tolerance (tolerance = {…})")
-        if e.status == "certified" and not e.devices:
+        if e.status == "certified" and raw.get("devices") is None:
             raise DgrError(f"recipe registry {path}: {e.name} is certified without devices",
-                           hint="devices = [...]: the device classes its evidence was recorded on, e.g. [\"cpu\"]")
+                           hint="devices = [...]: the device classes its evidence was recorded on, e.g. [\"cpu\"]; "
+                                "devices = [] for a plan no device has evidence for in the repository (routable "
+                                "only where `dgr certify` recorded local evidence)")
         _check_devices(Path(path), e)
         if e.name in names:
             raise DgrError(f"recipe registry {path}: duplicate entry {e.name}")
