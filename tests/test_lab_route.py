@@ -28,11 +28,11 @@ def lab(tmp_path, monkeypatch, native_bin):
     assert sx.links_with_prefix(f"{sx.LINK_PREFIX}pr1") == []
 
 
-def _tokens(endpoints, tls, chain=None):
+def _tokens(endpoints, tls, chain=None, hops=None):
     from dgr.route.driver import RouteDriver, Sampling
 
     async def go():
-        d = await RouteDriver(endpoints, tls=tls, chain=chain, timeout=30).connect()
+        d = await RouteDriver(endpoints, tls=tls, chain=chain, timeout=30, hops=hops).connect()
         try:
             r = await d.generate([256, *b"lab"], max_tokens=12, sampling=Sampling(ignore_eog=True), stop_on_eog=False)
             return r, d.mode
@@ -56,6 +56,10 @@ def test_chained_mtls_and_relay_across_hosts(lab, native_bin, monkeypatch):
         assert mode == "chained" and r.error is None and len(r.tokens) == 12
         rr, rmode = _tokens(lr.relay_endpoints, lr.tls)
         assert rmode == "stepwise" and rr.error is None and rr.tokens == r.tokens
+        # with the egress in h1 (mTLS on its gRPC side and on the relay), the relayed route stays chained
+        assert lr.relay_hops[0] == "" and lr.relay_hops[1].startswith(h1.ip + ":")
+        rc, cmode = _tokens(lr.relay_endpoints, lr.tls, hops=lr.relay_hops)
+        assert cmode == "chained" and rc.error is None and rc.tokens == r.tokens
         # the head forwarded over the network (TLS), its chain counter moved
         with WorkerClient(lr.placed[0].direct, credentials=lr.tls.grpc_credentials()) as c:
             sent = sum(m.value for m in c.metrics().samples if m.name == "dgr_chain_frames_sent_total")

@@ -129,3 +129,100 @@ def test_relay_connection_reset_is_a_grpc_status():
     errors = asyncio.run(main())
     assert len(errors) == 1 and isinstance(errors[0], RelayRpcError)
     assert errors[0].code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_relay_egress_keeps_the_chained_mode_with_the_direct_routes_tokens(workers):
+    """The head dials a relay egress (a local gRPC endpoint) that carries the hop through the
+    relay to the tail's bridge: the route stays chained and makes the direct route's tokens; the
+    unary calls go through it too, and errors come back with their status."""
+    from dgr.protocol.relay_egress import RelayEgress
+    from dgr.protocol.relay import RelayStub  # noqa: F401  (the driver's side of the same relay)
+
+    async def main():
+        bridge = await RelayBridge(workers["4:8"].target).start()
+        relay = await LoopbackRelay(bridge.address, chunk=5).start()
+        egress = await RelayEgress(relay.endpoint).start()
+        try:
+            direct, dd = await _route([workers["0:4"].target, workers["4:8"].target], max_tokens=20,
+                                      stop_on_eog=False)
+            d = await RouteDriver([workers["0:4"].target, relay.endpoint], hops=["", egress.address]).connect()
+            try:
+                mode, hops = d.mode, [h.endpoint for h in d.chain_hops()]
+                relayed = await asyncio.gather(*(d.generate(p, max_tokens=20, stop_on_eog=False) for p in PROMPTS))
+            finally:
+                await d.close()
+            # a unary call and a refused one through the egress, as a worker would make them
+            ch = grpc.aio.insecure_channel(egress.address)
+            cap = await ch.unary_unary("/dgr.shard.v1.ShardRuntimeService/GetCapability",
+                                       request_serializer=pb.GetCapabilityRequest.SerializeToString,
+                                       response_deserializer=pb.GetCapabilityResponse.FromString)(
+                pb.GetCapabilityRequest(), timeout=10)
+            try:
+                await ch.unary_unary("/dgr.shard.v1.ShardRuntimeService/Detokenize",
+                                     request_serializer=pb.DetokenizeRequest.SerializeToString,
+                                     response_deserializer=pb.DetokenizeResponse.FromString)(
+                    pb.DetokenizeRequest(token_ids=[10**6]), timeout=10)
+                code = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+            await ch.close()
+            return dd.mode, mode, hops, direct, relayed, egress.calls, egress.frames_forwarded, cap, code
+        finally:
+            await egress.close()
+            await relay.close()
+            await bridge.close()
+
+    dmode, mode, hops, direct, relayed, calls, frames, cap, code = asyncio.run(main())
+    assert dmode == "chained" and mode == "chained"
+    assert hops == [hops[0]] and hops[0].startswith("127.0.0.1:")     # the head dials the egress
+    assert all(r.error is None for r in relayed), [str(r.error) for r in relayed]
+    assert [r.tokens for r in relayed] == [r.tokens for r in direct]
+    assert calls >= len(PROMPTS) and frames > 2 * len(PROMPTS)
+    assert cap.identity.range.start == 4
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+
+
+def test_a_relay_egress_whose_relay_is_gone_fails_the_session_naming_the_tail(workers):
+    """The relay behind the egress is unreachable: the head's hop fails, and the driver names
+    the relayed shard (the head reports the egress address it dialled)."""
+    import socket
+
+    from dgr.protocol.relay_egress import RelayEgress
+
+    async def main():
+        bridge = await RelayBridge(workers["4:8"].target).start()
+        relay = await LoopbackRelay(bridge.address).start()
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        dead = f"relay+tcp://127.0.0.1:{s.getsockname()[1]}"     # bound, never listening: refused
+        egress = await RelayEgress(dead).start()
+        try:
+            d = await RouteDriver([workers["0:4"].target, relay.endpoint], hops=["", egress.address]).connect()
+            try:
+                r = await d.generate(PROMPTS[0], max_tokens=8, stop_on_eog=False)
+                return d.mode, r
+            finally:
+                await d.close()
+        finally:
+            s.close()
+            await egress.close()
+            await relay.close()
+            await bridge.close()
+
+    mode, r = asyncio.run(main())
+    assert mode == "chained" and r.error is not None
+    assert r.error.shard_range == (4, 8), str(r.error)
+
+
+def test_every_unary_rpc_of_the_service_goes_through_the_relay():
+    """The relay stub and bridge know every unary method the service has (a new RPC that the
+    relay does not carry broke `dgr lab route --relay` with an AttributeError once)."""
+    from dgr.protocol.relay import _UNARY, RelayStub
+
+    methods = {m.name for m in pb.DESCRIPTOR.services_by_name["ShardRuntimeService"].methods}
+    unary = {m.name for m in pb.DESCRIPTOR.services_by_name["ShardRuntimeService"].methods
+             if not m.client_streaming and not m.server_streaming}
+    assert methods - unary == {"Session"}
+    assert unary == _UNARY
+    stub = RelayStub("relay+tcp://127.0.0.1:1")
+    assert all(callable(getattr(stub, name, None)) for name in unary)

@@ -241,6 +241,33 @@ def replicas_bench(
     _write(out, doc, summary(doc))
 
 
+@app.command("relay")
+def relay_bench(
+    model: Optional[str] = typer.Option(None, "--model", help="GGUF file, or a packaged model (default: the embedded "
+                                        "SmolLM2-135M Q4_1)."),
+    split: Optional[str] = typer.Option(None, "--split", help="Two ranges START:END,START:END, head on h1 and tail "
+                                        "on h2 (default: two even halves)."),
+    sessions: int = typer.Option(8, "--sessions", min=1, max=64, help="Concurrent greedy sessions per lane."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=2, max=1024, help="Tokens per session."),
+    repeats: int = typer.Option(3, "--repeats", min=1, max=20),
+    stepwise_lane: bool = typer.Option(False, "--stepwise-lane", help="Also drive the relayed route stepwise."),
+    out: Path = typer.Option(Path("relay-bench.json"), "--out", help="Where to write the results JSON."),
+) -> None:
+    """A route whose hops all go through relays (chained, through a relay egress) against the same
+    workers chained directly, on two lab hosts, at --sessions; the driver pinned with h1; every repeat."""
+    _check_out(out)
+    from ..bench.relay import RelayBenchConfig, run_relay_bench, summary
+    from ..gguf.models import resolve_model
+    from ..route.local import parse_split
+
+    rng = tuple(parse_split(split)) if split else ()
+    cfg = RelayBenchConfig(sessions=sessions, max_tokens=max_tokens, repeats=repeats, stepwise_lane=stepwise_lane,
+                           split=rng)
+    cfg.validate()
+    doc = run_relay_bench(resolve_model(model), cfg)
+    _write(out, doc, summary(doc))
+
+
 @app.command("gate")
 def gate(
     model: Optional[Path] = typer.Option(None, "--model", help="Source GGUF (default: embedded SmolLM2-135M Q4_1)."),

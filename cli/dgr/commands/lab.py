@@ -154,7 +154,11 @@ def route(
     sessions: int = typer.Option(1, "--sessions", min=1, max=256,
                                  help="Concurrent sessions with this prompt (a worker holds at most 256)."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Tokens to generate per session."),
-    relay: bool = typer.Option(False, "--relay", help="Reach every shard through a relay bridge in its host (relay framing, TLS)."),
+    relay: bool = typer.Option(False, "--relay", help="Reach every shard through a relay bridge in its host (relay framing, "
+                               "TLS); each shard's predecessor dials it through a relay egress in its own host, so the "
+                               "route stays chained."),
+    stepwise: bool = typer.Option(False, "--stepwise", help="Drive the route stepwise (the driver relays every step) "
+                                  "instead of chained."),
     parity: bool = typer.Option(False, "--parity", help="Also run the whole model on a local worker (outside the lab) and compare greedy tokens."),
     budget: bool = typer.Option(True, "--budget/--no-budget", help="Give each worker its host's memory budget."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
@@ -191,7 +195,8 @@ def route(
                   max_sessions=max(4, sessions), extra_args=extra) as lr:
         eps = lr.relay_endpoints if relay else lr.endpoints
         rep = asyncio.run(run_sessions(eps, items, max_tokens=max_tokens, tls=lr.tls, stats=lr.stats(),
-                                          pids=[w.pid for w in lr.workers], label=f"lab route {split}"))
+                                       hops=lr.relay_hops if relay else None, chain=False if stepwise else None,
+                                       pids=[w.pid for w in lr.workers], label=f"lab route {split}"))
         placed = lr.describe()
     doc = {"lab": lab.name, "placement": placed, "route": rep.to_json()}
     if plan_doc is not None:

@@ -7,7 +7,9 @@ worker presents its host certificate as client identity), so every hop is mTLS:
 
 With ``relay=True`` each Shard also gets a relay bridge in its host (:mod:`dgr.lab.relayhost`):
 the driver reaches it with ``relay+tcp://`` endpoints (the same frames as opaque records over a
-TLS byte stream) and the bridge calls the worker over mTLS gRPC.
+TLS byte stream) and the bridge calls the worker over mTLS gRPC. Each Shard after the head also
+gets a relay egress in the previous Shard's host, which that worker dials as its downstream and
+which carries the hop through the bridge (``relay_hops``): the relayed route stays chained.
 
 When the lab adds delay through the link proxy, every endpoint handed out is the proxy's, so the
 driver -> head and the head -> next hops both cross it.
@@ -41,7 +43,8 @@ class Placed:
     worker: Any                           # dgr.route.supervisor.WorkerProcess
     direct: str                           # host ip:port of the worker
     endpoint: str                         # what the driver and the previous hop dial
-    relay: str | None = None              # relay+tcp://… when relayed
+    relay: str | None = None              # relay+tcp://… when relayed (as the driver reaches it)
+    hop: str | None = None                # relayed: the egress on the previous Shard's host
     argv: list[str] = field(default_factory=list)
 
 
@@ -129,25 +132,33 @@ class LabRoute:
                 direct = w.target
                 ep = self.lab.expose(h, w.port)
                 p = Placed(h, (a, b), w, direct, ep, argv=[str(binary), "serve", "--listen", f"{h.ip}:0", *args.argv()])
+                prev = self.placed[-1] if self.placed else None
                 if self.relay:
-                    p.relay = self._start_relay(h, direct)
+                    p.relay = self._start_relay(h, ["--worker", direct])
+                    if prev is not None:      # the previous Shard's host dials this one through an egress
+                        p.hop = self._start_relay(prev.host, ["--egress", p.relay])
                 self.placed.append(p)
                 _log.info(f"worker [{a}:{b}) on {h.name} (CPUs {h.cpus}, {h.threads} thread(s)"
                          + (f", budget {h.worker_budget_mb} MiB" if self.memory_budget and h.worker_budget_mb else "")
                          + f") pid {w.pid} at {direct}" + (f" via {ep}" if ep != direct else "")
-                         + (f", relay {p.relay}" if p.relay else ""))
+                         + (f", relay {p.relay}" if p.relay else "")
+                         + (f", dialled by [{prev.range[0]}:{prev.range[1]}) through the egress {p.hop} on "
+                            f"{prev.host.name}" if p.hop and prev else ""))
         except BaseException:
             self.stop()
             raise
         return self.endpoints
 
-    def _start_relay(self, h: Host, worker: str) -> str:
+    def _start_relay(self, h: Host, side: list[str]) -> str:
+        """A relay bridge (``--worker``) or egress (``--egress``) on host ``h``: the bridge's
+        ``relay+tcp://`` address as the driver (and any host) reaches it; the egress's address on
+        its own host (only that host's worker dials it)."""
         import subprocess
 
         from .. import childproc
 
         t = host_tls(self.lab, h)
-        argv = [*self.lab.prefix(h), sys.executable, "-m", "dgr.lab.relayhost", "--worker", worker,
+        argv = [*self.lab.prefix(h), sys.executable, "-m", "dgr.lab.relayhost", *side,
                 "--listen", f"{h.ip}:0", "--ca", str(t.ca), "--cert", str(t.cert), "--key", str(t.key)]
         p = childproc.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self._relays.append(p)
@@ -156,9 +167,12 @@ class LabRoute:
         m = re.search(r"ready (\S+):(\d+)", line)
         if not m:
             p.kill()
-            raise DgrError(f"relay bridge on {h.name} did not start: {line} "
+            raise DgrError(f"relay {side[0].lstrip('-')} on {h.name} did not start: {line} "
                            f"{(p.stderr.read() if p.stderr else b'').decode(errors='replace')[-300:]}")
-        return "relay+tcp://" + self.lab.expose(h, int(m.group(2)))
+        port = int(m.group(2))
+        if side[0] == "--egress":
+            return f"{h.ip}:{port}"
+        return "relay+tcp://" + self.lab.expose(h, port)
 
     @property
     def endpoints(self) -> list[str]:
@@ -167,6 +181,13 @@ class LabRoute:
     @property
     def relay_endpoints(self) -> list[str]:
         return [p.relay or "" for p in self.placed]
+
+    @property
+    def relay_hops(self) -> list[str]:
+        """Per Shard, what the previous Shard dials for it when relayed: its relay egress on the
+        previous Shard's host ("" for the head): ``RouteDriver(relay_endpoints, hops=relay_hops)``
+        keeps the chained mode over the relay."""
+        return [p.hop or "" for p in self.placed]
 
     @property
     def workers(self) -> list[Any]:
@@ -202,5 +223,6 @@ class LabRoute:
                  "cpu_quota": p.host.cpu_quota,
                  "worker_budget_mb": p.host.worker_budget_mb if self.memory_budget else None,
                  "pid": p.worker.pid, "direct": p.direct, "endpoint": p.endpoint, "relay": p.relay,
+                 "relay_egress": p.hop,
                  "file": str(self.files[i]) if self.files else None,
                  "command": shlex.join(self.lab.prefix(p.host) + p.argv)} for i, p in enumerate(self.placed)]

@@ -105,7 +105,8 @@ class FrameDecoder:
 SERVICE = "/dgr.shard.v1.ShardRuntimeService/"
 RELAY_SCHEME = "relay+tcp://"
 OPEN, MSG, HALF_CLOSE, STATUS = 1, 2, 3, 4
-_UNARY = {"GetCapability", "ReleaseSession", "CancelSession", "GetMetrics", "Tokenize", "Detokenize"}
+_UNARY = {"GetCapability", "ReleaseSession", "CancelSession", "GetMetrics", "Tokenize", "Detokenize",
+          "ApplyChatTemplate"}
 
 
 def _record(tag: int, body: bytes = b"", max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
@@ -392,6 +393,7 @@ class RelayStub:
         self.GetMetrics = _Unary(self, "GetMetrics", pb.GetMetricsResponse)
         self.Tokenize = _Unary(self, "Tokenize", pb.TokenizeResponse)
         self.Detokenize = _Unary(self, "Detokenize", pb.DetokenizeResponse)
+        self.ApplyChatTemplate = _Unary(self, "ApplyChatTemplate", pb.ApplyChatTemplateResponse)
 
     def Session(self, timeout: float | None = None) -> RelaySessionCall:  # noqa: N802 (gRPC name)
         return RelaySessionCall(self)

@@ -69,6 +69,10 @@ class RouteDriver:
     is relayed, else stepwise; False always stepwise; True requires the chained mode
     (:class:`RouteError` when a shard lacks it).
 
+    ``hops``: per shard, the address the previous shard dials for it in the chained mode ("" or
+    None: its endpoint). A relayed shard (``relay+tcp://``) with a hop, a relay egress on the
+    previous shard's node (:mod:`dgr.protocol.relay_egress`), keeps the chained mode.
+
     ``tokens_per_answer`` (chained mode): 1 (default) answers every token as soon as it is
     sampled. N > 1 lets the head send up to N generated tokens in one answer while they come
     less than 50 ms apart, none held longer than 50 ms (``GenerateParams.tokens_per_answer``):
@@ -77,9 +81,12 @@ class RouteDriver:
 
     def __init__(self, endpoints: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S,
                  chain: bool | None = None, tokens_per_answer: int = DEFAULT_TOKENS_PER_ANSWER,
-                 tls: "TlsFiles | None" = None) -> None:
+                 tls: "TlsFiles | None" = None, hops: Sequence[str | None] | None = None) -> None:
         if not endpoints:
             raise RouteError("a route needs at least one shard endpoint")
+        if hops is not None and len(hops) != len(endpoints):
+            raise RouteError(f"{len(hops)} hops for {len(endpoints)} shard endpoints")
+        self.hops = [h or "" for h in hops] if hops is not None else [""] * len(endpoints)
         if tokens_per_answer < 1:
             raise RouteError(f"tokens_per_answer must be >= 1, got {tokens_per_answer}")
         self.endpoints = list(endpoints)
@@ -96,7 +103,7 @@ class RouteDriver:
     async def connect(self, *, validate: bool = True) -> "RouteDriver":
         """Opens channels and reads every shard's capability; ``validate`` checks that the
         shards form a complete compatible route (off: e.g. tokenizing on a head alone)."""
-        for ep in self.endpoints:   # a relay+tcp:// endpoint is a hop through a byte relay (same frames)
+        for ep, hop in zip(self.endpoints, self.hops):   # relay+tcp://: a hop through a byte relay (same frames)
             client = AsyncWorkerClient(ep, timeout=self.timeout, tls=self.tls)
             try:
                 cap = await client.capability(timeout=self.timeout)
@@ -108,7 +115,7 @@ class RouteDriver:
             except CapabilityError as exc:
                 await client.close()
                 raise RouteError(exc.one_line()) from None
-            self.shards.append(ShardHandle(ep, client, cap))
+            self.shards.append(ShardHandle(ep, client, cap, hop))
         if validate:
             self._validate()
             if self.chain and not self.chain_supported:
@@ -141,9 +148,9 @@ class RouteDriver:
 
         if not self.shards:
             return "not connected"
-        for s in self.shards:
-            if is_relay_endpoint(s.endpoint):
-                return f"{s.endpoint} is a relayed hop (the head cannot dial it)"
+        for i, s in enumerate(self.shards):
+            if i > 0 and is_relay_endpoint(s.dialled_as):
+                return f"{s.endpoint} is a relayed hop without a relay egress (the previous shard cannot dial it)"
             c = s.capability.capacity
             if not (c.chain_forwarding and c.server_generation):
                 return f"shard {s.endpoint} does not advertise chain_forwarding and server_generation"
@@ -200,7 +207,7 @@ class RouteDriver:
 
     def chain_hops(self) -> list[pb.ChainHop]:
         """The ``StepFrame.downstream`` of a chained session's opening frame."""
-        return [pb.ChainHop(endpoint=s.endpoint, range=pb.ShardRange(start=s.start, end=s.end),
+        return [pb.ChainHop(endpoint=s.dialled_as, range=pb.ShardRange(start=s.start, end=s.end),
                             compatibility_fingerprint=s.capability.identity.compatibility_fingerprint)
                 for s in self.shards[1:]]
 
@@ -351,7 +358,8 @@ class RouteDriver:
         if exc.failed_endpoint is None:
             return None
         return next((s for s in self.shards[1:]
-                     if s.endpoint == exc.failed_endpoint and (s.start, s.end) == exc.failed_range), None)
+                     if exc.failed_endpoint in (s.endpoint, s.dialled_as) and (s.start, s.end) == exc.failed_range),
+                    None)
 
     async def _silent_shard(self) -> ShardHandle | None:
         """The first shard (route order) that does not answer a capability probe."""

@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..errors import DgrError
 from ..procfs import status_bytes
 from ..protocol.errors import WorkerError
 from .text import PieceCache, TextDecoder, chat_prompt_text
@@ -333,7 +334,8 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
                        stream_period: float = 0.2, timeout: float = 60.0,
                        token_prompts: Sequence[Sequence[int]] | None = None,
                        chain: bool | None = None, tokens_per_answer: int | None = None,
-                       tls: Any = None, standby: Sequence[str] = (), max_restarts: int = 2) -> RunReport:
+                       tls: Any = None, standby: Sequence[str] = (), max_restarts: int = 2,
+                       hops: Sequence[str] | None = None) -> RunReport:
     """Runs one Route Session per prompt, all concurrently; streams text through ``on_text``
     (session index, new text) and returns per-session and per-worker figures. ``chain``: the
     driver's mode (None: chained when the workers support it, False: stepwise, True: chained
@@ -341,11 +343,15 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
     driver's default; 1: every token is timed as it is made). ``tls``: a
     :class:`dgr.protocol.tls.TlsFiles` for mutual TLS to every shard. ``standby``: further
     workers; with them a session whose shard fails restarts from token zero on a route that uses
-    a standby (:mod:`dgr.route.failover`) and its work record comes with its telemetry."""
+    a standby (:mod:`dgr.route.failover`) and its work record comes with its telemetry. ``hops``:
+    what each shard's predecessor dials in the chained mode (``RouteDriver``'s ``hops``: relay
+    egresses of a relayed route; not with ``standby``, whose new routes have none)."""
     from .driver import RouteDriver, Sampling
 
     kw = {"tokens_per_answer": tokens_per_answer} if tokens_per_answer else {}
     router = None
+    if standby and hops:
+        raise DgrError("a relayed route's hops do not go with standby workers")
     if standby:
         from .failover import FailoverRouter
 
@@ -354,7 +360,7 @@ async def run_sessions(endpoints: Sequence[str], prompts: Sequence[str], *, labe
         router.finder.endpoints += [e for e in standby if e not in router.finder.endpoints]
         driver = router.route
     else:
-        driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain, tls=tls, **kw).connect()
+        driver = await RouteDriver(list(endpoints), timeout=timeout, chain=chain, tls=tls, hops=hops, **kw).connect()
     try:
         toks = [list(t) for t in token_prompts] if token_prompts is not None else \
             await prompt_tokens(driver, prompts, chat=chat)

@@ -63,6 +63,13 @@ class ShardHandle:
     endpoint: str
     client: AsyncWorkerClient          # the one protocol client (channel, TLS, relayed hops)
     capability: pb.GetCapabilityResponse
+    # what the previous Shard dials to reach this one in the chained mode (the endpoint unless
+    # the hop is relayed: then a relay egress on the previous Shard's node; protocol/relay_egress.py)
+    hop: str = ""
+
+    @property
+    def dialled_as(self) -> str:
+        return self.hop or self.endpoint
 
     @property
     def channel(self) -> Any:
