@@ -82,13 +82,13 @@ def _answer(gw, model="fake-8", prompt="replica", n=12) -> str:
 
 def test_replicas_share_requests_and_answer_alike(replicas):
     with Gateway([replicas[0].target], model_id="fake-8") as one:
-        want = _answer(one, n=60)
+        want = _answer(one, n=300)    # long enough (about 1 s) that all four streams overlap, even on a busy host
     with Gateway(routes=[RouteSpec((w.target,), "fake-8") for w in replicas], health_interval=0.2) as gw:
         assert [m.id for m in _client(gw).models.list().data] == ["fake-8"]
         c = _client(gw)
         streams = []
         for _ in range(4):   # each stream is running (its first token read) before the next starts
-            s = c.completions.create(model="fake-8", prompt="replica", max_tokens=60, temperature=0, stream=True)
+            s = c.completions.create(model="fake-8", prompt="replica", max_tokens=300, temperature=0, stream=True)
             first = next(iter(s))
             streams.append((s, first.choices[0].text))
         h = httpx.get(gw.url + "/health").json()
@@ -180,7 +180,7 @@ def test_route_option_parses_names_and_orders():
 
 @pytest.mark.parametrize("args, message", [
     (["--route", "127.0.0.1:1", "--shard", "127.0.0.1:2"], "not both"),
-    (["--route", "127.0.0.1:1", "--route", "127.0.0.1:2", "--standby", "127.0.0.1:3"], "single route"),
+    (["--route", "127.0.0.1:1", "--route", "127.0.0.1:2", "--standby", "127.0.0.1:2"], "already a --shard"),
     (["--route", "127.0.0.1:1", "--split", "0:4,4:8"], "not both kinds"),
     (["--route", "127.0.0.1:1", "--standby", "127.0.0.1:1"], "already a --shard"),
 ])
@@ -189,3 +189,34 @@ def test_serve_refuses_route_combinations(args, message):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1
     assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_several_routes_fail_over_to_the_shared_standbys(native_bin):
+    """`--standby` with several routes: every route's failover pool. Two replica routes (head and
+    tail each) and one standby tail; route 2's tail dies while a client streams from it, and the
+    answer goes on through the standby, identical to an uninterrupted run."""
+    ws = [start_fake(native_bin, "--layers", r, "--fake-delay-ms", "2") for r in ("0:4", "4:8", "0:4", "4:8", "4:8")]
+    h1, t1, h2, t2, spare = ws
+    args = dict(model="fake-8", prompt="standbys", max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+    try:
+        routes = [RouteSpec((h1.target, t1.target), "fake-8"), RouteSpec((h2.target, t2.target), "fake-8")]
+        with Gateway(routes=routes, standby=[spare.target]) as gw:
+            c = _client(gw)
+            ref = c.completions.create(**args).choices[0].text
+            s = c.completions.create(stream=True, **args)
+            parts = [next(iter(s)).choices[0].text]
+            h = httpx.get(gw.url + "/health").json()
+            busy = [r for r in h["routes"] if r["running"] == 1]
+            assert len(busy) == 1, h["routes"]
+            victim = t1 if busy[0]["name"] == "route-1" else t2
+            victim.kill()
+            parts += [ch.choices[0].text for ch in s]
+            assert "".join(parts) == ref                      # nothing lost, nothing repeated
+            h = httpx.get(gw.url + "/health").json()
+            failed = [r for r in h["routes"] if r["failovers"]]
+            assert len(failed) == 1 and failed[0]["failed_shards"] == [victim.target], h["routes"]
+            assert failed[0]["route"][1] == spare.target
+            assert all(r["failovers"] == 0 for r in h["routes"] if r is not failed[0])
+    finally:
+        for w in ws:
+            w.kill()

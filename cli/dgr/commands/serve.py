@@ -57,10 +57,11 @@ def serve(
     shard_cert: Optional[Path] = typer.Option(None, "--shard-tls-cert", help="With --shard-tls-ca: the gateway's "
                                               "client certificate, for workers that require mutual TLS."),
     shard_key: Optional[Path] = typer.Option(None, "--shard-tls-key", help="Private key of --shard-tls-cert."),
-    standby: Optional[List[str]] = typer.Option(None, "--standby", help="With --shard: HOST:PORT of a running "
-                                                 "standby worker (repeat). A request whose shard fails then "
+    standby: Optional[List[str]] = typer.Option(None, "--standby", help="With --shard or --route: HOST:PORT of a "
+                                                 "running standby worker (repeat). A request whose shard fails then "
                                                  "restarts on a route through a standby; the client's answer goes "
-                                                 "on without losing or repeating tokens."),
+                                                 "on without losing or repeating tokens. With several --route, every "
+                                                 "route fails over to the standbys that fit its model and ranges."),
     max_restarts: int = typer.Option(2, "--max-restarts", min=0, help="With --standby: restarts per request."),
     fake: bool = typer.Option(False, "--fake", hidden=True, help="Fake-model workers (tests)."),
 ) -> None:
@@ -131,12 +132,10 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
         raise DgrError("give --shard (one route) or --route (one or more), not both")
     if standby and not (shard or route):
         raise DgrError("--standby goes with --shard (running workers of the route, then the standbys)")
-    if standby and len(specs) > 1:
-        raise DgrError("--standby goes with a single route", hint="several routes of one model already stand in "
-                       "for each other: a route that fails its health check gets no new requests")
     running = list(shard or []) + [ep for sp in specs for ep in sp.endpoints]
     if standby and set(standby) & set(running):
-        raise DgrError("a --standby worker is already a --shard of the route")
+        raise DgrError("a --standby worker is already a --shard of the route"
+                       + ("" if not specs else " (or of a --route)"))
 
     def ready(u: str, model_id: str) -> None:
         log(f"serving {model_id} at {u}/v1 (console: {u}/)")

@@ -138,9 +138,6 @@ async def connect_routes(specs: Sequence[RouteSpec], opts: ServeOptions) -> Any:
 
     if not specs:
         raise DgrError("no route to serve")
-    if len(specs) > 1 and opts.standby:
-        raise DgrError("standby workers go with a single route",
-                       hint="several routes of one model already stand in for each other")
     seen: dict[str, int] = {}
     for i, sp in enumerate(specs):
         if not sp.endpoints:
@@ -154,7 +151,9 @@ async def connect_routes(specs: Sequence[RouteSpec], opts: ServeOptions) -> Any:
     async def one(sp: RouteSpec) -> Any:
         return await Engine.connect(list(sp.endpoints), model_id=sp.model_id or opts.model_id, slots=opts.slots,
                                     queue=opts.queue, timeout=opts.timeout, tls=opts.route_tls,
-                                    standby=list(sp.standby) or (opts.standby if len(specs) == 1 else []),
+                                    # the gateway's standbys are every route's failover pool (a
+                                    # failover takes the ones whose range and fingerprint fit)
+                                    standby=list(sp.standby) or list(opts.standby),
                                     max_restarts=opts.max_restarts)
 
     got = await asyncio.gather(*(one(sp) for sp in specs), return_exceptions=True)
