@@ -50,6 +50,9 @@ def serve(
                                       "even range per host."),
     lab_hosts: Optional[str] = typer.Option(None, "--lab-hosts", help="With --lab: the host of each shard, "
                                             "comma-separated (e.g. h1,h2); default h1, h2, ... in order."),
+    local_standby: bool = typer.Option(False, "--local-standby", help="With --model/--split (local workers): also "
+                                       "start a standby worker per range on this machine (failover as with --standby; "
+                                       "each standby loads its range too: twice the memory)."),
     lab_standby: bool = typer.Option(False, "--lab-standby", help="With --lab: also start a standby worker per range, "
                                      "on the lab host after its shard's (failover as with --standby)."),
     shard_ca: Optional[Path] = typer.Option(None, "--shard-tls-ca", help="With --shard: PEM CA of workers that "
@@ -77,7 +80,7 @@ def serve(
         try:
             _serve(model, split, shard, host, port, api_key, tls_cert, tls_key, model_name, max_concurrent, queue,
                    max_sessions, ctx_per_session, threads, slices, lab, lab_hosts, shard_ca, shard_cert, shard_key,
-                   fake, standby or [], max_restarts, route or [], lab_standby)
+                   fake, standby or [], max_restarts, route or [], lab_standby, local_standby)
         except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the workers were stopped on the way out
             pass
 
@@ -116,7 +119,8 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
            max_concurrent: Optional[int], queue: int, max_sessions: int, ctx_per_session: Optional[int],
            threads: Optional[int], slices: bool, lab: Optional[str], lab_hosts: Optional[str],
            shard_ca: Optional[Path], shard_cert: Optional[Path], shard_key: Optional[Path], fake: bool,
-           standby: List[str] = (), max_restarts: int = 2, route: List[str] = (), lab_standby: bool = False) -> None:
+           standby: List[str] = (), max_restarts: int = 2, route: List[str] = (), lab_standby: bool = False,
+           local_standby: bool = False) -> None:
     from ..gguf.gguf_set import model_stem
     from ..gguf.models import resolve_model
     from ..route import local as rt
@@ -142,6 +146,9 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
 
     if (shard_cert or shard_key or shard_ca) and not running:
         raise DgrError("--shard-tls-ca/--shard-tls-cert/--shard-tls-key go with --shard (a --lab route has its own CA)")
+    if local_standby and (running or lab):
+        raise DgrError("--local-standby goes with local workers (--model/--split); "
+                       + ("use --standby HOST:PORT with running workers" if running else "use --lab-standby on a lab"))
     if running:
         if model or split or fake or lab:
             raise DgrError("give only one of --shard/--route (running workers), --lab (workers on lab hosts) or --model/--split (local workers), not both kinds")
@@ -181,9 +188,14 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
     if not fake:
         rt.ensure_worker()
     opts.model_id = opts.model_id or (model_stem(src) if src else "fake")
-    with rt.LocalRoute(src, rng, fake=fake, slices=slices, threads=threads or os.cpu_count() or 1,
-                       max_sessions=max_sessions, ctx_per_session=ctx_per_session) as lr:
+    local = dict(fake=fake, slices=slices, threads=threads or os.cpu_count() or 1, max_sessions=max_sessions,
+                 ctx_per_session=ctx_per_session)
+    with rt.LocalRoute(src, rng, **local) as lr, contextlib.ExitStack() as stack:
         log(f"route {','.join(f'{a}:{b}' for a, b in rng)} on {len(rng)} local worker(s)")
+        if local_standby:
+            spares = stack.enter_context(rt.LocalRoute(src, rng, **local))
+            opts.standby = list(spares.endpoints)
+            log("standbys " + ", ".join(f"{a}:{b} at {ep}" for (a, b), ep in zip(rng, spares.endpoints)))
         asyncio.run(serve_route(lr.endpoints, opts, on_ready=ready))
 
 
