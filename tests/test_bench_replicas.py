@@ -30,6 +30,9 @@ def test_replicas_bench_runs_both_lanes_and_spreads_requests(tmp_path, monkeypat
     assert [r["requests_per_route"] for r in doc["one"]] == [[4], [4]]
     assert len(doc["ratios"]) == 2 and all(r > 0 for r in doc["ratios"])
     assert [r["first"] for r in doc["one"]] == [True, False]     # alternating order
+    assert [r["requests"] for r in doc["half"]] == [2, 2]          # half the requests, one replica
+    assert len(doc["spread_efficiency"]) == 2 and all(v > 0 for v in doc["spread_efficiency"])
+    assert doc["median_batch_ceiling"] > 0
     assert doc["gateway_cpus"] and "load_avg_start" in doc["machine"]
     assert "median two/one" in summary(doc)
     with pytest.raises(DgrError, match="concurrency"):

@@ -12,6 +12,12 @@ Per repeat, in alternating order, ``--concurrency`` streaming chat requests (the
 OpenAI-API load generator) go to each. Reported per repeat: aggregate decode (tokens after each
 request's first, over the window from the first first token to the last token), TTFT, the
 requests each route took; the ratio two/one per pair, and its median against the target.
+
+A third lane, **half**, sends half the requests to one replica alone: what each replica of
+**two** does when the requests are spread evenly. ``2 x half`` is then what two replicas can
+reach at all, since a worker decodes fewer tokens per second at half the batch; ``two / (2 x
+half)`` (``spread_efficiency``) is the share of it the gateway delivers, and ``2 x half / one``
+(``batch_ceiling``) the ratio the batch size alone allows.
 """
 
 from __future__ import annotations
@@ -80,7 +86,7 @@ def run_replica_bench(model: Path, cfg: ReplicaBenchConfig) -> dict[str, Any]:
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
         "setup": "lab of 2 hosts, 1 core and 1 thread each; the whole model on h1 and on h2; the gateways and "
                  "the load generator pinned to h1's CPU", "target_ratio": TARGET_RATIO,
-        "one": [], "two": [], "ratios": [],
+        "one": [], "two": [], "half": [], "ratios": [], "spread_efficiency": [], "batch_ceiling": [],
     }
     lcfg = LabConfig(hosts=2, name=cfg.lab_name, cores_per_host=1, threads=1)
     slots = max(cfg.concurrency, 8)
@@ -97,24 +103,33 @@ def run_replica_bench(model: Path, cfg: ReplicaBenchConfig) -> dict[str, Any]:
                 for gw, lane in ((one, "one"), (two, "two")):   # warm-up (not reported)
                     _level(gw.url, "m", prompts[:2], 4, lane)
                 for rep in range(cfg.repeats):
-                    order = [(one, "one"), (two, "two")] if rep % 2 == 0 else [(two, "two"), (one, "one")]
+                    order = [(one, "one"), (two, "two"), (one, "half")]
+                    order = order if rep % 2 == 0 else order[::-1]
                     got: dict[str, dict[str, Any]] = {}
                     for gw, lane in order:
                         _log.info("repeat %d/%d: %s replica(s), %d concurrent requests", rep + 1, cfg.repeats,
                                   lane, cfg.concurrency)
                         before = [r.picked for r in gw.routes.routes]
-                        res = _level(gw.url, "m", prompts, cfg.max_tokens, lane)
+                        res = _level(gw.url, "m", prompts[:cfg.concurrency // 2] if lane == "half" else prompts,
+                                     cfg.max_tokens, lane)
                         res["requests_per_route"] = [r.picked - b for r, b in zip(gw.routes.routes, before)]
                         res["first"] = lane == order[0][1]
                         got[lane] = res
                         doc[lane].append(res)
-                    one_r, two_r = got["one"], got["two"]
+                    one_r, two_r, half_r = got["one"], got["two"], got["half"]
                     ok = one_r["ok"] and two_r["ok"] and one_r["aggregate_decode_tok_s"] > 0
                     doc["ratios"].append(two_r["aggregate_decode_tok_s"] / one_r["aggregate_decode_tok_s"]
                                          if ok else None)
+                    ok_half = ok and half_r["ok"] and half_r["aggregate_decode_tok_s"] > 0
+                    ideal = 2 * half_r["aggregate_decode_tok_s"]
+                    doc["spread_efficiency"].append(two_r["aggregate_decode_tok_s"] / ideal if ok_half else None)
+                    doc["batch_ceiling"].append(ideal / one_r["aggregate_decode_tok_s"] if ok_half else None)
     doc["machine"]["load_avg_end"] = os.getloadavg()
     ratios = [r for r in doc["ratios"] if r is not None]
     doc["median_ratio"] = statistics.median(ratios) if ratios else None
+    for key in ("spread_efficiency", "batch_ceiling"):
+        vals = [v for v in doc[key] if v is not None]
+        doc[f"median_{key}"] = statistics.median(vals) if vals else None
     doc["all_ok"] = len(ratios) == cfg.repeats
     doc["target_met"] = bool(doc["all_ok"] and doc["median_ratio"] is not None and doc["median_ratio"] >= TARGET_RATIO)
     return doc
@@ -123,11 +138,16 @@ def run_replica_bench(model: Path, cfg: ReplicaBenchConfig) -> dict[str, Any]:
 def summary(doc: dict[str, Any]) -> str:
     lines = [f"replicas bench ({doc['config']['concurrency']} concurrent requests, load at start "
              f"{doc['machine']['load_avg_start'][0]:.2f})"]
-    for i, (a, b, r) in enumerate(zip(doc["one"], doc["two"], doc["ratios"])):
+    for i, (a, b, h, r) in enumerate(zip(doc["one"], doc["two"], doc["half"], doc["ratios"])):
         lines.append(f"  repeat {i + 1}: one {a['aggregate_decode_tok_s']:.1f} tok/s, two "
-                     f"{b['aggregate_decode_tok_s']:.1f} tok/s {b['requests_per_route']}, ratio "
+                     f"{b['aggregate_decode_tok_s']:.1f} tok/s {b['requests_per_route']}, half (one replica, "
+                     f"{h['requests']} requests) {h['aggregate_decode_tok_s']:.1f} tok/s, ratio "
                      + ("-" if r is None else f"{r:.2f}"))
     med = doc["median_ratio"]
     lines.append(f"  median two/one: {'-' if med is None else f'{med:.2f}'} (target >= {doc['target_ratio']}): "
                  + ("met" if doc["target_met"] else "NOT met"))
+    eff, ceil = doc.get("median_spread_efficiency"), doc.get("median_batch_ceiling")
+    if eff is not None and ceil is not None:
+        lines.append(f"  median two / (2 x half): {eff:.3f} (the spread); 2 x half / one: {ceil:.2f} (what the batch "
+                     "size allows)")
     return "\n".join(lines)
