@@ -93,8 +93,8 @@ def _lane(endpoints: list[str], prompts: list[str], cfg: RelayBenchConfig, *, tl
 
 
 def run_relay_bench(model: Path, cfg: RelayBenchConfig) -> dict[str, Any]:
-    from ..lab.bench import _Pinned
-    from ..lab.config import LabConfig, parse_cpus
+    from ..lab.pin import Pinned
+    from ..lab.config import LabConfig
     from ..lab.hosts import Lab
     from ..lab.route import LabRoute
     from ..route.local import ensure_worker, model_n_layer
@@ -120,7 +120,7 @@ def run_relay_bench(model: Path, cfg: RelayBenchConfig) -> dict[str, Any]:
         doc["lab"] = {k: lab.state[k] for k in ("subnet", "cgroup_mode", "hosts")}
         lr = LabRoute(lab, model, split, placement=["h1", "h2"], relay=True, max_sessions=max(8, cfg.sessions),
                       ctx_per_session=1024)
-        with lr, _Pinned(parse_cpus(lab.host("h1").cpus)) as pinned:
+        with lr, Pinned.on_host(lab, "h1") as pinned:
             doc["driver_cpus"] = sorted(pinned.cpus)
             doc["placement"] = lr.describe()
             relay_pids = [p.pid for p in lr._relays]

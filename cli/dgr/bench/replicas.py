@@ -68,8 +68,8 @@ def _level(url: str, model_id: str, prompts: list[Any], max_tokens: int, lane: s
 
 
 def run_replica_bench(model: Path, cfg: ReplicaBenchConfig) -> dict[str, Any]:
-    from ..lab.bench import _Pinned
-    from ..lab.config import LabConfig, parse_cpus
+    from ..lab.pin import Pinned
+    from ..lab.config import LabConfig
     from ..lab.hosts import Lab
     from ..lab.route import LabRoute
     from ..route.local import ensure_worker, model_n_layer
@@ -94,7 +94,7 @@ def run_replica_bench(model: Path, cfg: ReplicaBenchConfig) -> dict[str, Any]:
         doc["lab"] = {k: lab.state[k] for k in ("subnet", "cgroup_mode", "hosts")}
         reps = [LabRoute(lab, model, [(0, n_layer)], placement=[h], slices=False, memory_budget=False,
                          max_sessions=slots, ctx_per_session=1024) for h in ("h1", "h2")]
-        with reps[0], reps[1], _Pinned(parse_cpus(lab.host("h1").cpus)) as pinned:
+        with reps[0], reps[1], Pinned.on_host(lab, "h1") as pinned:
             doc["gateway_cpus"] = sorted(pinned.cpus)
             tls = reps[0].tls
             specs = [RouteSpec(tuple(r.endpoints), "m") for r in reps]

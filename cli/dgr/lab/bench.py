@@ -37,7 +37,7 @@ from typing import Any
 
 from ..errors import DgrError
 from .bench_report import baseline, targets
-from .config import parse_cpus
+from .pin import Pinned
 
 _log = logging.getLogger(__name__)
 
@@ -253,24 +253,6 @@ def measure_replicas(replicas: list[tuple[list[str], list[str]]], tls: Any, *, n
             "ttft_s": sum(rep.mean_ttft_s for rep in reps) / len(reps)}
 
 
-class _Pinned:
-    """The bench's own process (the driver) on the head's host's CPUs while it measures, as a
-    deployment runs the driver or gateway next to the head; the affinity is restored after."""
-
-    def __init__(self, cpus: list[int]) -> None:
-        self.cpus, self.before = set(cpus), None
-
-    def __enter__(self) -> "_Pinned":
-        if hasattr(os, "sched_setaffinity") and self.cpus:
-            self.before = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, self.cpus)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.before is not None:
-            os.sched_setaffinity(0, self.before)
-
-
 # ---- stock llama.cpp on one host -----------------------------------------------------------
 
 def _tool(name: str, backend: str, rpc: bool = False) -> Path:
@@ -411,7 +393,7 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
                                max_sessions=max_s, ctx_per_session=ctx, backend=cfg.backend)
                       for i in range(2, cfg.hosts + 1)]
             with route, whole, contextlib.ExitStack() as stack, \
-                    _Pinned(parse_cpus(lab.host("h1").cpus)) as pinned:
+                    Pinned.on_host(lab, "h1") as pinned:
                 for o in others:
                     stack.enter_context(o)
                 res["driver_cpus"] = sorted(pinned.cpus)

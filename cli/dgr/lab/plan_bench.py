@@ -77,8 +77,8 @@ def run_plan_bench(model: Path, cfg: PlanBenchConfig) -> dict[str, Any]:
     from ..route.planner import Link, Overheads, Workload, even_ranges, model_shape, plan_route, predict
     from ..route.probe import capability_from_probe, capability_of, default_probe_range, host_memory_bytes, run_probe
     from ..upstream.build import worker_binary_path
-    from .bench import _Pinned, measure
-    from .config import parse_cpus
+    from .bench import measure
+    from .pin import Pinned
     from .hosts import Lab, LabConfig
     from .route import LabRoute
 
@@ -153,7 +153,7 @@ def run_plan_bench(model: Path, cfg: PlanBenchConfig) -> dict[str, Any]:
                                            "predicted_decode_tok_s": v["predicted"]["aggregate_tok_s"]
                                            if s > 1 else v["predicted"]["single_session_tok_s"],
                                            "predicted": v["predicted"], "runs": []}
-            with contextlib.ExitStack() as stack, _Pinned(parse_cpus(lab.host("h1").cpus)):
+            with contextlib.ExitStack() as stack, Pinned.on_host(lab, "h1"):
                 for r in routes.values():
                     stack.enter_context(r)
                 for r in routes.values():   # warm-up
