@@ -95,10 +95,119 @@ def test_the_tree_that_travels_leaves_room_for_a_bundle():
     assert 0 < tree < bundle.TRAVEL_LIMIT_BYTES - bundle.DEFAULT_MARGIN_BYTES - 30 * bundle.MiB
 
 
+def test_a_bundle_holds_cpu_first_and_vulkan_on_request():
+    from dgr.errors import DgrError
+    from dgr.upstream import bundle
+
+    assert bundle.bundle_backends("cuda") == ["cpu", "cuda"]
+    assert bundle.bundle_backends("cuda", vulkan=True) == ["cpu", "cuda", "vulkan"]
+    assert bundle.bundle_backends("vulkan") == bundle.bundle_backends("cpu", vulkan=True) == ["cpu", "vulkan"]
+    assert bundle.bundle_backends("cpu") == ["cpu"]
+    with pytest.raises(DgrError, match="not 'hip'"):
+        bundle.bundle_backends("hip")
+    # the Vulkan loader stays a machine library: never copied into the archive, named under needs
+    assert bundle.MACHINE_LIBS.match("libvulkan.so.1") and bundle.PER_BACKEND_LIBS.match("libggml-vulkan.so")
+    assert bundle.LOADER_DEBS[0] == "libvulkan1"
+
+
+def _deb(path: Path, package: str, files: dict[str, bytes], links: dict[str, str] = {}) -> Path:
+    """A minimal .deb (ar: debian-binary, control.tar.xz, data.tar.xz), as apt-get download writes."""
+    import io
+    import tarfile
+
+    def tar(entries: dict[str, bytes], symlinks: dict[str, str] = {}) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:xz") as tf:
+            for name, data in entries.items():
+                ti = tarfile.TarInfo(name)
+                ti.size = len(data)
+                tf.addfile(ti, io.BytesIO(data))
+            for name, target in symlinks.items():
+                ti = tarfile.TarInfo(name)
+                ti.type, ti.linkname = tarfile.SYMTYPE, target
+                tf.addfile(ti)
+        return buf.getvalue()
+
+    control = f"Package: {package}\nVersion: 1.3.239.0-1\nArchitecture: amd64\nDepends: libc6 (>= 2.34)\n" \
+              f"Description: test\n two lines\n".encode()
+    members = [("debian-binary", b"2.0\n"), ("control.tar.xz", tar({"./control": control})),
+               ("data.tar.xz", tar(files, links))]
+    out = b"!<arch>\n"
+    for name, data in members:
+        out += f"{name + '/':<16}{0:<12}{0:<6}{0:<6}{'100644':<8}{len(data):<10}`\n".encode() + data
+        out += b"\n" if len(data) % 2 else b""
+    path.write_bytes(out)
+    return path
+
+
+def test_a_loader_deb_is_read_and_unpacked_without_dpkg(tmp_path: Path):
+    from dgr.upstream import bundle
+
+    lib = "./usr/lib/x86_64-linux-gnu/"
+    deb = _deb(tmp_path / "libvulkan1_1.3.239.0-1_amd64.deb", "libvulkan1",
+               {lib + "libvulkan.so.1.3.239": b"\x7fELF-not-really", "./usr/share/doc/libvulkan1/copyright": b"x"},
+               {lib + "libvulkan.so.1": "libvulkan.so.1.3.239"})
+    f = bundle.deb_fields(deb)
+    assert f["Package"] == "libvulkan1" and f["Version"] == "1.3.239.0-1" and f["Depends"] == "libc6 (>= 2.34)"
+    assert bundle.deb_libraries(deb) == ["libvulkan.so.1", "libvulkan.so.1.3.239"]
+    dest = tmp_path / "gl"
+    bundle.unpack_deb(deb, dest)   # what tools/gpu-check.sh does without dpkg: under dest, never over /
+    assert (dest / "usr/lib/x86_64-linux-gnu/libvulkan.so.1").read_bytes() == b"\x7fELF-not-really"
+    with pytest.raises(Exception, match="not an ar archive"):
+        bundle.deb_fields(tmp_path / "gl" / "usr/share/doc/libvulkan1/copyright")
+
+
+def test_the_loader_debs_are_listed_with_their_hashes(tmp_path: Path, monkeypatch):
+    """fetch_debs copies the cached .debs (build/gpu-bundle-debs; apt-get download only for a
+    missing one) into the bundle's debs/ and lists each with its version, libraries and sha256."""
+    from dgr.upstream import bundle
+
+    monkeypatch.setenv("DGR_BUILD_DIR", str(tmp_path / "build"))
+    cache = bundle.deb_cache_dir()
+    cache.mkdir(parents=True)
+    _deb(cache / "libvulkan1_1.3.239.0-1_amd64.deb", "libvulkan1",
+         {"./usr/lib/x86_64-linux-gnu/libvulkan.so.1.3.239": b"v"})
+    _deb(cache / "libglvnd0_1.3.239.0-1_amd64.deb", "libglvnd0",
+         {"./usr/lib/x86_64-linux-gnu/libGLdispatch.so.0.0.0": b"g"})
+    monkeypatch.setattr(bundle.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a}: nothing to download"))
+    rows = bundle.fetch_debs(tmp_path / "out" / "debs", ("libvulkan1", "libglvnd0"))
+    assert [r["package"] for r in rows] == ["libvulkan1", "libglvnd0"]
+    assert rows[0]["file"] == "debs/libvulkan1_1.3.239.0-1_amd64.deb" and rows[0]["version"] == "1.3.239.0-1"
+    assert rows[0]["libraries"] == ["libvulkan.so.1.3.239"] and rows[1]["libraries"] == ["libGLdispatch.so.0.0.0"]
+    for r in rows:
+        copied = tmp_path / "out" / r["file"]
+        assert r["sha256"] == bundle.sha256_file(copied) and r["bytes"] == copied.stat().st_size
+
+
+def test_the_summary_names_the_vulkan_build_and_the_debs():
+    from dgr.upstream import bundle
+
+    doc = {"backend": "cuda", "backends": ["cpu", "cuda", "vulkan"], "cuda_architectures": "90-real",
+           "files": {"vulkan/bin/libggml-vulkan.so.0": {"bytes": 3 << 20}, "lib/libllama.so.0": {"bytes": 1 << 20}},
+           "unpacked_bytes": 4 << 20, "archive": {"file": "bundle.tar.xz", "bytes": 1 << 20, "xz_preset": 6, "seconds": 1},
+           "wheels": [], "debs": [{"bytes": 200_000}, {"bytes": 100_000}], "bundle_bytes": 2 << 20,
+           "tree_bytes": 6 << 20, "travel_bytes": 8 << 20, "limit_bytes": 64 << 20, "margin_bytes": 8 << 20,
+           "needs": {"machine_libraries": ["libcuda.so.1", "libvulkan.so.1"], "symbol_versions": {}}}
+    text = bundle.summary(doc)
+    assert "bundle cuda (cpu, cuda, vulkan)" in text and "vulkan/bin" in text
+    assert "+ debs 0.29 MiB (2: the Vulkan loader" in text and "libvulkan.so.1" in text
+
+
+def test_the_dry_run_measures_its_vulkan_steps_and_the_gpu_run_judges_them(monkeypatch):
+    from dgr.bench import gpu_check
+
+    monkeypatch.delenv("DGR_GPU_CHECK_DRY_RUN", raising=False)
+    assert gpu_check._status(False, "vulkan") == "fail" and gpu_check.TARGETS["vulkan"]["device_class"] == "vulkan:nvidia"
+    monkeypatch.setenv("DGR_GPU_CHECK_DRY_RUN", "1")   # tools/gpu-check.sh --dry-run-cpu: llvmpipe
+    assert gpu_check._status(False, "vulkan") == "measured"
+    assert gpu_check._headline({"kind": "vulkan-device", "result": {"device": {
+        "device_class": "vulkan:nvidia", "description": "NVIDIA H100 80GB HBM3"}}}) == "vulkan:nvidia: NVIDIA H100 80GB HBM3"
+
+
 def test_the_script_parses_and_says_how_to_run_it():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
-    assert "--dry-run-cpu" in out and "build/bundle-cuda" in out
+    assert "--dry-run-cpu" in out and "build/bundle-cuda" in out and "--no-vulkan" in out
 
 
 @pytest.mark.real

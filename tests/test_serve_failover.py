@@ -6,6 +6,8 @@ workers: seconds, no GGUF."""
 
 from __future__ import annotations
 
+import subprocess
+
 import httpx
 import openai
 import pytest
@@ -145,3 +147,60 @@ def test_a_request_that_arrives_just_after_the_head_died_is_answered(native_bin)
     finally:
         for w in ws:
             w.kill()
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of ``pid``'s child processes, from /proc."""
+    from pathlib import Path
+
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append((int(d.name), cmd))
+    return out
+
+
+@pytest.mark.native
+def test_local_standby_takes_over_a_killed_local_worker(native_bin):
+    """`dgr serve --model/--split --local-standby`: a second worker per range on this machine;
+    the route's tail killed, the gateway answers on head + standby tail, the same text."""
+    import os
+    import re
+    import signal
+    import sys
+
+    from dgr.serve.server import free_port
+
+    env = {**os.environ, "DGR_WORKER_BIN": str(native_bin / "dgr-worker")}
+    p = subprocess.Popen([sys.executable, "-c", "from dgr.main import main; main()", "serve", "--fake", "--split",
+                          "0:4,4:8", "--port", str(free_port()), "--max-sessions", "2", "--local-standby"],
+                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        lines = []
+        for _ in range(100):
+            line = p.stderr.readline()
+            lines.append(line)
+            if not line or "serving " in line:
+                break
+        assert any("standbys 0:4 at" in ln and "4:8 at" in ln for ln in lines), "".join(lines)
+        url = re.search(r"at (http://\S+)/v1", lines[-1]).group(1)
+        ask = dict(model="fake", prompt="spare", max_tokens=24, temperature=0)
+        before = httpx.post(url + "/v1/completions", json=ask, timeout=30).json()["choices"][0]["text"]
+        tails = sorted(pid for pid, cmd in _children(p.pid) if "dgr-worker" in cmd and "4:8" in cmd)
+        assert len(tails) == 2, _children(p.pid)
+        os.kill(tails[0], signal.SIGKILL)          # the route's tail (started before its standby)
+        after = httpx.post(url + "/v1/completions", json=ask, timeout=30).json()["choices"][0]["text"]
+        assert after == before
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["failovers"] >= 1 and len(health["failed_shards"]) == 1, health
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(30)
+    assert p.returncode == 0

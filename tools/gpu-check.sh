@@ -3,12 +3,16 @@
 #
 #   bash tools/gpu-check.sh                  # on the GPU machine, with build/bundle-cuda carried
 #   bash tools/gpu-check.sh --dry-run-cpu    # here: the same steps, CPU bundle, tiny models (< 3 min)
+#   bash tools/gpu-check.sh --bundle build/bundle-cuda-vulkan   # and the Vulkan worker on the driver
 #
-# Options: --bundle DIR (default build/bundle-cuda; dry run build/bundle-cpu), --deadline S (the
-# whole run, default 450; dry run 240), --no-large (skip the 8B-shaped model).
+# Options: --bundle DIR (default build/bundle-cuda-vulkan where it exists, else build/bundle-cuda;
+# dry run build/bundle-cpu), --deadline S (the
+# whole run, default 450; dry run 240), --no-large (skip the 8B-shaped model), --no-vulkan (skip
+# the Vulkan steps of a bundle that holds a Vulkan build; in the dry run they run on llvmpipe).
 # Environment: OUT (results: gpu-check.json, gpu-check.log, nvidia-smi-q.txt; default
 # build/gpu-check-out), GPU_CHECK_WORK (models, step files; default /tmp/dgr-gpu-check),
-# PYTHON (default python3), BACKEND=cpu (same as --dry-run-cpu).
+# PYTHON (default python3), BACKEND=cpu (same as --dry-run-cpu), GPU_CHECK_LOADER=carried (unpack
+# the bundle's Vulkan loader .debs even where the machine has libvulkan.so.1: tries that path here).
 #
 # Every step runs under `timeout`, inside what is left of the deadline; a step that fails is
 # recorded and the next one runs; steps that no longer fit are recorded as skipped. One JSON
@@ -21,13 +25,15 @@ BACKEND="${BACKEND:-cuda}"
 BUNDLE=""
 DEADLINE=""
 LARGE=1
+VULKAN=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run-cpu) BACKEND=cpu ;;
     --bundle) BUNDLE="$2"; shift ;;
     --deadline) DEADLINE="$2"; shift ;;
     --no-large) LARGE=0 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --no-vulkan) VULKAN=0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -35,6 +41,7 @@ done
 if [ "$BACKEND" = cpu ]; then
   BUNDLE="${BUNDLE:-build/bundle-cpu}"; DEADLINE="${DEADLINE:-240}"
 else
+  if [ -z "$BUNDLE" ] && [ -f build/bundle-cuda-vulkan/dgr-bundle.json ]; then BUNDLE=build/bundle-cuda-vulkan; fi
   BUNDLE="${BUNDLE:-build/bundle-cuda}"; DEADLINE="${DEADLINE:-450}"
 fi
 BUNDLE="$(cd "$BUNDLE" 2>/dev/null && pwd || echo "$ROOT/$BUNDLE")"
@@ -64,6 +71,7 @@ export DGR_MODEL_DIR="$WORK/models"
 export GIT_PYTHON_REFRESH=quiet                # GitPython without a git executable
 export PYTHONUNBUFFERED=1
 export TMPDIR="${TMPDIR:-/tmp}"
+if [ "$BACKEND" = cpu ]; then export DGR_GPU_CHECK_DRY_RUN=1; fi   # targets measured, not judged (Vulkan's too)
 SITE="$WORK/site"
 if compgen -G "$BUNDLE/wheels/*.whl" >/dev/null; then
   rm -rf "$SITE"
@@ -112,12 +120,56 @@ else
   LARGE_NEEDS=60
 fi
 
+# ---- the Vulkan worker (a bundle with a Vulkan build): the machine's Vulkan loader, else the
+# carried .debs unpacked into the work folder (never over /); NVIDIA's Vulkan driver (ICD) ----
+VK=""           # empty: the Vulkan steps run; else why they are skipped
+VK_LOADER=""
+bundle_backends=$("$PY" -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1])).get("backends", [])))' \
+  "$BUNDLE/dgr-bundle.json" 2>/dev/null || true)
+if [[ " $bundle_backends " != *" vulkan "* ]]; then
+  VK="not carried: the bundle holds no Vulkan build (dgr build --bundle OUT --backend cuda --vulkan; docs/backends.md)"
+elif [ "$VULKAN" = 0 ]; then
+  VK="not run: --no-vulkan"
+else
+  ldcache() { { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true; } | grep -F "$1" | head -1; }
+  if [ "${GPU_CHECK_LOADER:-}" != carried ] && [ -n "$(ldcache libvulkan.so.1)" ]; then
+    VK_LOADER="the machine's: $(ldcache libvulkan.so.1 | sed 's/.*=> //')"
+  elif compgen -G "$BUNDLE/debs/*.deb" >/dev/null; then
+    GL="$WORK/gl"; rm -rf "$GL"; mkdir -p "$GL"
+    for f in "$BUNDLE"/debs/*.deb; do
+      if command -v dpkg >/dev/null; then dpkg -x "$f" "$GL" || log "dpkg -x $f failed"
+      else "$PY" -c 'import sys; from pathlib import Path; from dgr.upstream.bundle import unpack_deb
+unpack_deb(Path(sys.argv[1]), Path(sys.argv[2]))' "$f" "$GL" || log "unpacking $f failed"; fi
+    done
+    export LD_LIBRARY_PATH="$GL/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    VK_LOADER="carried: $(cd "$BUNDLE/debs" && echo *.deb) unpacked into $GL"
+  else
+    VK_LOADER="none: no libvulkan.so.1 here and no .debs in the bundle"
+  fi
+  ICD=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json          # the driver's, where the loader may not look
+  EGL_VENDOR=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+  if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f "$ICD" ]; then
+    export VK_DRIVER_FILES="$ICD"; export VK_ICD_FILENAMES="${VK_ICD_FILENAMES:-$ICD}"   # the latter: loaders < 1.3.207
+  fi
+  if [ -z "${__EGL_VENDOR_LIBRARY_FILENAMES:-}" ] && [ -f "$EGL_VENDOR" ]; then
+    export __EGL_VENDOR_LIBRARY_FILENAMES="$EGL_VENDOR"
+  fi
+  log "Vulkan loader: $VK_LOADER; VK_DRIVER_FILES=${VK_DRIVER_FILES:-}"
+fi
+if [ "$BACKEND" = cpu ]; then
+  VK_CLASS=vulkan:llvmpipe; VK_BENCH_NEEDS=$(( LARGE_NEEDS + 40 ))   # Mesa's Vulkan on the CPU here
+else
+  VK_CLASS=vulkan:nvidia; VK_BENCH_NEEDS=$(( LARGE_NEEDS + 100 ))
+fi
+
 ORDER=""
 ABORT=""
 # step ID LIMIT TITLE -- python-step-args...: runs `python -m dgr.bench.gpu_check ARGS` under
-# timeout; records a skip when it no longer fits, an error when it wrote no result.
+# timeout; records a skip when it no longer fits, an error when it wrote no result. SB=vulkan
+# step ...: the step's programs are the bundle's Vulkan build.
 step() {
   local id="$1" limit="$2" title="$3"; shift 4
+  local BACKEND="${SB:-$BACKEND}"
   ORDER="${ORDER:+$ORDER,}$id"
   local out="$STEPS/$id.json" rem; rem=$(left)
   if [ -n "$ABORT" ]; then
@@ -197,8 +249,38 @@ step route-b8 180 "2-process route vs whole model at B=8; VRAM per shard" -- rou
   --threads "$THREADS" "${ROUTE[@]}"
 step certify 150 "dgr certify --backend $BACKEND: this device's own certification" -- cli --expect certified -- \
   certify --backend "$BACKEND" --model "$SMALL" --tokens 16 --threads "$THREADS" --json
-step vulkan 10 "the Vulkan worker on the NVIDIA driver" -- skip \
-  --reason "not carried: the bundle holds no Vulkan build (a shared ggml-vulkan tree, and the Vulkan loader and EGL .debs of the device notes: a call of its own; docs/backends.md)"
+
+# ---- the Vulkan worker on the GPU's driver (a bundle with a Vulkan build; llvmpipe in the dry run) ----
+if [ -z "$VK" ] && [ -n "$ABORT" ]; then VK="$ABORT"; fi
+if [ -z "$VK" ] && "$PY" -c 'import json, sys; sys.exit("vulkan" not in json.load(open(sys.argv[1]))["result"]["unusable_backends"])' \
+     "$STEPS/preflight.json" 2>/dev/null; then
+  VK="not run: the Vulkan programs do not load here (loader: $VK_LOADER; see the preflight)"
+fi
+if [ -n "$VK" ]; then
+  step vulkan 10 "the Vulkan worker on the NVIDIA driver" -- skip --reason "$VK"
+else
+  SB=vulkan step vulkan-device 120 "the Vulkan worker's device ($VK_CLASS expected)" -- vulkan-device \
+    --model "$SMALL" --threads "$THREADS" --expect-class "$VK_CLASS" --loader "$VK_LOADER"
+  if ! grep -q '"status": "pass"' "$STEPS/vulkan-device.json" 2>/dev/null; then
+    VK="not run: the Vulkan worker does not run on $VK_CLASS (see vulkan-device)"
+  fi
+  if [ -z "$VK" ]; then
+    SB=vulkan step parity-2-vulkan 150 "2-range greedy parity vs the whole model (vulkan)" -- cli --expect parity -- \
+      route run --model "$SMALL" --split "$S2" --backend vulkan --parity --raw --prompt "$PROMPT" \
+      --max-tokens "$TOKENS" --threads "$THREADS" --json
+    SB=vulkan step certify-vulkan 180 "dgr certify --backend vulkan: this device's own certification" -- \
+      cli --expect certified -- certify --backend vulkan --model "$SMALL" --tokens 16 --threads "$THREADS" --json
+  else
+    for id in parity-2-vulkan certify-vulkan; do step "$id" 10 "the Vulkan worker" -- skip --reason "$VK"; done
+  fi
+  if [ -z "$VK" ] && [ "$(left)" -gt "$VK_BENCH_NEEDS" ]; then
+    SB=vulkan step worker-bench-vulkan 180 "Vulkan: dgr-worker vs llama-batched-bench, B=1,8" -- worker-bench \
+      --model "$SMALL" --threads "$THREADS" "${BENCH[@]}" --levels 1,8
+  else
+    step worker-bench-vulkan 10 "Vulkan: dgr-worker vs llama-batched-bench" -- skip \
+      --reason "${VK:-not run: $(left)s left of the ${DEADLINE}s deadline (needs $VK_BENCH_NEEDS: the large-model steps come first)}"
+  fi
+fi
 
 if [ "$LARGE" = 1 ] && [ -z "$ABORT" ] && [ "$(left)" -gt "$LARGE_NEEDS" ]; then
   if synth synth-large 180 "$LARGE_M" "${LARGE_SYNTH[@]}"; then

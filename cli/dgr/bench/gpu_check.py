@@ -7,6 +7,10 @@ lent machine") and the one JSON document it writes (schema ``dgr.gpu-check/1``).
 step (the script bounds each with ``timeout``):
 
 - ``device``: the GPU (nvidia-smi), the host, the bundle's manifest;
+- ``vulkan-device``: the Vulkan worker of a bundle with a Vulkan build (``--backend vulkan``): the
+  devices it lists (``dgr-worker --smoke``), the loader it found, and the device (class) a worker
+  on the model reports in GetCapability; target: the class ``--expect-class`` (``vulkan:nvidia``
+  on the GPU machine: not Mesa's llvmpipe);
 - ``cli``: one ``dgr`` command (``-- ARGS``), judged by ``--expect``: ``ok`` (exit 0), ``parity``
   (``route run --parity --json``: identical greedy tokens), ``drift`` (``route drift --json``:
   recorded), ``certified`` (``certify --json``: verdict pass, the evidence document kept in the
@@ -23,7 +27,8 @@ step (the script bounds each with ``timeout``):
 
 A step that does not write its file (killed at its deadline, crashed) is recorded by ``fallback``
 from its exit status. With ``--backend cpu`` (the CPU dry run) the targets are not judged: the
-step is ``measured`` with its numbers.
+step is ``measured`` with its numbers; so are the Vulkan steps of the dry run (on llvmpipe,
+``DGR_GPU_CHECK_DRY_RUN=1``, which the script sets).
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ TARGETS = {
     "certify": {"expect": "certified", "what": "dgr certify --backend cuda: exact greedy parity of a 2- and a 3-range "
                                                "split against the whole model on this GPU; the local evidence (device "
                                                "class, figures) comes back in the step's result"},
+    "vulkan": {"device_class": "vulkan:nvidia", "identical_tokens": True, "certify": "certified",
+               "worker_vs_llama_batched_bench": {"min_ratio": 0.95, "at_sessions": [1, 8]},
+               "what": "with a Vulkan build in the bundle: the Vulkan worker on the GPU's driver (not llvmpipe), "
+                       "2-range greedy parity vs the whole model on Vulkan, dgr certify --backend vulkan, and "
+                       "dgr-worker vs llama-batched-bench (Vulkan) at B=1,8 when the deadline allows"},
 }
 STATUSES = ("pass", "fail", "measured", "skipped", "error")
 MiB = 1 << 20
@@ -70,8 +80,9 @@ def _write(path: Path, doc: dict) -> None:
 
 
 def _judged(backend: str) -> bool:
-    """Targets are judged on an accelerator; the CPU dry run only measures."""
-    return backend != "cpu"
+    """Targets are judged on an accelerator; the CPU dry run only measures (its Vulkan steps, on
+    llvmpipe, too: DGR_GPU_CHECK_DRY_RUN=1)."""
+    return backend != "cpu" and os.environ.get("DGR_GPU_CHECK_DRY_RUN") != "1"
 
 
 def _status(ok: bool, backend: str) -> str:
@@ -83,8 +94,14 @@ def _gpu_layers(backend: str) -> str | None:
 
 
 def _bundle_bins(backend: str) -> tuple[Path, Path, Path]:
+    """The bundle's dgr-worker, llama-batched-bench and llama-bench of ``backend``; this step's
+    process (and so they) sees the device a route would (a Vulkan worker: GGML_VK_VISIBLE_DEVICES,
+    default the first device)."""
+    from ..route.local import backend_env
     from ..upstream.build import worker_binary_path
     from .. import paths
+
+    os.environ.update(backend_env(backend, {}))
 
     bin_dir = paths.backend_build_dir(backend) / "bin"
     return worker_binary_path(backend), bin_dir / "llama-batched-bench", bin_dir / "llama-bench"
@@ -141,7 +158,8 @@ def device_info_dict(dev: Any) -> dict[str, Any]:
 def step_preflight(args: argparse.Namespace) -> dict:
     """Unpack the carried bundle (``--bundle``, its archive checked against its manifest) into the
     build dir (DGR_BUILD_DIR); can its programs load here (every library found: ldd) and run
-    (dgr-worker --version)?"""
+    (dgr-worker --version)? A Vulkan build that cannot (no loader here) fails only the Vulkan
+    steps: it is named under ``unusable_backends`` and the preflight passes on the others."""
     from .. import paths
     from ..upstream.build import bundle_manifest
     from ..upstream.bundle import TARGETS as PROGRAMS, unpack
@@ -152,7 +170,8 @@ def step_preflight(args: argparse.Namespace) -> dict:
     manifest = bundle_manifest()
     if manifest is None:
         return {"status": "fail", "reason": f"{paths.build_dir()} holds no dgr-bundle.json after unpacking"}
-    rows, problems = [], []
+    rows, problems, unusable = [], [], set()
+    optional = {"vulkan"} - {args.backend}
     for b in manifest.get("backends", []):
         for name in PROGRAMS:
             exe = paths.backend_build_dir(b) / "bin" / name
@@ -166,13 +185,16 @@ def step_preflight(args: argparse.Namespace) -> dict:
                    "runs": (run.returncode == 0) if run else None}
             rows.append(row)
             if missing or bad_version or (run is not None and run.returncode != 0):
+                unusable.add(b)
                 problems.append(f"{b}/bin/{name}: " + ", ".join(missing + bad_version[:1]
                                                                + ([f"--version exit {run.returncode}"] if run and run.returncode else [])))
-    return {"status": "fail" if problems else "pass",
+    fatal = bool(unusable - optional)
+    return {"status": "fail" if fatal else "pass",
             "result": {"programs": rows, "unpacked_into": str(paths.build_dir()), "unpack_seconds": unpack_s,
+                       "unusable_backends": sorted(unusable), "problems": problems,
                        "ld_library_path": os.environ.get("LD_LIBRARY_PATH", ""),
                        "python": sys.version.split()[0], "manifest_needs": manifest.get("needs")},
-            "reason": "; ".join(problems)[:1000] if problems else None}
+            "reason": "; ".join(problems)[:1000] if fatal else None}
 
 
 def step_device(args: argparse.Namespace) -> dict:
@@ -192,12 +214,46 @@ def step_device(args: argparse.Namespace) -> dict:
         "build_dir": str(paths.build_dir()),
         "bundle": {k: manifest.get(k) for k in ("kind", "backend", "backends", "cuda_architectures", "git_commit",
                                                 "git_dirty_files", "pin_commit", "dgr_version", "bundle_bytes",
-                                                "unpacked_bytes", "tree_bytes", "travel_bytes", "needs")},
+                                                "unpacked_bytes", "tree_bytes", "travel_bytes", "needs", "debs")},
         "worker_version": (version.stdout or version.stderr).strip() if version else None,
     }
     ok = bool(gpus) if _judged(args.backend) else True
     return {"status": "pass" if ok else "fail", "result": result,
             "reason": None if ok else "nvidia-smi lists no GPU"}
+
+
+def step_vulkan_device(args: argparse.Namespace) -> dict:
+    """The devices the bundle's Vulkan worker lists (``--smoke``) and the device a worker on
+    ``--model`` reports (GetCapability), both as a route starts them (GGML_VK_VISIBLE_DEVICES,
+    default the first device: without it ggml-vulkan leaves out CPU devices such as llvmpipe);
+    pass when its class is ``--expect-class``."""
+    from ..protocol.client import WorkerClient
+    from ..route.local import backend_env
+    from ..route.supervisor import WorkerArgs, WorkerProcess
+
+    worker, _, _ = _bundle_bins("vulkan")
+    env_vk = backend_env("vulkan", {})
+    r = subprocess.run([str(worker), "--smoke"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **env_vk})
+    listed = [f"{m.group(1)} = {m.group(2).strip()}" for m in
+              re.finditer(r"(?m)^\s*ggml_vulkan:\s+(\d+)\s*=\s*(.+)$", r.stdout + r.stderr)]
+    env = {k: {**os.environ, **env_vk}.get(k) for k in ("LD_LIBRARY_PATH", "VK_DRIVER_FILES", "VK_ICD_FILENAMES",
+                                                        "__EGL_VENDOR_LIBRARY_FILENAMES", "GGML_VK_VISIBLE_DEVICES")}
+    result: dict[str, Any] = {"listed": listed, "smoke_exit": r.returncode, "loader": args.loader, "environment": env,
+                              "expected_class": args.expect_class}
+    if r.returncode != 0 or not listed:
+        result["smoke_tail"] = (r.stdout + r.stderr).strip()[-1500:]
+        return {"status": "fail", "result": result,
+                "reason": f"the Vulkan worker lists no device (--smoke exit {r.returncode})"}
+    wa = WorkerArgs(model=Path(args.model), max_sessions=1, ctx_per_session=64, threads=args.threads)
+    with WorkerProcess.start(wa, binary=worker, ready_timeout=300, env=env_vk) as w:
+        with WorkerClient(w.target, timeout=120) as c:
+            dev = device_info_dict(c.capability().device)
+    result["device"] = dev
+    ok = dev.get("device_class") == args.expect_class
+    return {"status": "pass" if ok else "fail", "target": {"device_class": args.expect_class}, "result": result,
+            "reason": None if ok else f"the Vulkan worker runs on {dev.get('device_class')!r} "
+                                      f"({dev.get('description')}), not {args.expect_class}"}
 
 
 def _cli_json(stdout: str) -> Any:
@@ -563,6 +619,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("device"); _common(p)
     p = sub.add_parser("preflight"); _common(p)
+    p = sub.add_parser("vulkan-device"); _common(p)
+    p.add_argument("--model", required=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--expect-class", default="vulkan:nvidia")
+    p.add_argument("--loader", default="", help="where the script found the Vulkan loader")
     p = sub.add_parser("cli"); _common(p)
     p.add_argument("--expect", choices=("ok", "parity", "drift", "refusal", "json", "certified"), default="ok")
     p.add_argument("cli", nargs=argparse.REMAINDER)
@@ -604,7 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {st.get('step', '?'):<22} {st.get('status', '?'):<9} {st.get('seconds', '')!s:>7}  "
                   f"{_headline(st)}")
         return 0
-    fn = {"preflight": step_preflight, "device": step_device, "cli": step_cli, "worker-bench": step_worker_bench, "prefill": step_prefill,
+    fn = {"preflight": step_preflight, "device": step_device, "vulkan-device": step_vulkan_device, "cli": step_cli, "worker-bench": step_worker_bench, "prefill": step_prefill,
           "route": step_route, "skip": step_skip, "fallback": step_fallback}[args.cmd]
     t0 = time.monotonic()
     try:
@@ -638,6 +699,10 @@ def _headline(st: dict) -> str:
     if st.get("kind") == "cli" and isinstance(r.get("parity"), dict):
         p = r["parity"]
         return f"parity {p.get('agreeing_tokens')}/{p.get('compared_tokens')} tokens, ok={p.get('ok')}"
+    if st.get("kind") == "vulkan-device" and isinstance(r.get("device"), dict):
+        return f"{r['device'].get('device_class')}: {r['device'].get('description')}"
+    if st.get("kind") == "cli" and "verdict" in r:
+        return f"{r['verdict']}: plan {r.get('plan')} on {', '.join(r.get('device_classes') or []) or '?'}"
     if st.get("kind") == "cli" and "refused" in r:
         return f"refused={r['refused']}: {r['message'].splitlines()[-1][:90] if r['message'] else ''}"
     return (st.get("reason") or "")[:100]

@@ -32,10 +32,13 @@ def build(
                                           help="Build a relocatable bundle for a lent GPU machine into OUT_DIR (an ignored folder, "
                                                "e.g. build/bundle-cuda): ggml/llama shared (build/gpu-bundle-<backend>/), dgr-worker, "
                                                "llama-bench, llama-batched-bench, their libraries, stripped; refuses when it and the "
-                                               "tree would not travel (64 MiB). --backend cpu or cuda (cuda also holds the CPU build; "
-                                               "--cuda-arch default 90-real: sm_90 code, no PTX). docs/backends.md."),
+                                               "tree would not travel (64 MiB). --backend cpu, cuda or vulkan (cuda and vulkan also "
+                                               "hold the CPU build; --cuda-arch default 90-real: sm_90 code, no PTX). docs/backends.md."),
     wheels: Optional[bool] = typer.Option(None, "--wheels/--no-wheels",
-                                          help="With --bundle: carry the Python packages the lent machine lacks (default: with cuda)."),
+                                          help="With --bundle: carry the Python packages the lent machine lacks (default: with cuda "
+                                               "or vulkan)."),
+    vulkan: bool = typer.Option(False, "--vulkan", help="With --bundle: also the Vulkan build (build/gpu-bundle-vulkan/) and "
+                                                        "the Vulkan loader .debs, for the Vulkan worker on the GPU's driver."),
 ) -> None:
     """Build build/<backend>/bin/dgr-worker (static llama.cpp, distribution gRPC).
 
@@ -46,13 +49,15 @@ def build(
     if bundle is not None:
         from ..upstream import bundle as bundle_mod
 
-        if backend not in ("cpu", "cuda") or target or tests or tools or sanitize or rpc or clean:
-            raise DgrError("--bundle takes --backend cpu|cuda, --cuda-arch, --jobs and --wheels only")
+        if backend not in bundle_mod.BUNDLE_BACKENDS or target or tests or tools or sanitize or rpc or clean:
+            raise DgrError("--bundle takes --backend cpu|cuda|vulkan, --vulkan, --cuda-arch, --jobs and --wheels only")
         doc = bundle_mod.make_bundle(bundle, backend, cuda_arch=cuda_arch or bundle_mod.DEFAULT_CUDA_ARCH, jobs=jobs,
-                                     wheels=wheels)
+                                     wheels=wheels, vulkan=vulkan)
         typer.echo(bundle_mod.summary(doc))
         typer.echo(f"manifest: {bundle / build_mod.BUNDLE_MANIFEST}")
         return
+    if vulkan:
+        raise DgrError("--vulkan goes with --bundle (a plain Vulkan build is --backend vulkan)")
     if cuda_arch:
         import os
 

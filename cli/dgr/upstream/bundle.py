@@ -1,4 +1,6 @@
-"""A relocatable bundle of the worker and the llama.cpp yardsticks for a lent GPU machine
+"""Over 500 lines on purpose: everything that makes and checks one bundle, in the order it is made.
+
+A relocatable bundle of the worker and the llama.cpp yardsticks for a lent GPU machine
 (`dgr build --bundle OUT_DIR`, ``tools/gpu-bundle.sh``; docs/backends.md, "Running the GPU check
 on a lent machine").
 
@@ -10,12 +12,17 @@ plus a few carried ignored folders, 64 MiB in all. A bundle is one such folder:
                               what the machine must provide
     OUT_DIR/bundle.tar.xz     the programs and libraries (xz: about a third of their size)
     OUT_DIR/wheels/           (--wheels) the Python packages dgr needs that the machine lacks
+    OUT_DIR/debs/             (with a Vulkan build) the Vulkan loader and the GL dispatch .debs
+                              (:data:`LOADER_DEBS`), unpacked there only when the machine lacks
+                              libvulkan.so.1 (``tools/gpu-check.sh``: ``dpkg -x`` into its work
+                              folder, never over /)
 
 Unpacked (``tools/gpu-check.sh`` does it into its work folder; that folder is then the build dir,
 ``DGR_BUILD_DIR``, so dgr finds the programs where it looks for built ones):
 
     <backend>/bin/            dgr-worker, llama-bench, llama-batched-bench, and what differs per
-                              backend: libggml.so (the backend registry), libggml-cuda.so
+                              backend: libggml.so (the backend registry), libggml-cuda.so,
+                              libggml-vulkan.so
     <backend>/dgr-toolchain.json
     lib/                      what every backend shares: libllama, libllama-common, libggml-base,
                               libggml-cpu, the tools' libraries (one copy when their bytes are
@@ -28,10 +35,13 @@ Every program and library finds the others through its RPATH ``$ORIGIN:$ORIGIN/.
 (DT_RPATH: it also applies to the libraries' own dependencies). Each backend is built by
 :func:`dgr.upstream.build.build` with ``shared=True`` in build/gpu-bundle-<backend>/ (the pin
 check, the patched tree, the same CMake flags, ccache), never in build/<backend>/. A CUDA bundle
-also holds the CPU build (a mixed cpu,cuda route needs a CPU worker). Nothing builds inside a
+also holds the CPU build (a mixed cpu,cuda route needs a CPU worker); ``vulkan=True`` (``dgr build
+--bundle OUT --backend cuda --vulkan``) adds the Vulkan build (the Vulkan worker on the NVIDIA
+driver) and the loader .debs; ``--backend vulkan`` is a cpu+vulkan bundle. Nothing builds inside a
 bundle (:func:`dgr.upstream.build.refuse_in_bundle`). Not carried: glibc, libstdc++/libgcc_s
 (the machine's own, newer) and the NVIDIA driver, CUDA runtime and cuBLAS (hundreds of MiB; the
-machine has them): the manifest names them under ``needs``.
+machine has them): the manifest names them under ``needs``. The Vulkan loader stays a machine
+library too (``needs``): the carried .debs stand in for it only where the machine lacks it.
 """
 
 from __future__ import annotations
@@ -80,12 +90,39 @@ WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_
                    "manylinux2014_x86_64", "manylinux1_x86_64")
 
 
+#: Backends a bundle can hold (each a shared tree build/gpu-bundle-<backend>/); cpu is always in.
+BUNDLE_BACKENDS = ("cpu", "cuda", "vulkan")
+#: The .debs a bundle with a Vulkan build carries, by package name (``apt-get download``, this
+#: machine's Debian release): the worker and libggml-vulkan load only the loader, libvulkan.so.1
+#: (ldd); NVIDIA's Vulkan driver (its ICD, libGLX_nvidia.so.0) loads libGLdispatch.so.0 from
+#: libglvnd0, and the lent machine's notes bring the GL/EGL/GLX/GLES dispatch libraries with
+#: them. 0.36 MiB together (bookworm's, measured); each needs only glibc 2.34.
+LOADER_DEBS = ("libvulkan1", "libglvnd0", "libegl1", "libgles2", "libgl1", "libglx0", "libopengl0")
+DEB_ARCH = "amd64"
+
+
+def bundle_backends(backend: str, vulkan: bool = False) -> list[str]:
+    """The backends a bundle of ``backend`` holds, in build order: always cpu (a mixed route
+    needs a CPU worker), then ``backend``, then vulkan with ``vulkan``."""
+    if backend not in BUNDLE_BACKENDS:
+        raise DgrError(f"a bundle is built for {', '.join(BUNDLE_BACKENDS)}, not {backend!r}")
+    out = ["cpu"]
+    for b in (backend, "vulkan" if vulkan else None):
+        if b and b not in out:
+            out.append(b)
+    return out
+
+
 def shared_build_dir(backend: str) -> Path:
     return paths.build_dir() / f"gpu-bundle-{backend}"
 
 
 def wheel_cache_dir() -> Path:
     return paths.build_dir() / "gpu-bundle-wheels"
+
+
+def deb_cache_dir() -> Path:
+    return paths.build_dir() / "gpu-bundle-debs"
 
 
 def travelling_tree_bytes(root: Path | None = None) -> int:
@@ -196,6 +233,103 @@ def fetch_wheels(dest: Path) -> list[dict]:
     return out
 
 
+
+# ---- the loader .debs ---------------------------------------------------------------------------
+
+def _ar_members(data: bytes) -> dict[str, bytes]:
+    """The members of an ar archive (a .deb is one: debian-binary, control.tar.*, data.tar.*)."""
+    if not data.startswith(b"!<arch>\n"):
+        raise DgrError("not an ar archive (a .deb starts with !<arch>)")
+    out: dict[str, bytes] = {}
+    pos = 8
+    while pos + 60 <= len(data):
+        head = data[pos:pos + 60]
+        name = head[:16].decode("ascii", "replace").strip().rstrip("/")
+        size = int(head[48:58].decode("ascii").strip() or 0)
+        out[name] = data[pos + 60:pos + 60 + size]
+        pos += 60 + size + (size & 1)
+    return out
+
+
+def _deb_tar(deb: Path, prefix: str) -> tarfile.TarFile:
+    import io
+
+    members = _ar_members(deb.read_bytes())
+    name = next((n for n in members if n.startswith(prefix + ".tar")), None)
+    if name is None:
+        raise DgrError(f"{deb} holds no {prefix}.tar.*")
+    if name.endswith(".zst"):
+        raise DgrError(f"{deb}: {name} is zstd-compressed (unpack it with dpkg -x)")
+    return tarfile.open(fileobj=io.BytesIO(members[name]), mode="r:*")
+
+
+def deb_fields(deb: Path) -> dict[str, str]:
+    """The control fields of a .deb (Package, Version, Architecture, Depends, ...)."""
+    with _deb_tar(deb, "control") as tf:
+        member = next((m for m in tf.getmembers() if m.name.lstrip("./") == "control"), None)
+        text = tf.extractfile(member).read().decode() if member is not None else ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if line[:1] not in (" ", "\t") and ":" in line:
+            k, _, v = line.partition(":")
+            fields[k.strip()] = v.strip()
+    return fields
+
+
+def deb_libraries(deb: Path) -> list[str]:
+    """The shared libraries (file names, e.g. libvulkan.so.1) a .deb installs."""
+    with _deb_tar(deb, "data") as tf:
+        names = [Path(m.name).name for m in tf.getmembers() if m.isfile() or m.issym()]
+    return sorted({n for n in names if re.match(r"^lib[^/]*\.so(\.\d+)+$", n)})
+
+
+def unpack_deb(deb: Path, dest: Path) -> None:
+    """``dpkg -x deb dest`` without dpkg: the data members under ``dest`` (never over /)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with _deb_tar(deb, "data") as tf:
+        tf.extractall(dest, filter="data")
+
+
+def fetch_debs(dest: Path, packages: tuple[str, ...] = LOADER_DEBS) -> list[dict]:
+    """``packages`` as .debs of this machine's release (``apt-get download``, by name), downloaded
+    once into build/gpu-bundle-debs/ and copied into ``dest``. Nothing is installed; where the
+    machine's apt lists are missing, a private list folder there is updated first."""
+    cache = deb_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    dest.mkdir(parents=True, exist_ok=True)
+
+    def cached(pkg: str) -> list[Path]:
+        return sorted(cache.glob(f"{pkg}_*_{DEB_ARCH}.deb"))
+
+    lacking = [p for p in packages if not cached(p)]
+    if lacking:
+        if shutil.which("apt-get") is None:
+            raise DgrError(f"the Vulkan bundle carries {', '.join(lacking)} (.debs) and apt-get is not here",
+                           hint=f"put {' '.join(lacking)} .debs ({DEB_ARCH}) into {cache}")
+        arch = [f"-oAPT::Architecture={DEB_ARCH}", f"-oAPT::Architectures={DEB_ARCH}"]
+        r = subprocess.run(["apt-get", *arch, "download", *lacking], cwd=cache, capture_output=True, text=True)
+        if r.returncode != 0:   # no lists here: a private list folder, the machine's sources
+            lists = cache / "lists"
+            (lists / "partial").mkdir(parents=True, exist_ok=True)
+            opts = [*arch, f"-oDir::State::Lists={lists}"]
+            subprocess.run(["apt-get", *opts, "-qq", "update"], capture_output=True, text=True)
+            r = subprocess.run(["apt-get", *opts, "download", *lacking], cwd=cache, capture_output=True, text=True)
+        missing = [p for p in lacking if not cached(p)]
+        if missing:
+            tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
+            raise DgrError(f"apt-get download {' '.join(missing)} failed: {tail[0]}",
+                           hint=f"or put their .debs ({DEB_ARCH}) into {cache}")
+    rows = []
+    for pkg in packages:
+        deb = cached(pkg)[-1]
+        shutil.copyfile(deb, dest / deb.name)
+        f = deb_fields(deb)
+        rows.append({"package": pkg, "version": f.get("Version"), "architecture": f.get("Architecture"),
+                     "depends": f.get("Depends"), "libraries": deb_libraries(deb), "file": f"debs/{deb.name}",
+                     "bytes": deb.stat().st_size, "sha256": sha256_file(deb)})
+    return rows
+
+
 def _assemble(stage: Path, backends: list[str]) -> set[str]:
     """Copy the built programs and every library they load (but the machine's) into ``stage``
     (the unpacked layout), stripped; libraries of the build whose bytes are equal in every
@@ -213,7 +347,7 @@ def _assemble(stage: Path, backends: list[str]) -> set[str]:
         for name in TARGETS:
             exe = src_bin / name
             if not exe.is_file():
-                raise DgrError(f"{exe} not built", hint="dgr build --bundle OUT_DIR --backend cpu|cuda")
+                raise DgrError(f"{exe} not built", hint="dgr build --bundle OUT_DIR --backend cpu|cuda|vulkan")
             shutil.copy2(exe, dst_bin / name)
             _strip(dst_bin / name, shared=False)
             for needed, resolved in _ldd(exe):
@@ -304,17 +438,16 @@ DEFAULT_CUDA_ARCH = "90-real"
 
 def make_bundle(out: Path, backend: str = "cuda", *, cuda_arch: str = DEFAULT_CUDA_ARCH, jobs: int | None = None,
                 wheels: bool | None = None, limit_bytes: int = TRAVEL_LIMIT_BYTES,
-                margin_bytes: int = DEFAULT_MARGIN_BYTES, build: bool = True) -> dict:
-    """Build (``build``) and assemble the bundle of ``backend`` (cpu or cuda) into ``out``;
-    returns the manifest. Refuses (and removes ``out``) when what is carried plus the travelling
-    tree would exceed ``limit_bytes - margin_bytes``. ``wheels``: default on for cuda."""
-    if backend not in ("cpu", "cuda"):
-        raise DgrError(f"a bundle is built for cpu or cuda, not {backend!r}")
+                margin_bytes: int = DEFAULT_MARGIN_BYTES, build: bool = True, vulkan: bool = False) -> dict:
+    """Build (``build``) and assemble the bundle of ``backend`` (cpu, cuda or vulkan; ``vulkan``:
+    a Vulkan build as well, with the loader .debs) into ``out``; returns the manifest. Refuses
+    (and removes ``out``) when what is carried plus the travelling tree would exceed
+    ``limit_bytes - margin_bytes``. ``wheels``: default on for an accelerator bundle."""
+    backends = bundle_backends(backend, vulkan)
     build_mod.refuse_in_bundle()
     out = Path(out)
     _check_out_dir(out)
     wheels = (backend != "cpu") if wheels is None else wheels
-    backends = ["cpu"] if backend == "cpu" else ["cpu", backend]
     timings: dict[str, float] = {}
     if build:
         for b in backends:
@@ -342,7 +475,7 @@ def make_bundle(out: Path, backend: str = "cuda", *, cuda_arch: str = DEFAULT_CU
             "backend": backend,
             "backends": backends,
             "targets": list(TARGETS),
-            "cuda_architectures": cuda_arch if backend == "cuda" else None,
+            "cuda_architectures": cuda_arch if "cuda" in backends else None,
             "dgr_version": __version__,
             "git_commit": _git_commit(),
             # files that differ from that commit (changed or untracked): what travels is the
@@ -350,6 +483,7 @@ def make_bundle(out: Path, backend: str = "cuda", *, cuda_arch: str = DEFAULT_CU
             "git_dirty_files": _git_dirty(),
             "pin_commit": pin.commit,
             "cmake": list(build_mod.SHARED_CMAKE) + list(build_mod.portable_cmake(backend)),
+            "cmake_per_backend": {b: list(build_mod.portable_cmake(b)) for b in backends},
             "build_seconds": timings,
             "layout": {"programs": "<backend>/bin", "per_backend_libraries": "<backend>/bin",
                        "shared_libraries": "lib", "rpath": "$ORIGIN:$ORIGIN/../../lib (DT_RPATH)"},
@@ -367,18 +501,22 @@ def make_bundle(out: Path, backend: str = "cuda", *, cuda_arch: str = DEFAULT_CU
             _pack(stage, out / ARCHIVE)
     pack_s = round(time.monotonic() - t0, 1)
     wheel_rows = fetch_wheels(out / "wheels") if wheels else []
+    deb_rows = fetch_debs(out / "debs") if "vulkan" in backends else []
     archive_bytes = (out / ARCHIVE).stat().st_size
     tree = travelling_tree_bytes()
     doc.update({
         "archive": {"file": ARCHIVE, "bytes": archive_bytes, "sha256": sha256_file(out / ARCHIVE),
                     "xz_preset": XZ_PRESET, "seconds": pack_s, "reused": reused},
         "wheels": wheel_rows,
+        # the Vulkan loader where the machine lacks it (unpacked by tools/gpu-check.sh, never over /)
+        "debs": deb_rows,
         "tree_bytes": tree,
         "limit_bytes": limit_bytes,
         "margin_bytes": margin_bytes,
     })
     manifest_bytes = len(json.dumps(doc, indent=1)) + 512
-    doc["bundle_bytes"] = archive_bytes + sum(w["bytes"] for w in wheel_rows) + manifest_bytes
+    doc["bundle_bytes"] = (archive_bytes + sum(w["bytes"] for w in wheel_rows) + sum(d["bytes"] for d in deb_rows)
+                           + manifest_bytes)
     doc["travel_bytes"] = doc["bundle_bytes"] + tree
     doc["fits"] = doc["travel_bytes"] <= limit_bytes - margin_bytes
     if not doc["fits"]:
@@ -386,7 +524,8 @@ def make_bundle(out: Path, backend: str = "cuda", *, cuda_arch: str = DEFAULT_CU
         raise DgrError(f"the bundle is {doc['bundle_bytes'] / MiB:.1f} MiB and the tree that travels {tree / MiB:.1f} MiB: "
                        f"{doc['travel_bytes'] / MiB:.1f} MiB, over the {limit_bytes / MiB:.0f} MiB limit less "
                        f"{margin_bytes / MiB:.0f} MiB kept free; removed {out}",
-                       hint="fewer CUDA architectures (--cuda-arch 90-real), --no-wheels, or a smaller tree")
+                       hint="fewer CUDA architectures (--cuda-arch 90-real), --no-wheels, no --vulkan (or a "
+                            "bundle of its own: --backend vulkan), or a smaller tree")
     (out / build_mod.BUNDLE_MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
@@ -417,6 +556,8 @@ def summary(doc: dict) -> str:
                  + (", unchanged: reused" if arc.get("reused") else f", {arc['seconds']} s") + ")"
                  + (f" + wheels {sum(w['bytes'] for w in doc['wheels']) / MiB:.1f} MiB ({len(doc['wheels'])})"
                     if doc["wheels"] else "")
+                 + (f" + debs {sum(d['bytes'] for d in doc.get('debs') or []) / MiB:.2f} MiB ({len(doc['debs'])}: "
+                    f"the Vulkan loader where the machine lacks it)" if doc.get("debs") else "")
                  + f" = {doc['bundle_bytes'] / MiB:.1f} MiB")
     lines.append(f"tree that travels {doc['tree_bytes'] / MiB:.1f} MiB; together {doc['travel_bytes'] / MiB:.1f} MiB "
                  f"of {doc['limit_bytes'] / MiB:.0f} MiB ({doc['margin_bytes'] / MiB:.0f} MiB kept free): fits")
