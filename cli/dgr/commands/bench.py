@@ -248,7 +248,8 @@ def relay_bench(
     split: Optional[str] = typer.Option(None, "--split", help="Two ranges START:END,START:END, head on h1 and tail "
                                         "on h2 (default: two even halves)."),
     sessions: int = typer.Option(8, "--sessions", min=1, max=64, help="Concurrent greedy sessions per lane."),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=2, max=1024, help="Tokens per session."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, max=1024, help="Tokens per session (at least 2: decode "
+                                   "is timed after the first)."),
     repeats: int = typer.Option(3, "--repeats", min=1, max=20),
     stepwise_lane: bool = typer.Option(False, "--stepwise-lane", help="Also drive the relayed route stepwise."),
     out: Path = typer.Option(Path("relay-bench.json"), "--out", help="Where to write the results JSON."),
