@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 
 from dgr.errors import DgrError
-from dgr.gguf import local_evidence as LE
 from dgr.gguf import recipe as R
 from dgr.route.admission import Reason, RouteRequest, ShardCapability, admit
 
@@ -49,7 +48,7 @@ def evidence(r: R.RuntimeRecipe, entry: str, classes: list[str], **change) -> di
                            "first_divergence": [7, None]}} if mixed
                 else {"parity": {"identical": True, "prompts": 4, "tokens": 128, "agreeing_tokens": 128,
                                  "first_divergence": [None] * 4}})}]
-    doc = {"kind": LE.EVIDENCE_KIND, "schema": LE.EVIDENCE_SCHEMA, "verdict": "pass", "entry": entry, "plan": r.plan,
+    doc = {"kind": R.EVIDENCE_KIND, "schema": R.EVIDENCE_SCHEMA, "verdict": "pass", "entry": entry, "plan": r.plan,
            "backends": R.plan_backends(r.plan), "device_classes": classes, "devices": [], "runs": runs,
            "artifact_id": r.artifact_id, "fingerprint": r.fingerprint(), "recipe": r.to_json(), "fake": False,
            "dgr_version": "0.1.0", "dgr_commit": "", "date": "2026-12-07T00:00:00+00:00"}
@@ -180,7 +179,7 @@ def test_admission_refuses_a_shard_on_an_uncertified_device_with_the_command() -
 def test_local_evidence_makes_the_device_routable_on_this_machine(_empty_store: Path) -> None:
     gpu = vulkan("vulkan:nvidia")
     assert not R.load_registry().routable(gpu)
-    path = LE.write_local_evidence(evidence(vulkan(backends="vulkan"), VK_ENTRY, ["vulkan:nvidia"]), _empty_store)
+    path = R.write_local_evidence(evidence(vulkan(backends="vulkan"), VK_ENTRY, ["vulkan:nvidia"]), _empty_store)
     assert path.parent == _empty_store and path.name.endswith(".json")
     reg = R.load_registry()
     assert reg.routable(gpu), reg.refusal(gpu)
@@ -197,7 +196,7 @@ def test_local_evidence_makes_the_device_routable_on_this_machine(_empty_store: 
 
 def test_local_evidence_of_a_mixed_plan_holds_for_its_plan_only(_empty_store: Path) -> None:
     head = recipe(backends="cpu+vulkan")
-    LE.write_local_evidence(evidence(head, MIXED_ENTRY, ["cpu", "vulkan:nvidia"]), _empty_store)
+    R.write_local_evidence(evidence(head, MIXED_ENTRY, ["cpu", "vulkan:nvidia"]), _empty_store)
     reg = R.load_registry()
     assert reg.routable(vulkan("vulkan:nvidia", backends="cpu+vulkan"))
     assert not reg.routable(vulkan("vulkan:nvidia", backends="vulkan+cpu"))   # measured cpu+vulkan only
@@ -209,16 +208,16 @@ def test_evidence_is_never_written_into_the_repository(monkeypatch: pytest.Monke
 
     doc = evidence(vulkan(backends="vulkan"), VK_ENTRY, ["vulkan:nvidia"])
     with pytest.raises(DgrError, match="inside the repository"):
-        LE.write_local_evidence(doc, paths.repo_root() / "build" / "certified")
+        R.write_local_evidence(doc, paths.repo_root() / "build" / "certified")
 
 
 def test_store_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("DGR_CERT_DIR")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    assert LE.local_store_dir() == tmp_path / "xdg" / "dgr" / "certified"
+    assert R.local_store_dir() == tmp_path / "xdg" / "dgr" / "certified"
     monkeypatch.setenv("XDG_DATA_HOME", "relative/ignored")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert LE.local_store_dir() == tmp_path / "home" / ".local" / "share" / "dgr" / "certified"
+    assert R.local_store_dir() == tmp_path / "home" / ".local" / "share" / "dgr" / "certified"
 
 
 def _good() -> dict:
@@ -290,13 +289,13 @@ def test_hostile_evidence_is_ignored_with_the_reason(_empty_store: Path, name: s
     # the writer refuses what the reader would ignore
     if isinstance(content, dict) and content.get("fake") is not True:
         with pytest.raises(DgrError):
-            LE.write_local_evidence(content, _empty_store / "w")
+            R.write_local_evidence(content, _empty_store / "w")
 
 
 def test_odd_files_in_the_store_never_raise(_empty_store: Path) -> None:
     _empty_store.mkdir(parents=True)
     (_empty_store / "folder.json").mkdir()
-    (_empty_store / "big.json").write_bytes(b" " * (LE.EVIDENCE_MAX_BYTES + 1))
+    (_empty_store / "big.json").write_bytes(b" " * (R.EVIDENCE_MAX_BYTES + 1))
     (_empty_store / "deep.json").write_text("[" * 100000 + "]" * 100000)
     (_empty_store / "notes.txt").write_text("not evidence, not read")
     (_empty_store / "link.json").symlink_to(_empty_store / "missing-target.json")
@@ -405,7 +404,7 @@ def test_cli_recipe_shows_local_certifications(tiny: Path, _empty_store: Path) -
     from dgr.main import app
 
     r = R.recipe_for(tiny, backend="vulkan", progress=False)
-    LE.write_local_evidence(evidence(r, VK_ENTRY, ["vulkan:nvidia"]), _empty_store)
+    R.write_local_evidence(evidence(r, VK_ENTRY, ["vulkan:nvidia"]), _empty_store)
     out = _recipe_cli(str(tiny), "--backend", "vulkan", "--device-class", "vulkan:nvidia")
     assert out["routable"] is True and out["certified_here"] == ["vulkan:nvidia"]
     text = CliRunner().invoke(app, ["gguf", "recipe", str(tiny), "--backend", "vulkan", "--device-class",

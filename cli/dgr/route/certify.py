@@ -16,7 +16,7 @@ workers, the checks the packaged evidence ran:
 The device class comes from each worker's ``GetCapability.device`` (a CPU worker that reports no
 device is "cpu"; an accelerator worker that reports none cannot be certified). Every worker of
 one backend must report the same class. A pass writes local evidence (JSON) into
-:func:`dgr.gguf.local_evidence.local_store_dir`, which :func:`dgr.gguf.recipe.load_registry` merges:
+:func:`dgr.gguf.recipe.local_store_dir`, which :func:`dgr.gguf.recipe.load_registry` merges:
 on this machine the entry then also holds for that device class, for this runtime (llama.cpp pin
 and patch series). A failure writes nothing. No Typer here.
 """
@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
 
 from ..errors import DgrError
-from ..gguf.local_evidence import EVIDENCE_KIND, EVIDENCE_SCHEMA, write_local_evidence
-from ..gguf.recipe import (BACKENDS, RecipeError, Registry, RegistryEntry, RuntimeRecipe, backend_plan,
-                           device_class_backend, device_class_of_capability, load_registry, plan_backends)
+from ..gguf.recipe import (EVIDENCE_KIND, EVIDENCE_SCHEMA, BACKENDS, RecipeError, Registry, RegistryEntry,
+                           RuntimeRecipe, backend_plan, device_class_backend, device_class_of_capability,
+                           load_registry, plan_backends, write_local_evidence)
 
 _log = logging.getLogger(__name__)
 
