@@ -358,8 +358,9 @@ class RouteDriver:
         if exc.failed_endpoint is None:
             return None
         return next((s for s in self.shards[1:]
-                     if exc.failed_endpoint in (s.endpoint, s.dialled_as) and (s.start, s.end) == exc.failed_range),
-                    None)
+                     # the head names what it dialled: the endpoint, or a relayed shard's egress
+                     if exc.failed_endpoint in (s.endpoint, getattr(s, "hop", "") or s.endpoint)
+                     and (s.start, s.end) == exc.failed_range), None)
 
     async def _silent_shard(self) -> ShardHandle | None:
         """The first shard (route order) that does not answer a capability probe."""
