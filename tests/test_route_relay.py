@@ -226,3 +226,74 @@ def test_every_unary_rpc_of_the_service_goes_through_the_relay():
     assert unary == _UNARY
     stub = RelayStub("relay+tcp://127.0.0.1:1")
     assert all(callable(getattr(stub, name, None)) for name in unary)
+
+
+def _ready(p) -> str:
+    """The address a `dgr relay …` process printed once ready (bounded)."""
+    import re
+
+    for _ in range(50):
+        line = p.stderr.readline()
+        if not line:
+            break
+        m = re.search(r"dgr relay: ready (\S+)", line)
+        if m:
+            return m.group(1)
+    raise AssertionError("dgr relay did not report ready")
+
+
+def test_dgr_relay_commands_and_route_generate_hop_keep_the_route_chained(workers):
+    """The operator's path: `dgr relay bridge` by the tail, `dgr relay egress` by the head, and
+    `dgr route generate --shard HEAD --shard relay+tcp://BRIDGE --hop relay+tcp://BRIDGE=EGRESS`:
+    chained, the direct route's tokens."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    dgr = [sys.executable, "-c", "from dgr.main import main; main()"]
+    procs = []
+    try:
+        b = subprocess.Popen([*dgr, "relay", "bridge", "--worker", workers["4:8"].target], stderr=subprocess.PIPE,
+                             text=True)
+        procs.append(b)
+        bridge = "relay+tcp://" + _ready(b)
+        e = subprocess.Popen([*dgr, "relay", "egress", "--relay", bridge], stderr=subprocess.PIPE, text=True)
+        procs.append(e)
+        egress = _ready(e)
+        args = ["route", "generate", "--prompt", "relay", "--raw", "--max-tokens", "12", "--json"]
+        direct = subprocess.run([*dgr, *args, "--shard", workers["0:4"].target, "--shard", workers["4:8"].target],
+                                capture_output=True, text=True, timeout=120)
+        relayed = subprocess.run([*dgr, *args, "--shard", workers["0:4"].target, "--shard", bridge,
+                                  "--hop", f"{bridge}={egress}"], capture_output=True, text=True, timeout=120)
+        assert direct.returncode == 0 and relayed.returncode == 0, relayed.stderr[-2000:]
+        d, r = json.loads(direct.stdout), json.loads(relayed.stdout)
+        assert d["mode"] == "chained" and r["mode"] == "chained"
+        assert r["sessions"][0]["tokens"] == d["sessions"][0]["tokens"] and len(d["sessions"][0]["tokens"]) == 12
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            assert p.wait(15) == 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["relay", "egress", "--relay", "tcp://127.0.0.1:1"], "expected relay+tcp://HOST:PORT"),
+    (["relay", "bridge", "--worker", "127.0.0.1:1", "--listen", "0.0.0.0:0"], "without TLS"),
+    (["relay", "bridge", "--worker", "nohost"], "expected HOST:PORT"),
+    (["relay", "egress", "--relay", "relay+tcp://127.0.0.1:1", "--tls-ca", "x.pem"], "go together"),
+    (["route", "generate", "--prompt", "x", "--shard", "127.0.0.1:1", "--shard", "relay+tcp://127.0.0.1:2",
+      "--hop", "relay+tcp://127.0.0.1:3=127.0.0.1:4"], "is not a --shard"),
+    (["route", "generate", "--prompt", "x", "--shard", "127.0.0.1:1", "--shard", "relay+tcp://127.0.0.1:2",
+      "--hop", "127.0.0.1:1=127.0.0.1:4"], "the head is dialled by the driver"),
+    (["route", "generate", "--prompt", "x", "--shard", "127.0.0.1:1", "--shard", "relay+tcp://127.0.0.1:2",
+      "--hop", "nonsense"], "expected SHARD=HOST:PORT"),
+])
+def test_relay_options_are_refused_in_one_line(args, says):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", "from dgr.main import main; main()", *args], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 1, p.stderr
+    assert says in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr

@@ -98,6 +98,9 @@ def _register() -> None:
     app.command("plan", help="Choose a route's split over unequal hosts from their measured capabilities (a prediction).")(plan_cmd.plan)
     from .commands import certify as certify_cmd
     app.command("certify", help="Certify this machine's device for a backend plan: parity or drift on local workers, local evidence.")(certify_cmd.certify)
+    from .commands import relay as relay_cmd
+    app.add_typer(relay_cmd.app, name="relay", help="The two ends of a hop through a byte relay: the bridge by a worker, "
+                  "the egress by the worker that dials it.")
     # Further command groups register here.
 
 

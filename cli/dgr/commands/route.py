@@ -120,6 +120,28 @@ def run(
         raise typer.Exit(1)
 
 
+def parse_hops(items: List[str], shards: List[str]) -> list[str] | None:
+    """``--hop SHARD=HOST:PORT`` items -> one hop per shard ("" for a direct one), None for none."""
+    if not items:
+        return None
+    out = [""] * len(shards)
+    for item in items:
+        target, sep, via = item.rpartition("=")
+        via = via.strip()
+        if not sep or not target or not via or ":" not in via or via.startswith("relay+tcp://"):
+            raise DgrError(f"--hop {item!r}: expected SHARD=HOST:PORT (SHARD as given to --shard; HOST:PORT the "
+                           "relay egress that the shard before it dials)")
+        if target not in shards:
+            raise DgrError(f"--hop {item!r}: {target} is not a --shard of this route")
+        i = shards.index(target)
+        if i == 0:
+            raise DgrError(f"--hop {item!r}: the head is dialled by the driver, not by another shard")
+        if out[i]:
+            raise DgrError(f"--hop {item!r}: {target} already has the hop {out[i]}")
+        out[i] = via
+    return out
+
+
 @app.command("generate")
 def generate(
     shard: List[str] = typer.Option(..., "--shard", help="HOST:PORT of a running worker, in route order (repeat)."),
@@ -139,6 +161,9 @@ def generate(
                                       "session whose shard fails restarts from token zero on a route using it "
                                       "(docs/failover.md); the JSON then carries work records."),
     max_restarts: int = typer.Option(2, "--max-restarts", min=0, help="With --standby: restarts per session."),
+    hop: List[str] = typer.Option([], "--hop", help="SHARD=HOST:PORT (repeat): the relay egress that the shard "
+                                  "before SHARD (a relay+tcp:// --shard) dials for it (`dgr relay egress`); the "
+                                  "route then stays chained."),
 ) -> None:
     """Generate through already running workers (`dgr worker serve …`)."""
     from ..protocol.tls import TlsFiles
@@ -147,11 +172,14 @@ def generate(
     if (tls_cert or tls_key) and not tls_ca:
         raise DgrError("--tls-cert/--tls-key need --tls-ca")
     tls = TlsFiles(tls_ca, tls_cert, tls_key) if tls_ca else None
+    hops = parse_hops(hop, shard)
+    if hops and standby:
+        raise DgrError("--hop does not go with --standby (a route formed after a failure has no egress)")
     items = [prompt] * max(1, sessions)
     rep = route_run.generate_remote(shard, items, max_tokens=max_tokens,
                                     sampling=_sampling(temperature, top_k, top_p, seed), chat=not raw,
                                     on_text=_printer(len(items), as_json), tls=tls, standby=standby,
-                                    max_restarts=max_restarts)
+                                    max_restarts=max_restarts, hops=hops)
     if as_json:
         typer.echo(json.dumps(rep.to_json(), indent=2))
     else:

@@ -16,44 +16,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 
 async def _serve(a: argparse.Namespace) -> int:
-    from ..protocol.relay import RelayBridge
+    from ..protocol.relay_host import relay_end, run_until_signalled
     from ..protocol.tls import TlsFiles
 
-    host, _, port = a.listen.rpartition(":")
     tls = TlsFiles(a.ca, a.cert, a.key) if a.ca else None
-    bridge: Any
-    if a.egress:
-        from ..protocol.relay_egress import RelayEgress
-
-        creds = None
-        if tls is not None:
-            import grpc
-
-            creds = grpc.ssl_server_credentials([(Path(a.key).read_bytes(), Path(a.cert).read_bytes())],
-                                                root_certificates=Path(a.ca).read_bytes(),
-                                                require_client_auth=True)
-        bridge = RelayEgress(a.egress, host=host, port=int(port), server_credentials=creds,
-                             ssl=tls.client_context() if tls else None)
-    else:
-        bridge = RelayBridge(a.worker, host=host, port=int(port),
-                             tls=tls,
-                             ssl=tls.server_context() if tls else None)
-    await bridge.start()
-    print(f"dgr-relay-host: ready {bridge.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for s in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(s, stop.set)
-    await stop.wait()
-    await bridge.close()
-    return 0
+    end = relay_end(worker=a.worker, egress=a.egress, listen=a.listen, tls=tls)
+    await end.start()
+    print(f"dgr-relay-host: ready {end.address}", flush=True)
+    return await run_until_signalled(end)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,14 +115,15 @@ def generate_remote(endpoints: Sequence[str], prompts: Sequence[str], *, max_tok
                     sampling: Any = None, chat: bool = True, stop_on_eog: bool = True,
                     on_text: Callable[[int, str], None] | None = None,
                     chain: bool | None = None, tls: Any = None, standby: Sequence[str] = (),
-                    max_restarts: int = 2) -> RunReport:
+                    max_restarts: int = 2, hops: Sequence[str] | None = None) -> RunReport:
     """Sessions against already running workers (``dgr route generate --shard …``); ``standby``:
-    workers a session fails over to (docs/failover.md)."""
+    workers a session fails over to (docs/failover.md); ``hops``: per shard, the relay egress its
+    predecessor dials ("" direct; :class:`~dgr.route.driver.RouteDriver`)."""
     from .driver import RouteError
 
     try:
         return asyncio.run(run_sessions(endpoints, prompts, max_tokens=max_tokens, sampling=sampling, chat=chat,
                                         stop_on_eog=stop_on_eog, on_text=on_text, chain=chain, tls=tls,
-                                        standby=standby, max_restarts=max_restarts))
+                                        standby=standby, max_restarts=max_restarts, hops=hops))
     except RouteError:
         raise
