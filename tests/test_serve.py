@@ -501,3 +501,4 @@ def test_the_bench_load_generator_against_the_gateway(gw):
     gone = asyncio.run(run_level(gw.url + "/v1", "no-such-model", ["hi"], max_tokens=4, api_key=KEY))
     assert "model_not_found" in gone.requests[0].error
 
+

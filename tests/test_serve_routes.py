@@ -220,3 +220,21 @@ def test_several_routes_fail_over_to_the_shared_standbys(native_bin):
     finally:
         for w in ws:
             w.kill()
+
+
+def test_port_0_announces_the_port_it_listens_on(native_bin):
+    import os
+    import re
+    import signal
+    import sys
+
+    env = {**os.environ, "DGR_WORKER_BIN": str(native_bin / "dgr-worker")}
+    p = subprocess.Popen([sys.executable, "-c", "from dgr.main import main; main()", "serve", "--fake", "--port", "0"],
+                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = next(ln for ln in iter(p.stderr.readline, "") if "serving " in ln or not ln)
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", line).group(1))
+        assert port > 0 and httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["status"] == "ok"
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(30)

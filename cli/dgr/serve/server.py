@@ -209,6 +209,8 @@ async def serve_routes(specs: Sequence[RouteSpec], opts: ServeOptions, *, log_le
                     if server.should_exit:
                         return
                     await asyncio.sleep(0.05)
+                if opts.port == 0:      # any free port: announce the one the system gave
+                    opts.port = bound_port(server) or 0
                 on_ready(url(opts), ", ".join(routes.models))
             asyncio.ensure_future(announce())
         await server.serve()
@@ -216,6 +218,16 @@ async def serve_routes(specs: Sequence[RouteSpec], opts: ServeOptions, *, log_le
             raise DgrError(f"cannot listen on {opts.host}:{opts.port} (in use, or not an address of this machine)")
     finally:
         await routes.close()
+
+
+def bound_port(server: Any) -> int | None:
+    """The TCP port a started uvicorn server listens on (None when it has no socket)."""
+    for srv in getattr(server, "servers", None) or ():
+        for sock in getattr(srv, "sockets", None) or ():
+            name = sock.getsockname()
+            if isinstance(name, tuple) and len(name) >= 2:
+                return int(name[1])
+    return None
 
 
 def url(opts: ServeOptions) -> str:
