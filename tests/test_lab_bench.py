@@ -181,6 +181,7 @@ def test_bench_hosts_bad_input_is_one_line():
     (["--sessions", "0"], "--sessions needs"), (["--sessions", "100000"], "--sessions needs"),
     (["--repeats", "100000"], "--repeats"), (["--long-prompt", "999999999"], "--long-prompt"),
     (["--hosts", "1"], "--hosts must be 2..16"), (["--hosts", "17"], "--hosts must be 2..16"),
+    (["--rate-mbit", "0"], "--rate-mbit"),
 ])
 def test_bench_hosts_refuses_before_a_lab_comes_up(args, says, tmp_path):
     """Checked before any lab, build or model: these return at once, without namespaces."""
@@ -201,8 +202,9 @@ def test_bench_out_checked_first(tmp_path):
 
 
 def test_hosts_bench_config_bounds():
-    HostsBenchConfig(sessions=(1, 256), rtts_ms=(0.0, 60_000.0), repeats=50).validate()
+    HostsBenchConfig(sessions=(1, 256), rtts_ms=(0.0, 60_000.0), repeats=50, rate_mbit=100.0).validate()
     for bad in (HostsBenchConfig(sessions=()), HostsBenchConfig(rtts_ms=(float("inf"),)), HostsBenchConfig(repeats=0),
-                HostsBenchConfig(n_prompt=30_000, n_gen=5_000), HostsBenchConfig(hosts=1)):
+                HostsBenchConfig(n_prompt=30_000, n_gen=5_000), HostsBenchConfig(hosts=1),
+                HostsBenchConfig(rate_mbit=0.0), HostsBenchConfig(rate_mbit=float("nan"))):
         with pytest.raises(DgrError):
             bad.validate()

@@ -142,6 +142,9 @@ def route(
         50, "--keep-warm-ms", min=0, max=10000,
         help="With --hosts: the route workers' --keep-warm-ms (keep each host's core awake between "
              "batches; 0: off)."),
+    rate_mbit: Optional[float] = typer.Option(None, "--rate-mbit", min=0.001, max=100000.0,
+                                              help="With --hosts: shape every host's link to "
+                                              "this rate (tc tbf, as `dgr lab up --rate-mbit`)."),
 ) -> None:
     """Route vs whole-model llama.cpp (llama-bench, llama-batched-bench), same run and threads; --hosts N: across
     simulated hosts."""
@@ -151,6 +154,8 @@ def route(
     from ..gguf.models import resolve_model
     from ..route.local import parse_split
 
+    if rate_mbit is not None and not hosts:
+        raise DgrError("--rate-mbit goes with --hosts (links between simulated hosts)")
     if hosts:
         from ..lab import bench as hb
         from ..lab.bench_report import summary as hosts_summary
@@ -164,7 +169,7 @@ def route(
         hcfg = hb.HostsBenchConfig(hosts=hosts, split=tuple(parse_split(split)) if split_given else None,
                                    n_prompt=n_prompt, n_gen=n_gen, long_prompt=long_prompt, sessions=levels,
                                    rtts_ms=rtts, repeats=repeats, rpc=rpc, pipeline_groups=pipeline_groups,
-                                   keep_warm_ms=keep_warm_ms)
+                                   keep_warm_ms=keep_warm_ms, rate_mbit=rate_mbit)
         hcfg.validate()
         doc = hb.run_hosts_bench(resolve_model(model), hcfg)
         _write(out, doc, hosts_summary(doc))

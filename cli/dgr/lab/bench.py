@@ -64,12 +64,16 @@ class HostsBenchConfig:
     # the route workers' --keep-warm-ms: each host's core is the route's alone, and a stage idles
     # while the others compute (docs/worker.md, "Keeping the cores awake"); 0: off
     keep_warm_ms: int = 50
+    rate_mbit: float | None = None      # every host's link shaped to this rate (tc tbf), None: unshaped
 
     def validate(self) -> None:
         """Every knob within what a run can do, refused before a lab comes up (DgrError)."""
         import math
 
-        from .config import MAX_DELAY_MS
+        from .config import MAX_DELAY_MS, MAX_RATE_MBIT
+
+        if self.rate_mbit is not None and not (math.isfinite(self.rate_mbit) and 0 < self.rate_mbit <= MAX_RATE_MBIT):
+            raise DgrError(f"--rate-mbit must be > 0 and at most {MAX_RATE_MBIT:g}, got {self.rate_mbit}")
 
         if not 2 <= self.hosts <= 16:
             raise DgrError(f"--hosts must be 2..16 for a route across hosts, got {self.hosts}")
@@ -377,8 +381,10 @@ def run_hosts_bench(model: Path, cfg: HostsBenchConfig) -> dict[str, Any]:
         res: dict[str, Any] = {"route": {str(c): [] for c in cfg.sessions}, "whole_worker": {str(c): [] for c in cfg.sessions},
                                "replicas": {str(c): [] for c in cfg.sessions if c >= cfg.hosts},
                                "route_long_prefill": [], "whole_long_prefill": [], "rpc": []}
-        lcfg = LabConfig(hosts=cfg.hosts, name=cfg.lab_name, cores_per_host=1, threads=1, rtt_ms=rtt)
-        say(f"lab: {cfg.hosts} hosts, 1 core/1 thread each, added RTT {rtt:g} ms")
+        lcfg = LabConfig(hosts=cfg.hosts, name=cfg.lab_name, cores_per_host=1, threads=1, rtt_ms=rtt,
+                         rate_mbit=cfg.rate_mbit)
+        say(f"lab: {cfg.hosts} hosts, 1 core/1 thread each, added RTT {rtt:g} ms"
+            + (f", links shaped to {cfg.rate_mbit:g} Mbit/s" if cfg.rate_mbit else ""))
         with Lab.up(lcfg) as lab:
             res["lab"] = {k: lab.state[k] for k in ("subnet", "gateway", "shaping", "cgroup_mode", "hosts")}
             route = LabRoute(lab, model, split, slices=True, memory_budget=False, max_sessions=max_s,
