@@ -102,6 +102,21 @@ def native_bin() -> Path:
     return bin_dir
 
 
+@pytest.fixture
+def lab_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_bin: Path) -> Path:
+    """For a test that brings up a lab: the native dgr-worker for every worker it starts (a build
+    folder of the test's own), skipped with the reason where this machine cannot make a lab."""
+    from dgr.lab import system as sx
+
+    monkeypatch.setenv("DGR_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setenv("DGR_WORKER_BIN", str(native_bin / "dgr-worker"))
+    monkeypatch.setattr("dgr.route.local.ensure_worker", lambda *a, **k: native_bin / "dgr-worker")
+    reason = sx.preflight()
+    if reason:
+        pytest.skip(reason)
+    return native_bin / "dgr-worker"
+
+
 @pytest.fixture(scope="session")
 def vulkan_bin() -> Path:
     """build/vulkan/bin with a dgr-worker that sees a Vulkan device."""

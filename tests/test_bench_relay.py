@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from dgr.lab import system as sx
-
 pytestmark = [pytest.mark.lab, pytest.mark.native]
 
 
-def test_relay_bench_keeps_the_relayed_route_chained(tmp_path, monkeypatch, native_bin):
+def test_relay_bench_keeps_the_relayed_route_chained(tmp_path, lab_worker):
     from dgr.bench.relay import RelayBenchConfig, run_relay_bench, summary
     from dgr.errors import DgrError
     from dgr.gguf.synth import SynthSpec, synthesize
 
-    monkeypatch.setenv("DGR_BUILD_DIR", str(tmp_path / "build"))
-    monkeypatch.setenv("DGR_WORKER_BIN", str(native_bin / "dgr-worker"))
-    monkeypatch.setattr("dgr.route.local.ensure_worker", lambda *a, **k: native_bin / "dgr-worker")
-    reason = sx.preflight()
-    if reason:
-        pytest.skip(reason)
     model = synthesize(SynthSpec(n_layer=4, dtype="q8_0"), tmp_path / "synthetic.gguf")
     doc = run_relay_bench(model, RelayBenchConfig(sessions=3, max_tokens=4, repeats=2, stepwise_lane=True,
                                                   lab_name="rl1", token_prompts=True))

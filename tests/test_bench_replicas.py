@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from dgr.lab import system as sx
-
 pytestmark = [pytest.mark.lab, pytest.mark.native]
 
 
-def test_replicas_bench_runs_both_lanes_and_spreads_requests(tmp_path, monkeypatch, native_bin):
+def test_replicas_bench_runs_both_lanes_and_spreads_requests(tmp_path, lab_worker):
     from dgr.bench.replicas import ReplicaBenchConfig, run_replica_bench, summary
     from dgr.errors import DgrError
     from dgr.gguf.synth import SynthSpec, synthesize
 
-    monkeypatch.setenv("DGR_BUILD_DIR", str(tmp_path / "build"))
-    monkeypatch.setenv("DGR_WORKER_BIN", str(native_bin / "dgr-worker"))
-    monkeypatch.setattr("dgr.route.local.ensure_worker", lambda *a, **k: native_bin / "dgr-worker")
-    reason = sx.preflight()
-    if reason:
-        pytest.skip(reason)
     model = synthesize(SynthSpec(n_layer=2, dtype="q8_0"), tmp_path / "synthetic.gguf")
     doc = run_replica_bench(model, ReplicaBenchConfig(concurrency=4, max_tokens=3, repeats=2, lab_name="rb1",
                                                               token_prompts=True))

@@ -78,7 +78,7 @@ def test_chained_mtls_and_relay_across_hosts(lab, native_bin, monkeypatch):
     assert whole.tokens == r.tokens
 
 
-def test_lab_route_split_auto_plans_from_each_hosts_probe(tmp_path, monkeypatch, native_bin):
+def test_lab_route_split_auto_plans_from_each_hosts_probe(tmp_path, lab_worker):
     """`dgr lab route --split auto`: every host probes itself in its namespace, the planner picks
     the hosts, their order, the ranges and the groups; the route runs as planned."""
     import json
@@ -88,12 +88,6 @@ def test_lab_route_split_auto_plans_from_each_hosts_probe(tmp_path, monkeypatch,
     from dgr.gguf.synth import SynthSpec, synthesize
     from dgr.main import app
 
-    monkeypatch.setenv("DGR_BUILD_DIR", str(tmp_path / "build"))
-    monkeypatch.setenv("DGR_WORKER_BIN", str(native_bin / "dgr-worker"))
-    monkeypatch.setattr("dgr.route.local.ensure_worker", lambda *a, **k: native_bin / "dgr-worker")
-    reason = sx.preflight()
-    if reason:
-        pytest.skip(reason)
     model = synthesize(SynthSpec(n_layer=6, dtype="q8_0"), tmp_path / "m.gguf")
     with Lab.up(LabConfig(hosts=2, name="pr3", cpu_quota=[None, 0.5])):
         r = CliRunner().invoke(app, ["lab", "route", "--name", "pr3", "--model", str(model), "--split", "auto",

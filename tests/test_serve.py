@@ -500,5 +500,3 @@ def test_the_bench_load_generator_against_the_gateway(gw):
     assert not bad.ok and bad.requests[0].error.startswith("HTTP 401")
     gone = asyncio.run(run_level(gw.url + "/v1", "no-such-model", ["hi"], max_tokens=4, api_key=KEY))
     assert "model_not_found" in gone.requests[0].error
-
-
