@@ -288,6 +288,11 @@ def test_dgr_relay_commands_and_route_generate_hop_keep_the_route_chained(worker
       "--hop", "127.0.0.1:1=127.0.0.1:4"], "the head is dialled by the driver"),
     (["route", "generate", "--prompt", "x", "--shard", "127.0.0.1:1", "--shard", "relay+tcp://127.0.0.1:2",
       "--hop", "nonsense"], "expected SHARD=HOST:PORT"),
+    (["serve", "--port", "0", "--hop", "relay+tcp://127.0.0.1:2=127.0.0.1:4"], "--hop goes with --shard or --route"),
+    (["serve", "--port", "0", "--shard", "127.0.0.1:1", "--shard", "relay+tcp://127.0.0.1:2", "--hop",
+      "relay+tcp://127.0.0.1:2=127.0.0.1:4", "--standby", "127.0.0.1:5"], "does not go with --standby"),
+    (["serve", "--port", "0", "--route", "127.0.0.1:1,relay+tcp://127.0.0.1:2", "--hop",
+      "relay+tcp://127.0.0.1:9=127.0.0.1:4"], "is not a --shard"),
 ])
 def test_relay_options_are_refused_in_one_line(args, says):
     import subprocess
@@ -297,3 +302,37 @@ def test_relay_options_are_refused_in_one_line(args, says):
                        text=True, timeout=60)
     assert p.returncode == 1, p.stderr
     assert says in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_the_gateway_serves_a_relayed_route_chained_through_its_hop(workers):
+    """`dgr serve --shard HEAD --shard relay+tcp://BRIDGE --hop …`: the gateway's route is chained
+    through the egress, and its answer equals the direct route's."""
+    import httpx
+
+    from dgr.protocol.relay_egress import RelayEgress
+    from dgr.serve.server import Gateway, RouteSpec
+
+    async def up():
+        bridge = await RelayBridge(workers["4:8"].target).start()
+        egress = await RelayEgress("relay+tcp://" + bridge.address).start()
+        return bridge, egress
+
+    loop = asyncio.new_event_loop()
+    import threading
+
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    bridge, egress = asyncio.run_coroutine_threadsafe(up(), loop).result(30)
+    ask = dict(model="m", prompt="hop", max_tokens=12, temperature=0)
+    try:
+        with Gateway([workers["0:4"].target, workers["4:8"].target], model_id="m") as direct:
+            want = httpx.post(direct.url + "/v1/completions", json=ask, timeout=30).json()["choices"][0]["text"]
+        relayed = "relay+tcp://" + bridge.address
+        spec = RouteSpec((workers["0:4"].target, relayed), "m", hops=("", egress.address))
+        with Gateway(routes=[spec]) as gw:
+            assert gw.engine.driver.mode == "chained"
+            got = httpx.post(gw.url + "/v1/completions", json=ask, timeout=30).json()["choices"][0]["text"]
+        assert got == want and egress.calls > 0
+    finally:
+        asyncio.run_coroutine_threadsafe(egress.close(), loop).result(30)
+        asyncio.run_coroutine_threadsafe(bridge.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)

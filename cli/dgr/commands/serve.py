@@ -66,6 +66,9 @@ def serve(
                                                  "on without losing or repeating tokens. With several --route, every "
                                                  "route fails over to the standbys that fit its model and ranges."),
     max_restarts: int = typer.Option(2, "--max-restarts", min=0, help="With --standby: restarts per request."),
+    hop: Optional[List[str]] = typer.Option(None, "--hop", help="With --shard or --route: SHARD=HOST:PORT (repeat), "
+                                            "the relay egress that the worker before SHARD (a relay+tcp:// worker) "
+                                            "dials for it (`dgr relay egress`); the route then stays chained."),
     fake: bool = typer.Option(False, "--fake", hidden=True, help="Fake-model workers (tests)."),
 ) -> None:
     """Serve a route over HTTP: OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), a web
@@ -80,7 +83,7 @@ def serve(
         try:
             _serve(model, split, shard, host, port, api_key, tls_cert, tls_key, model_name, max_concurrent, queue,
                    max_sessions, ctx_per_session, threads, slices, lab, lab_hosts, shard_ca, shard_cert, shard_key,
-                   fake, standby or [], max_restarts, route or [], lab_standby, local_standby)
+                   fake, standby or [], max_restarts, route or [], lab_standby, local_standby, hop or [])
         except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the workers were stopped on the way out
             pass
 
@@ -107,6 +110,24 @@ def parse_routes(items: List[str]) -> list:
     return out
 
 
+def _with_hops(specs: list, items: List[str]) -> list:
+    """Each ``--hop SHARD=HOST:PORT`` onto the route that has SHARD (dgr route generate's rules)."""
+    from dataclasses import replace
+
+    from .route import parse_hops
+
+    out = []
+    for sp in specs:
+        mine = [it for it in items if it.rpartition("=")[0] in sp.endpoints]
+        hops = parse_hops(mine, list(sp.endpoints)) if mine else None
+        out.append(replace(sp, hops=tuple(hops)) if hops else sp)
+    for it in items:
+        if not any(it.rpartition("=")[0] in sp.endpoints for sp in specs):
+            parse_hops([it], [ep for sp in specs for ep in sp.endpoints] or ["-"])   # says what is wrong
+            raise DgrError(f"--hop {it!r}: {it.rpartition('=')[0]} is not a worker of any route")
+    return out
+
+
 def fake_n_layer() -> int:
     """The fake model's layer count: the worker's own --n-layer default (`dgr worker options`)."""
     from ..route.worker_options import worker_default
@@ -120,7 +141,7 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
            threads: Optional[int], slices: bool, lab: Optional[str], lab_hosts: Optional[str],
            shard_ca: Optional[Path], shard_cert: Optional[Path], shard_key: Optional[Path], fake: bool,
            standby: List[str] = (), max_restarts: int = 2, route: List[str] = (), lab_standby: bool = False,
-           local_standby: bool = False) -> None:
+           local_standby: bool = False, hop: List[str] = ()) -> None:
     from ..gguf.gguf_set import model_stem
     from ..gguf.models import resolve_model
     from ..route import local as rt
@@ -146,6 +167,12 @@ def _serve(model: Optional[Path], split: Optional[str], shard: Optional[List[str
 
     if (shard_cert or shard_key or shard_ca) and not running:
         raise DgrError("--shard-tls-ca/--shard-tls-cert/--shard-tls-key go with --shard (a --lab route has its own CA)")
+    if hop and not running:
+        raise DgrError("--hop goes with --shard or --route (running workers, some reached through a relay)")
+    if hop and standby:
+        raise DgrError("--hop does not go with --standby (a route formed after a failure has no relay egress)")
+    if hop:
+        specs = _with_hops(specs or [RouteSpec(tuple(shard or []))], hop)
     if local_standby and (running or lab):
         raise DgrError("--local-standby goes with local workers (--model/--split); "
                        + ("use --standby HOST:PORT with running workers" if running else "use --lab-standby on a lab"))

@@ -436,8 +436,11 @@ class Engine:
     @classmethod
     async def connect(cls, endpoints: Sequence[str], *, model_id: str | None = None, slots: int | None = None,
                       queue: int = 64, timeout: float = 60.0, tls: Any = None, standby: Sequence[str] = (),
-                      max_restarts: int = DEFAULT_MAX_RESTARTS) -> "Engine":
+                      max_restarts: int = DEFAULT_MAX_RESTARTS, hops: Sequence[str] | None = None) -> "Engine":
         router = None
+        if standby and hops and any(hops):
+            raise DgrError("a relayed route's hops do not go with standby workers (a route formed after a "
+                           "failure has no relay egress)")
         if standby:
             router = await FailoverRouter(list(endpoints), max_restarts=max_restarts, timeout=timeout,
                                           tls=tls).connect()
@@ -445,7 +448,7 @@ class Engine:
             router.finder.endpoints += [e for e in standby if e not in router.finder.endpoints]
             driver = router.route
         else:
-            driver = await RouteDriver(list(endpoints), timeout=timeout, tls=tls).connect()
+            driver = await RouteDriver(list(endpoints), timeout=timeout, tls=tls, hops=hops).connect()
         try:
             ident = driver.shards[0].capability.identity
             eng = cls(driver, model_id=model_id or ident.artifact_id or "dgr", slots=slots, queue=queue,

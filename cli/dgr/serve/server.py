@@ -73,6 +73,8 @@ class RouteSpec:
     endpoints: tuple[str, ...]
     model_id: str | None = None
     standby: tuple[str, ...] = ()
+    # per worker, the relay egress its predecessor dials ("" direct; RouteDriver's ``hops``)
+    hops: tuple[str, ...] = ()
 
 
 def is_loopback(host: str) -> bool:
@@ -154,7 +156,7 @@ async def connect_routes(specs: Sequence[RouteSpec], opts: ServeOptions) -> Any:
                                     # the gateway's standbys are every route's failover pool (a
                                     # failover takes the ones whose range and fingerprint fit)
                                     standby=list(sp.standby) or list(opts.standby),
-                                    max_restarts=opts.max_restarts)
+                                    max_restarts=opts.max_restarts, hops=list(sp.hops) or None)
 
     got = await asyncio.gather(*(one(sp) for sp in specs), return_exceptions=True)
     engines = [g for g in got if not isinstance(g, BaseException)]
@@ -183,10 +185,11 @@ async def connect_routes(specs: Sequence[RouteSpec], opts: ServeOptions) -> Any:
 
 
 async def serve_route(endpoints: Sequence[str], opts: ServeOptions, *, log_level: str = "warning",
-                      on_ready: Callable[[str, str], None] | None = None) -> None:
+                      on_ready: Callable[[str, str], None] | None = None, hops: Sequence[str] = ()) -> None:
     """Connects to the route and serves until interrupted; ``on_ready(url, model id)`` once
     listening."""
-    await serve_routes([RouteSpec(tuple(endpoints))], opts, log_level=log_level, on_ready=on_ready)
+    await serve_routes([RouteSpec(tuple(endpoints), hops=tuple(hops))], opts, log_level=log_level,
+                       on_ready=on_ready)
 
 
 async def serve_routes(specs: Sequence[RouteSpec], opts: ServeOptions, *, log_level: str = "warning",
