@@ -22,6 +22,7 @@ from typing import Any
 
 from ..upstream import build
 from .. import paths
+from ..digest import sha256_file
 from ..errors import DgrError
 from .llama_lane import CommandLog, run_measured
 
@@ -30,14 +31,6 @@ _log = logging.getLogger(__name__)
 QUANT_TYPES = ("Q8_0", "Q4_1")
 MANIFEST = "baseline-artifacts.json"
 MANIFEST_VERSION = 1
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def require_baseline_extra() -> None:

@@ -126,7 +126,7 @@ def run_relay_bench(model: Path, cfg: RelayBenchConfig) -> dict[str, Any]:
         with lr, Pinned.on_host(lab, "h1") as pinned:
             doc["driver_cpus"] = sorted(pinned.cpus)
             doc["placement"] = lr.describe()
-            relay_pids = [p.pid for p in lr._relays]
+            relay_pids = lr.relay_pids
             runs = {
                 "direct": dict(endpoints=lr.endpoints, hops=None, chain=True),
                 "relay": dict(endpoints=lr.endpoints[:1] + lr.relay_endpoints[1:], hops=lr.relay_hops, chain=True),

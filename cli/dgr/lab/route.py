@@ -183,6 +183,11 @@ class LabRoute:
         return [p.relay or "" for p in self.placed]
 
     @property
+    def relay_pids(self) -> list[int]:
+        """The relay bridges' and egresses' processes (what a bench charges to the relay)."""
+        return [p.pid for p in self._relays]
+
+    @property
     def relay_hops(self) -> list[str]:
         """Per Shard, what the previous Shard dials for it when relayed: its relay egress on the
         previous Shard's host ("" for the head): ``RouteDriver(relay_endpoints, hops=relay_hops)``

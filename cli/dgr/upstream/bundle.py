@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 
 from .. import __version__, paths
+from ..digest import sha256_file
 from ..errors import DgrError
 from . import build as build_mod
 
@@ -138,14 +139,6 @@ def travelling_tree_bytes(root: Path | None = None) -> int:
         if p.is_file() and not p.is_symlink():
             total += p.stat().st_size
     return total
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _ldd(path: Path) -> list[tuple[str, str | None]]:

@@ -20,7 +20,6 @@ and skips the download; headers on the system that are new enough are used as th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import paths
+from ..digest import sha256_file
 from ..errors import DgrError
 
 MIN_HEADER_VERSION = 309          # VK_HEADER_VERSION with VK_EXT_layer_settings that the pin builds with
@@ -232,14 +232,6 @@ def parse_print_uris(text: str) -> dict[str, dict[str, str]]:
         out[name] = {"file": m["file"], "version": version, "size": m["size"],
                      "sha256": digest.lower() if algo.upper() == "SHA256" else ""}
     return out
-
-
-def sha256_file(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fetch_headers(dest: Path | None = None) -> Sdk:
