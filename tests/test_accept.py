@@ -94,3 +94,76 @@ def test_dirty_evidence_is_labelled(stories, tmp_path, monkeypatch):
     readme = (out / "README.md").read_text()
     assert ok and "**Dirty tree**" in readme and "cli/x.py" in readme
     assert "ffffffffffff (dirty)" in (tmp_path / "README.md").read_text()
+
+
+def test_a_story_that_ends_in_a_decision_has_it_as_its_verdict(stories, tmp_path):
+    def gate(ctx):
+        ctx.check("the gate ran", True)
+        ctx.decide("optimize", "the gate's decision")
+
+    def broken_gate(ctx):
+        ctx.check("the gate ran", False, "a route failed")
+        ctx.decide("PROMOTE")
+
+    stories["T-004"] = evidence.Story("T-004", "gate", "synthetic", gate, False)
+    stories["T-005"] = evidence.Story("T-005", "broken gate", "synthetic", broken_gate, False)
+    r = CliRunner().invoke(app, ["accept", "T-004", "--out", str(tmp_path)])
+    assert r.exit_code == 0 and "T-004: OPTIMIZE (the run held)" in r.output, r.output
+    readme = (tmp_path / "T-004" / "README.md").read_text()
+    assert "**Verdict: OPTIMIZE**" in readme and "The run held: yes, 1 of 1 criteria met" in readme
+    assert "Verdict: PASS" not in readme
+    res = json.loads((tmp_path / "T-004" / "results.json").read_text())
+    assert (res["verdict"], res["criteria_met"], res["decision"]) == ("optimize", True, "OPTIMIZE")
+    assert "| OPTIMIZE | synthetic |" in (tmp_path / "README.md").read_text()
+    # a run that did not hold decides nothing: FAIL, whatever it had reached
+    r = CliRunner().invoke(app, ["accept", "T-005", "--out", str(tmp_path)])
+    assert r.exit_code == 1 and "T-005: FAIL" in r.output
+    readme = (tmp_path / "T-005" / "README.md").read_text()
+    assert "**Verdict: FAIL**" in readme and "it had reached PROMOTE" in readme
+    with pytest.raises(ValueError):
+        evidence.StoryContext("T", tmp_path, tmp_path, "synthetic").decide("SHIP")
+
+
+def test_freshness_follows_the_files_a_story_covers(stories, tmp_path, monkeypatch):
+    repo = tmp_path / "r"
+    (repo / "code").mkdir(parents=True)
+    (repo / "code" / "a.py").write_text("a = 1\n")
+    (repo / "docs.md").write_text("x\n")
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "base")
+    base = git(repo, "rev-parse", "HEAD")
+    stories.clear()
+    for sid in ("T-001", "T-002", "T-003", "T-004"):
+        stories[sid] = evidence.Story(sid, sid, "synthetic", lambda ctx: None, False, covers=("code",),
+                                      in_all=sid != "T-004", all_note="locked contract")
+    stories["T-006"] = evidence.Story("T-006", "never ran", "synthetic", lambda ctx: None, False, covers=("code",))
+    out = repo / "evidence"
+
+    def ran(sid, commit, dirty=False):
+        (out / sid).mkdir(parents=True, exist_ok=True)
+        (out / sid / "results.json").write_text(json.dumps({"story": sid, "verdict": "pass"}))
+        (out / sid / "environment.json").write_text(json.dumps({"git_commit": commit, "git_dirty": dirty}))
+
+    ran("T-001", base)
+    ran("T-002", base, dirty=True)
+    ran("T-003", "0" * 40)
+    ran("T-004", base)
+
+    def states():
+        return {f.story: f.state for f in evidence.freshness(out, repo)}
+
+    assert states() == {"T-001": "fresh", "T-002": "stale", "T-003": "stale", "T-004": "locked",
+                        "T-006": "missing"}
+    (repo / "docs.md").write_text("y\n")                       # not covered: still fresh
+    git(repo, "commit", "-qam", "docs")
+    assert states()["T-001"] == "fresh"
+    (repo / "code" / "a.py").write_text("a = 2\n")             # covered: stale, and says which file
+    git(repo, "commit", "-qam", "code")
+    f = {f.story: f for f in evidence.freshness(out, repo)}["T-001"]
+    assert f.state == "stale" and f.changed == ["code/a.py"] and base[:12] in f.reason
+    monkeypatch.setattr(evidence.paths, "repo_root", lambda: repo)
+    r = CliRunner().invoke(app, ["accept", "--stale", "--out", str(out)])
+    assert r.exit_code == 1 and "T-001: stale" in r.output and "T-006: missing" in r.output, r.output
+    index = evidence.write_index(out).read_text()
+    assert "| stale: 1 covered file(s) changed" in index and "Registered stories with no evidence yet: T-006" in index

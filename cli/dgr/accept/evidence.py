@@ -8,13 +8,24 @@ Stories live in ``dgr.accept.stories.<module>`` and register themselves with :fu
 Every run records the dgr git commit it ran at and whether the tree had changes outside the
 evidence folders (``git_dirty``); evidence from a dirty tree says so at the top of its README.
 After each run ``evidence/README.md`` is regenerated: one row per evidence folder (story,
-verdict, lane, date, commit).
+verdict, lane, date, commit, and whether it is fresh).
+
+Freshness: a story's evidence is *stale* when a file it covers changed between the commit it ran
+at and HEAD (``git diff``), when it ran on a dirty tree, or when its commit is not in this
+history. What a story covers is its ``covers`` pathspecs (by default all product code:
+:data:`PRODUCT_PATHS`) plus its own module, the shared story helpers and this runner. `dgr accept
+--stale` lists stale stories, and stories registered without evidence.
+
+Verdicts: a story's verdict is PASS or FAIL against its criteria. A story that ends in a decision
+(the release gate: PROMOTE, OPTIMIZE or STOP) calls :meth:`StoryContext.decide`; its verdict is
+then the decision, and whether the run itself held (every criterion met) is reported apart.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -37,6 +48,15 @@ from ..errors import DgrError
 _log = logging.getLogger(__name__)
 
 LANES = ("synthetic", "local-real", "multi-host-simulated", "multi-machine-real")
+DECISIONS = ("PROMOTE", "OPTIMIZE", "STOP")
+# What a story covers unless it says otherwise: every file that can change what a run measures
+# (product code, the worker and its patch stack, the protocol, the tests stories run, set-up).
+PRODUCT_PATHS = ("cli/dgr", "worker", "upstream", "proto", "meshnet_adapter", "tests", "pyproject.toml",
+                 "quickstart.sh")
+# Always covered: the runner and the shared story helpers (besides the story's own module). Other
+# stories' modules never make a story stale.
+RUNNER_PATHS = ("cli/dgr/accept/evidence.py", "cli/dgr/accept/stories/_common.py")
+STORIES_DIR = "cli/dgr/accept/stories/"
 
 
 @dataclass
@@ -59,6 +79,8 @@ class StoryContext:
     backend: str = "cpu"
     model: Path | None = None
     attachments: dict[str, str] = field(default_factory=dict)
+    decision: str | None = None      # set by decide(): the verdict of a story that ends in a decision
+    decision_text: str = ""
 
     @property
     def build_bin(self) -> Path:
@@ -94,6 +116,13 @@ class StoryContext:
         print(f"[{self.story_id}] {mark} {criterion}" + (f" — {detail}" if detail else ""), file=sys.stderr, flush=True)
         return bool(passed)
 
+    def decide(self, decision: str, text: str = "") -> None:
+        """The story's verdict is this decision (one of :data:`DECISIONS`), not PASS/FAIL; whether
+        the run held (every criterion met) is reported apart."""
+        if decision.upper() not in DECISIONS:
+            raise ValueError(f"decision must be one of {DECISIONS}, got {decision!r}")
+        self.decision, self.decision_text = decision.upper(), text
+
     def limitation(self, text: str) -> None:
         self.limitations.append(text)
 
@@ -114,22 +143,37 @@ class Story:
     default_model: str | None = None  # a name of dgr.models.MODEL_NAMES (None: the embedded SmolLM2)
     in_all: bool = True          # False: `--all` leaves it out (named runs only), see ``all_note``
     all_note: str = ""
+    covers: tuple[str, ...] = ()  # git pathspecs whose change makes its evidence stale (): PRODUCT_PATHS
+
+    def covered_paths(self, root: Path | None = None) -> tuple[str, ...]:
+        """Pathspecs (relative to the repo) whose change since a run makes its evidence stale."""
+        root = (root or paths.repo_root()).resolve()
+        own: tuple[str, ...] = ()
+        src = inspect.getsourcefile(self.fn)
+        if src:
+            try:
+                own = (Path(src).resolve().relative_to(root).as_posix(),)
+            except ValueError:   # a story defined outside the repo (tests)
+                pass
+        return tuple(dict.fromkeys((*(self.covers or PRODUCT_PATHS), *RUNNER_PATHS, *own)))
 
 
 _REGISTRY: dict[str, Story] = {}
 
 
 def story(story_id: str, title: str, *, lane: str = "local-real", needs_model: bool = False,
-          default_model: str | None = None, in_all: bool = True, all_note: str = ""):
+          default_model: str | None = None, in_all: bool = True, all_note: str = "",
+          covers: tuple[str, ...] = ()):
     """Register an acceptance scenario (``default_model``: the packaged model it runs without --model).
     ``in_all=False`` keeps it out of `dgr accept --all` (``all_note`` says why; e.g. a story whose
-    evidence is a locked contract)."""
+    evidence is a locked contract). ``covers``: the pathspecs whose change makes its evidence
+    stale (default: all product code)."""
     if lane not in LANES:
         raise ValueError(f"lane must be one of {LANES}")
 
     def deco(fn: Callable[[StoryContext], None]):
         _REGISTRY[story_id.upper()] = Story(story_id.upper(), title, lane, fn, needs_model, default_model,
-                                            in_all, all_note)
+                                            in_all, all_note, tuple(covers))
         return fn
 
     return deco
@@ -270,7 +314,8 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str = "cp
     (out_dir / "environment.json").write_text(json.dumps(env, indent=2, sort_keys=True) + "\n")
     (out_dir / "commands.txt").write_text("\n".join(ctx.commands) + "\n")
     results = {
-        "story": key, "title": st.title, "lane": st.lane, "verdict": "pass" if ok else "fail",
+        "story": key, "title": st.title, "lane": st.lane, "verdict": verdict_of(ok, ctx.decision).lower(),
+        "criteria_met": ok, "decision": ctx.decision, "decision_text": ctx.decision_text,
         "elapsed_seconds": round(elapsed, 2),
         "criteria": [{"criterion": c.criterion, "passed": c.passed, "detail": c.detail} for c in ctx.checks],
         "metrics": ctx.results, "limitations": ctx.limitations,
@@ -281,6 +326,14 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str = "cp
     (out_dir / "README.md").write_text(_readme(st, ctx, ok, env, elapsed, error))
     write_index(out_root)
     return ok, out_dir
+
+
+def verdict_of(criteria_met: bool, decision: str | None) -> str:
+    """PASS/FAIL against the criteria; a story that ended in a decision has the decision as its
+    verdict, but only when its run held (a run with a failed criterion is a FAIL whatever it decided)."""
+    if not criteria_met:
+        return "FAIL"
+    return decision or "PASS"
 
 
 def run_all(out_root: Path | None = None, *, backend: str = "cpu",
@@ -301,7 +354,64 @@ def run_all(out_root: Path | None = None, *, backend: str = "cpu",
 
 INDEX_HEADER = ("# Evidence\n\nGenerated by `dgr accept` after every run (do not edit by hand). One row per "
                 "evidence folder: its latest verdict, lane, when it ran and the dgr commit it ran at "
-                "(\"dirty\": the tree had uncommitted changes outside evidence/ when it ran).\n")
+                "(\"dirty\": the tree had uncommitted changes outside evidence/ when it ran). \"fresh\" is "
+                "judged at the commit this index was written at (below): the files the story covers did not "
+                "change since its run. `dgr accept --stale` judges it for the tree as it is now.\n")
+
+
+@dataclass
+class Freshness:
+    story: str
+    state: str                 # "fresh", "stale", "locked" (a story --all leaves out) or "missing"
+    reason: str = ""
+    changed: list[str] = field(default_factory=list)
+
+
+def _changed_since(root: Path, commit: str, specs: tuple[str, ...]) -> list[str] | None:
+    """Files under ``specs`` that differ between ``commit`` and HEAD (None: commit not in history)."""
+    ok = subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{commit}^{{commit}}"],
+                        capture_output=True, timeout=30).returncode == 0
+    if not ok:
+        return None
+    p = subprocess.run(["git", "-C", str(root), "diff", "--name-only", commit, "HEAD", "--", *specs],
+                       capture_output=True, text=True, timeout=60)
+    return [ln for ln in p.stdout.splitlines() if ln.strip()] if p.returncode == 0 else None
+
+
+def freshness(out_root: Path, root: Path | None = None) -> list[Freshness]:
+    """Every registered story's freshness against HEAD, plus evidence folders no story registers."""
+    root = root or paths.repo_root()
+    rows = {r["story"]: r for r in index_rows(out_root)} if out_root.is_dir() else {}
+    out = []
+    for st in registered():
+        r = rows.pop(st.story_id, None)
+        if r is None:
+            out.append(Freshness(st.story_id, "missing", "no evidence folder"))
+            continue
+        if not st.in_all:
+            out.append(Freshness(st.story_id, "locked", st.all_note or "named runs only; --all leaves it out"))
+            continue
+        commit = r.get("commit") or ""
+        if commit.startswith("not recorded") or not commit:
+            out.append(Freshness(st.story_id, "stale", "the run recorded no commit"))
+            continue
+        if r.get("dirty"):
+            out.append(Freshness(st.story_id, "stale", f"ran on a dirty tree at {commit[:12]}"))
+            continue
+        specs = st.covered_paths(root)
+        changed = _changed_since(root, commit, specs)
+        if changed:
+            changed = [f for f in changed if not f.startswith(STORIES_DIR) or f in specs]
+        if changed is None:
+            out.append(Freshness(st.story_id, "stale", f"its commit {commit[:12]} is not in this history"))
+        elif changed:
+            out.append(Freshness(st.story_id, "stale", f"{len(changed)} covered file(s) changed since "
+                                 f"{commit[:12]}: " + ", ".join(changed[:3]) + (" …" if len(changed) > 3 else ""),
+                                 changed))
+        else:
+            out.append(Freshness(st.story_id, "fresh", f"nothing it covers changed since {commit[:12]}"))
+    out += [Freshness(sid, "stale", "no registered story writes this folder") for sid in rows]
+    return out
 
 
 def index_rows(out_root: Path) -> list[dict[str, Any]]:
@@ -324,22 +434,35 @@ def index_rows(out_root: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def render_index(rows: list[dict[str, Any]]) -> str:
-    lines = [INDEX_HEADER, "| story | verdict | lane | date (UTC) | commit | title |", "| --- | --- | --- | --- | --- | --- |"]
+def render_index(rows: list[dict[str, Any]], fresh: dict[str, Freshness] | None = None,
+                 head: str | None = None) -> str:
+    fresh = fresh or {}
+    lines = [INDEX_HEADER]
+    if head:
+        lines.append(f"Freshness judged at dgr commit {head[:12]}.\n")
+    lines += ["| story | verdict | lane | date (UTC) | commit | fresh | title |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         commit = r["commit"] if r["commit"].startswith("not recorded") else r["commit"][:12]
         if r.get("dirty"):
             commit += " (dirty)"
         title = str(r.get("title", "")).replace("|", "\\|")
+        f = fresh.get(r["story"])
+        state = "?" if f is None else (f.state if f.state == "fresh" else f"{f.state}: {f.reason}")
         lines.append(f"| [{r['story']}]({r['story']}/README.md) | {r['verdict']} | {r['lane']} | {r['date']} | "
-                     f"{commit} | {title} |")
+                     f"{commit} | {state.replace('|', '/')} | {title} |")
+    missing = [f.story for f in fresh.values() if f.state == "missing"]
+    if missing:
+        lines.append("\nRegistered stories with no evidence yet: " + ", ".join(missing) + ".")
     return "\n".join(lines) + "\n"
 
 
 def write_index(out_root: Path) -> Path:
     out_root.mkdir(parents=True, exist_ok=True)
     path = out_root / "README.md"
-    path.write_text(render_index(index_rows(out_root)))
+    head = git_state().get("git_commit")
+    fresh = {f.story: f for f in freshness(out_root)} if head else {}
+    path.write_text(render_index(index_rows(out_root), fresh, head))
     return path
 
 
@@ -354,7 +477,15 @@ def _readme(st: Story, ctx: StoryContext, ok: bool, env: dict, elapsed: float, e
         lines += [f"> **Dirty tree**: this run's tree at {env.get('git_commit')} had uncommitted changes "
                   f"({', '.join(env.get('git_dirty_paths') or [])}); these results are not tied to a commit.", ""]
     lines += [
-        f"- **Verdict: {'PASS' if ok else 'FAIL'}**",
+        f"- **Verdict: {verdict_of(ok, ctx.decision)}**"
+        + (f" (the decision this story ends in; {ctx.decision_text})" if ctx.decision and ok else ""),
+    ]
+    if ctx.decision:
+        met = sum(c.passed for c in ctx.checks)
+        lines.append(f"- The run held: {'yes' if ok else 'no'}, {met} of {len(ctx.checks)} criteria met "
+                     + ("(the decision above is the story's verdict)" if ok else
+                        f"(a run that did not hold decides nothing; it had reached {ctx.decision})"))
+    lines += [
         f"- Lane: {st.lane}",
         f"- Ran: {env['timestamp_utc']} on {env['host']} ({env['cpu']}, {env['cpu_count']} CPUs), "
         f"backend {env['backend']}" + (f" (device {env['device']})" if env.get("device") else "") + f", {elapsed:.0f}s",

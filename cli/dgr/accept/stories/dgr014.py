@@ -6,7 +6,8 @@ safetensors route (transformers shard workers) and the distributed GGUF F32/Q8_0
 (dgr-workers), plus each GGUF recipe's whole model; every GGUF route's results are written in the
 format `dgr bench check` reads and checked by that command against
 ``evidence/DGR-001/performance-contract.json`` as committed. The README separates
-runtime/transport gains from quantization gains and ends with one recommendation.
+runtime/transport gains from quantization gains and ends with one recommendation, which is the
+story's verdict (PROMOTE, OPTIMIZE or STOP); whether the gate's run held is reported apart.
 
 ``DGR_GATE_QUICK=1``: a smoke run (short prompts/outputs); the evidence says so.
 """
@@ -141,8 +142,9 @@ def run(ctx: StoryContext) -> None:
 
     # 7. one recommendation
     rec = gate_judge.recommend(judged, doc)
-    ctx.check("one ship recommendation: promote GGUF, optimize a named measured bottleneck, or stop",
-              rec["decision"] in ("promote", "optimize", "stop"), f"{rec['decision'].upper()}: {rec['text']}")
+    if ctx.check("one ship recommendation: promote GGUF, optimize a named measured bottleneck, or stop",
+                 rec["decision"] in ("promote", "optimize", "stop"), f"{rec['decision'].upper()}: {rec['text']}"):
+        ctx.decide(rec["decision"], "the gate's decision against the locked DGR-001 contract")
 
     ctx.results.update({"config": doc["config"], "routes": blocks, "gains": g, "judged": judged,
                         "bench_check": checks, "recommendation": rec,
