@@ -15,7 +15,11 @@ from that (:func:`dgr.hf_export.prepare`, reused when present).
   n_prompt), llama-batched-bench (aggregate tg at each concurrency) and one whole-model
   dgr-worker through the same driver (TTFT, p95 token latency, peak RSS, greedy tokens,
   perplexity, measured exactly as on the route);
-- the whole Transformers model as the safetensors route's parity reference.
+- the whole Transformers model as the safetensors route's parity reference;
+- the batched Transformers lanes (:mod:`dgr.bench.hf_batched`, whole model, one process): static
+  batching at every concurrency, and Transformers' continuous batching where the installed
+  version has it. The safetensors route stays the contract's "current route" lane (unbatched,
+  labelled so); the gains are reported against both.
 
 Quality through the protocol: greedy tokens of the fixed prompts, and teacher-forced scoring of
 the shipped text (each text token fed as the next decode input, the tail's top-k logprobs read
@@ -164,6 +168,7 @@ def timing(endpoints: Sequence[str], pids: Sequence[int], ranges: Sequence[str],
     c = len(prompts)
     return {
         "sessions": c, "mode": rep.mode, "wall_s": rep.wall_s,
+        "end_to_end_tok_s": c * n_gen / rep.wall_s if rep.wall_s else None,  # as the batched Transformers lanes
         "failures": [s.error for s in rep.sessions if s.error],
         "ttft_s": rep.mean_ttft_s,
         "prefill_tok_s": s0.prefill_tok_s if c == 1 else rep.aggregate_prefill_tok_s,
@@ -178,6 +183,27 @@ def timing(endpoints: Sequence[str], pids: Sequence[int], ranges: Sequence[str],
                      "sessions_left": w.sessions_left, "kv_cells_left": w.kv_cells_left} for w in stats],
         "driver_cpu_s": rep.driver_cpu_s,
     }
+
+
+def transformers_batched(hf_dir: Path, prompts: Sequence[Sequence[int]], cfg: GateConfig, work: Path,
+                         log: Any) -> dict[str, Any]:
+    """One ``python -m dgr.bench.hf_batched`` process: static and continuous batching of ``prompts``."""
+    import sys
+
+    from .llama_tools import run_measured
+
+    c = len(prompts)
+    conf = {"hf_dir": str(hf_dir), "threads": cfg.threads, "prompts": [list(p) for p in prompts],
+            "n_gen": cfg.n_gen, "modes": ["static", "continuous"]}
+    cpath, rpath = work / f"batched-c{c}.json", work / f"batched-c{c}.result.json"
+    cpath.write_text(json.dumps(conf))
+    m = run_measured([sys.executable, "-m", "dgr.bench.hf_batched", cpath, rpath],
+                     env={"HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}, log=log)
+    if m.returncode != 0:
+        raise DgrError(f"the batched Transformers lane failed (exit {m.returncode}): {m.stderr.strip()[-400:]}")
+    out = json.loads(rpath.read_text())
+    out["peak_rss_bytes"] = m.peak_rss_bytes
+    return out
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -214,8 +240,11 @@ def run_gate(source: Path, cfg: GateConfig) -> dict[str, Any]:
         "hosts": "one host, loopback (one process per Shard)"},
         "model": manifest["model"], "source": manifest["source"],
         "artifacts": {k: {m: v.get(m) for m in ("bytes", "sha256", "made_by", "format")} for k, v in arts.items()},
-        "routes": {}, "whole": {}, "commands": log.entries}
+        "routes": {}, "whole": {}, "transformers_batched": {}, "commands": log.entries}
+    import tempfile
+
     with ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dgr-gate-")))
         _log.info(f"starting the safetensors route ({', '.join(ranges)}, transformers shard workers)")
         hf = stack.enter_context(HfRoute(hf_dir, cfg.split, threads=cfg.threads, max_sessions=max_s,
                                          ctx_per_session=ctx, artifact_id=arts["safetensors"]["sha256"]))
@@ -267,6 +296,8 @@ def run_gate(source: Path, cfg: GateConfig) -> dict[str, Any]:
                 else:
                     b = _batched_bench(model, cfg.threads, cfg.n_prompt, cfg.n_gen, (c,), cfg.backend)
                     w["llama_batched_bench"][str(c)] = {"command": b["command"], **b["by_batch"][str(c)]}
+            _log.info(f"{c} session(s): batched Transformers, whole model (static and continuous batching)")
+            doc["transformers_batched"][str(c)] = transformers_batched(hf_dir, prompts, cfg, work, log)
         for name, (eps, pids, _b) in routes.items():
             doc["routes"][name]["peak_rss_bytes"] = [status_bytes(p, "VmHWM") for p in pids]
         for name, (eps, pids, _m) in wholes.items():

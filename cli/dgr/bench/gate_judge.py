@@ -150,6 +150,32 @@ def gains(doc: dict[str, Any]) -> dict[str, Any]:
                          for q in ("gguf-q8_0", "gguf-q4_1")},
         "total_vs_safetensors_route": {q: {k: _ratio(blocks[q][k], st[k]) for k in _COMPARED} for q in GGUF_ROUTES},
     }
+    if doc.get("transformers_batched"):
+        out["runtime_vs_batched_transformers"] = vs_batched(doc, "gguf-f32")
+    return out
+
+
+def vs_batched(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    """A GGUF route against the batched Transformers lanes (whole model, one process), per
+    concurrency: decode against static batching, end-to-end (prefill included) against static and
+    continuous batching. The fair counterpart of the gain against the unbatched route."""
+    timing = doc["routes"][name]["timing"]
+    out: dict[str, Any] = {"compares": f"{name} route / batched Transformers fp32, whole model (static batching; "
+                                       "continuous batching where available), same prompts and lengths",
+                          "by_sessions": {}}
+    for c, b in sorted(doc["transformers_batched"].items(), key=lambda kv: int(kv[0])):
+        t = timing.get(c, {})
+        st, cb = b.get("static") or {}, b.get("continuous") or {}
+        out["by_sessions"][c] = {
+            "decode_vs_static": _ratio(t.get("decode_tok_s"), st.get("decode_tok_s")),
+            "end_to_end_vs_static": _ratio(t.get("end_to_end_tok_s"), st.get("end_to_end_tok_s")),
+            "end_to_end_vs_continuous": (_ratio(t.get("end_to_end_tok_s"), cb.get("end_to_end_tok_s"))
+                                         if cb.get("available") else None),
+            "continuous": "measured" if cb.get("available") else (cb.get("reason") or "not run"),
+            "route_decode_tok_s": t.get("decode_tok_s"), "static_decode_tok_s": st.get("decode_tok_s"),
+            "route_end_to_end_tok_s": t.get("end_to_end_tok_s"), "static_end_to_end_tok_s": st.get("end_to_end_tok_s"),
+            "continuous_end_to_end_tok_s": cb.get("end_to_end_tok_s"),
+        }
     return out
 
 
