@@ -23,6 +23,7 @@ REQUIRED_METRICS = ("ttft_seconds", "prefill_tokens_per_second", "decode_tokens_
                     "peak_rss_bytes", "artifact_bytes", "failures", "perplexity",
                     "top1_agreement_vs_transformers_fp32", "greedy_agreement_vs_transformers_fp32")
 ATTACHMENTS = ("performance-contract.json", "baseline.json")
+RECIPES = ("transformers-fp32", "transformers-bf16", "llama.cpp-f32", "llama.cpp-q8_0", "llama.cpp-q4_1")
 
 
 def _dgr(ctx: StoryContext, *args: str, timeout: float = 5400):
@@ -81,7 +82,8 @@ def run(ctx: StoryContext) -> None:
     cfg = doc["config"]
     ctx.check("same weights, prompts, context/output lengths, greedy sampling and concurrency across "
               "transformers fp32/bf16 and llama.cpp F32/Q8_0/Q4_1",
-              proc.returncode == 0 and not failed and len(recipes) == 5,
+              proc.returncode == 0 and not failed and set(recipes) == set(RECIPES)
+              and {1, 4} <= set(cfg.get("concurrency") or ()),
               f"prompt {cfg['prompt_tokens']} tok, decode {cfg['gen_tokens']} tok, {len(cfg['prompt_token_counts'])} "
               f"fixed prompts x {cfg['prompt_gen_tokens']} greedy tokens, perplexity over {cfg['scored_tokens']} "
               f"tokens (chunks of {cfg['score_chunk']}), concurrency {cfg['concurrency']}, {cfg['threads']} threads"
@@ -92,7 +94,9 @@ def run(ctx: StoryContext) -> None:
               all(k in arts and arts[k].get("sha256") for k in ("safetensors", "gguf-f32", "gguf-q8_0", "gguf-q4_1")),
               f"source {doc['model']['source']['file']} sha256 {doc['model']['source']['sha256'][:16]}…, "
               f"safetensors sha256 {arts.get('safetensors', {}).get('sha256', '?')[:16]}…")
-    missing = {k: [m for m in REQUIRED_METRICS if m not in v] for k, v in recipes.items() if not v.get("failures")}
+    # a metric is reported only when it has a value (None: not measured)
+    missing = {k: [m for m in REQUIRED_METRICS if v.get(m) is None]
+               for k, v in recipes.items() if not v.get("failures")}
     missing = {k: v for k, v in missing.items() if v}
     ctx.check("TTFT, prefill/decode tok/s, p50/p95 token latency, aggregate throughput at 1 and 4, RSS, artifact "
               "size, failures and drift reported per recipe in machine-readable JSON",
@@ -118,7 +122,8 @@ def run(ctx: StoryContext) -> None:
     ctx.check("versioned performance contract with lanes, hardware class, metrics, thresholds and an explicit "
               "stop condition",
               ok and contract.get("schema_version") == 1 and bool(contract.get("thresholds"))
-              and "rule" in stop and "verdict_now" in stop,
+              and bool(contract.get("lanes")) and bool(contract.get("hardware_class"))
+              and bool(contract.get("baseline_metrics")) and "rule" in stop and "verdict_now" in stop,
               f"{len(contract.get('thresholds', []))} thresholds; stop condition now: {stop.get('verdict_now')} "
               f"({_stop_detail(stop)})" if ok else (proc.stderr or proc.stdout).strip()[-300:])
 

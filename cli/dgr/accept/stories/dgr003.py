@@ -23,7 +23,7 @@ def run(ctx: StoryContext) -> None:
     keys = ("weight_types_digest", "activation_dtype", "compute_dtype", "kv_dtype", "kv_layout", "tokenizer_digest",
             "arch_adapter", "arch_adapter_version", "backend", "dgr_version", "pin_commit", "patch_digest",
             "boundary_schema_version", "artifact_id", "fingerprint")
-    missing = [k for k in keys if k not in recipe]
+    missing = [k for k in keys if recipe.get(k) in (None, "")]   # a field without a value is not named
     ctx.check("the embedded model's recipe (live `dgr gguf recipe --json`) names each part separately",
               p.returncode == 0 and not missing,
               ("missing " + ", ".join(missing) + "; ") * bool(missing)

@@ -44,12 +44,15 @@ def run(ctx: StoryContext) -> None:
               all(h["head"] and h["start"] == 0 for h in heads) and n_prompt >= 64,
               f"{n_prompt} prompt token ids decoded by heads " + ", ".join(f"{h['start']}:{h['end']}" for h in heads))
 
-    tail_probe = parse_report(ctx.command(memory_command(exe, ShardSpec(15, 30, ctx.model), n_ctx=512)).stdout)
+    # token ids offered to a tail (15:30) and to a middle shard (7:23), each in its own process
+    probes = {k: parse_report(ctx.command(memory_command(exe, ShardSpec(a, b, ctx.model), n_ctx=512)).stdout)
+              for k, (a, b) in (("15:30", (15, 30)), ("7:23", (7, 23)))}
     mid = [sh for s in splits for sh in s["shards"] if not sh["head"]]
     ctx.check("middle and tail shards bypass token embedding: they take boundary rows and refuse token ids",
-              bool(mid) and all(not sh["head"] for sh in mid) and tail_probe["token_input"] == "INVALID_ARGUMENT",
-              f"{len(mid)} non-head shards fed n_tokens x n_embd f32 rows; token ids to 15:30 -> "
-              f"{tail_probe['token_input']}")
+              bool(mid) and all(sh["start"] > 0 for sh in mid)
+              and all(p["token_input"] == "INVALID_ARGUMENT" for p in probes.values()),
+              f"{len(mid)} non-head shards fed n_tokens x n_embd f32 rows; token ids to "
+              + ", ".join(f"{k} -> {p['token_input']}" for k, p in probes.items()))
 
     exact = all(s["prefill_bit_identical"] and s["prefill_max_abs_diff"] == 0.0 for s in splits)
     ctx.check("non-tail shards emit the unnormalized residual before final norm/head and row pruning, "

@@ -5,7 +5,8 @@ budgets add up to the whole model's)."""
 from __future__ import annotations
 
 from ..evidence import StoryContext, story
-from ._common import tests_criterion
+from ... import paths
+from ._common import command_criterion, tests_criterion
 
 T = "tests/"
 
@@ -41,6 +42,11 @@ def run(ctx: StoryContext) -> None:
                     [T + "test_worker_fake.py::test_truncate_and_sampling_are_deterministic",
                      T + "test_worker_fake_lifecycle.py::test_ttl_eviction_gives_cache_miss",
                      T + "test_worker_fake_lifecycle.py::test_budgets_reject_with_resource_exhausted"])
+    # LRU eviction has no Python test: the C++ session table and reaper tests pin it
+    command_criterion(ctx, "LRU eviction takes the least recently used idle session, never a busy one or the "
+                           "requester (C++ session table and reaper tests, CTest)",
+                      ["ctest", "--test-dir", str(paths.backend_build_dir(ctx.backend)), "-R",
+                       "session_table|session_reaper", "--output-on-failure"], needle="tests passed")
     tests_criterion(ctx, "at least four concurrent sessions on a small real model complete without token or KV "
                          "cross-talk",
                     [T + "test_worker_llama.py::test_smollm2_eight_sessions",

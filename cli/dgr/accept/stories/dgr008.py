@@ -32,7 +32,10 @@ def run(ctx: StoryContext) -> None:
                     [T + "test_worker_fake_lifecycle.py::test_budgets_reject_with_resource_exhausted",
                      T + "test_worker_fake_lifecycle.py::test_queue_limit_rejects_and_memory_stays_bounded",
                      T + "test_worker_fake_lifecycle.py::test_stream_deadline_releases_the_session",
-                     T + "test_worker_generate.py::test_cancel_stops_a_running_generation"])
+                     T + "test_worker_generate.py::test_cancel_stops_a_running_generation",
+                     # chunk limits, step order, duplicate step replayed from the stored response
+                     T + "test_worker_fake.py::test_error_cases_leave_the_session_and_others_intact",
+                     T + "test_worker_ownership.py::test_owner_replay_only_with_identical_content"])
     # live: the services a client can reach (server reflection ListServices, hand-encoded request)
     from ...protocol.channel import open_channel
 

@@ -23,7 +23,6 @@ import re
 import sys
 import time
 import tomllib
-from pathlib import Path
 
 from ... import paths
 from ..evidence import StoryContext, story

@@ -165,7 +165,8 @@ def run(ctx: StoryContext) -> None:
                                  "top5_ids_identical": same_ids}
         ctx.check(f"prefill and {N_PREDICT} greedy decode tokens match whole-model llama.cpp (certified tolerance: exact)",
                   r_route.error is None and r_whole.error is None and len(r_route.tokens) == N_PREDICT
-                  and r_route.tokens == r_whole.tokens and same_ids and max(diffs or [1.0]) == 0.0,
+                  and r_route.tokens == r_whole.tokens and same_ids and max(diffs or [1.0]) == 0.0
+                  and len(r_route.top_logprobs) == len(r_whole.top_logprobs) > 0,
                   f"{len(ptoks[0])}-token prompt; {sum(a == b for a, b in zip(r_route.tokens, r_whole.tokens))}/"
                   f"{N_PREDICT} tokens identical; max |Δ logprob| over top-5 at every step {max(diffs or [0.0]):.3g}")
 
@@ -188,9 +189,10 @@ def run(ctx: StoryContext) -> None:
         iso = isolation(conc, seq)
         ctx.results["concurrent"] = {"route": conc.to_json(), "whole": wconc.to_json(), "parity_sequential": par.to_json(),
                                      "isolation": iso.to_json()}
-        clean = all(w.sessions_left == 0 and w.kv_cells_left == 0 for w in conc.workers)
+        clean = len(conc.workers) == 2 and all(w.sessions_left == 0 and w.kv_cells_left == 0 for w in conc.workers)
+        four = len(prompts) == len(conc.sessions) == len(seq.sessions) == 4   # isolation() zips the two
         ctx.check("four concurrent Route Sessions pass isolation (vs their own sequential runs) and cleanup "
-                  "(no session or KV cell left on either worker)", conc.ok and iso.ok and clean and par.ok,
+                  "(no session or KV cell left on either worker)", four and conc.ok and iso.ok and clean and par.ok,
                   f"{iso.identical}/4 identical to their sequential runs, {iso.near_tie_divergences} diverge at a "
                   f"near-tie (noise <= {iso.max_noise_nats:.2f} nats){'; ' + '; '.join(iso.violations) if iso.violations else ''}; "
                   f"one at a time {par.matched_sessions}/4 identical to the whole model; left after release: "
@@ -238,7 +240,8 @@ def run(ctx: StoryContext) -> None:
             "mean_queue_wait_s": [w.mean_queue_wait_s for w in conc.workers],
         }
         ctx.results["report"] = report
-        complete = all(v not in (None, [], 0) for k, v in report.items() if k != "worker_vram_bytes")
+        complete = all(v not in (None, [], 0) and (not isinstance(v, list) or None not in v)
+                       for k, v in report.items() if k != "worker_vram_bytes")
         ctx.check("TTFT, prefill/decode throughput, seam bytes/latency, worker RSS, KV memory, batch size and "
                   "queue time are reported", complete and 0 < report["seam_bytes_per_decode_token"] <= report["seam_bytes_limit"],
                   f"TTFT {sum(report['ttft_s']) / 4 * 1e3:.0f} ms mean, aggregate decode {report['aggregate_decode_tok_s']:.1f} "
@@ -298,5 +301,14 @@ def run(ctx: StoryContext) -> None:
                                + ", ".join(f"{n} {v:.2f}" for n, v in bench["ratios"]["paired_median"].items()) + ")")
     except Exception as exc:  # the benchmark is informative; its failure is recorded, not fatal
         ctx.limitation(f"route benchmark did not complete: {exc}")
+    ctx.limitation("Prefill parity across the two processes compares the top-5 log-probabilities after the last "
+                   "prompt position (what a route returns), not every prompt position; DGR-006 compares every "
+                   "position, with the shards chained in one process.")
+    from ...route.parity import NEAR_TIE_NATS
+
+    ctx.limitation("Isolation tolerates a concurrent session that diverges from its own sequential run at a near-tie "
+                   f"(top-1/top-2 gap <= {NEAR_TIE_NATS} nats, dgr.route.parity.NEAR_TIE_NATS); such a session is "
+                   "counted in the detail, not failed. Exact parity with the whole model is checked one session at "
+                   "a time.")
     ctx.limitation("Both workers and the driver share one host (loopback gRPC); network effects are DGR-011.")
     ctx.limitation("CPU backend: no VRAM figures.")

@@ -59,8 +59,6 @@ def _max(doc: dict[str, Any], key: str) -> float | None:
 def _lab_drills(ctx: StoryContext, drills: dict[str, dict[str, Any]], real: dict[str, Any]) -> bool:
     """SmolLM2 on two simulated hosts (namespaces, own CPU each, mTLS on every hop, the lab's link
     proxy in front of every worker): the tail killed, stopped, its link blackholed."""
-    import sys
-
     from ...lab import system as sx
     from ...lab.hosts import Lab, LabConfig
 
@@ -239,11 +237,12 @@ def run(ctx: StoryContext) -> None:
     named = []
     for k, d in failover.items():
         victim = d["fault"]["target"].split("@")[1]
-        named.append(all(s["record"]["attempts"][0]["failed_shard"] == victim and victim in
+        named.append(bool(d["sessions"]) and all(s["record"]["attempts"][0]["failed_shard"] == victim and victim in
                          (s["record"]["attempts"][0]["error"] or "") for s in d["sessions"]))
     ctx.check("every failed session's structured error names the failed shard (endpoint and range)", all(named),
               f"{sum(named)}/{len(named)} drills")
-    ok = [d["summary"]["sessions_recovered"] == d["summary"]["sessions"] and d["summary"]["tokens_lost"] == 0
+    ok = [len(d["sessions"]) == d["summary"]["sessions"] > 0   # every session of the drill is in its record
+          and d["summary"]["sessions_recovered"] == d["summary"]["sessions"] and d["summary"]["tokens_lost"] == 0
           and d["summary"]["tokens_duplicated"] == 0 and d["summary"]["answers_equal_reference"] == d["summary"]["sessions"]
           and len(d["summary"]["routes"]) == 2 and d["fault"]["target"].split("@")[1] not in d["summary"]["routes"][1]
           for d in failover.values()]
@@ -276,7 +275,9 @@ def run(ctx: StoryContext) -> None:
         w = d["work"]
         victim = d["fault"]["target"].split("@")[1]
         expect = "unverified" if k.split("-")[-2] in ("stop", "blackhole") else "failed"
-        per = all(s["record"]["attempts"][1]["recomputed_tokens"] == s["record"]["attempts"][0]["delivered_tokens"]
+        per = bool(d["sessions"]) and all(
+                  s["record"]["status"] == "completed"
+                  and s["record"]["attempts"][1]["recomputed_tokens"] == s["record"]["attempts"][0]["delivered_tokens"]
                   and any(x["shard"].startswith(victim) and x["status"] == expect for x in s["record"]["attempts"][0]["shards"])
                   for s in d["sessions"])
         total = w["delivered_tokens"] == d["summary"]["sessions"] * d["max_tokens"]
@@ -310,6 +311,8 @@ def run(ctx: StoryContext) -> None:
     tests_criterion(ctx, "cancellation reaches every shard and releases sessions, KV cells and queued steps",
                     [T + "test_chain_route.py::test_cancel_one_session_mid_generation_others_complete",
                      T + "test_worker_fake_lifecycle.py::test_stream_deadline_releases_the_session"])
+    tests_criterion(ctx, "a cancelled session's work record says cancelled, on every shard, and it is never restarted",
+                    [T + "test_failover.py::test_cancel_through_the_failover_router_is_not_restarted"])
     tests_criterion(ctx, "no route: a structured failure that says why (no standby, recipe mismatch, capacity, "
                     "unreachable); restarts are bounded",
                     [T + "test_failover.py::test_no_route_says_why",
@@ -355,5 +358,8 @@ def run(ctx: StoryContext) -> None:
               f"blackhole {n['by_kind'].get('blackhole', {}).get('p99')} s p99 (silent faults: detection first)")
     ctx.limitation("The lab drills run on one 2-core machine (one core per simulated host); latency, loss and "
                    "SIGTERM on lab hosts are run with `dgr drill --lab` by hand (docs/failover.md).")
+    ctx.limitation("Of the state errors, only the malformed bundle, the cache miss and the duplicate step are "
+                   "checked for unchanged KV cells; for the stale epoch, the ownership refusal and the stream reset "
+                   "the check is the structured reason (and, for a stale epoch, the current epoch) only.")
     ctx.limitation("Seeded sampling after a restart draws from the seed again at the restart position: the delivered "
                    "prefix stands, later tokens are not those of an uninterrupted run (docs/failover.md).")

@@ -11,9 +11,9 @@ Run as ``dgr accept --backend vulkan DGR-018`` after ``dgr build --backend vulka
 3. the recipe fingerprint distinguishes backend plans (cpu, vulkan, cpu+vulkan), as served by
    the workers themselves;
 4. the mixed routes, CPU head + Vulkan tail and the reverse, against the CPU whole model:
-   top-1 agreement (teacher-forced), greedy agreement and max |Δ logprob| over >= 64 tokens,
-   checked against the tolerance the registry entry of the mixed plans states
-   (cli/dgr/gguf/recipes.toml); admission refuses the mixed plans unless that entry is certified.
+   top-1 agreement (teacher-forced), greedy agreement and max |Δ logprob| measured over >= 64
+   tokens; the bounds the registry entry of the mixed plans states (cli/dgr/gguf/recipes.toml)
+   are checked; admission refuses the mixed plans unless that entry is certified.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _parity(ctx: StoryContext, model, split, n: int, label: str, threads: int) -
     diffs = [abs(a[1] - b[1]) for ra, rb in zip(r.top_logprobs, w.top_logprobs) for a, b in zip(ra, rb)]
     ids = all([t for t, _ in ra] == [t for t, _ in rb] for ra, rb in zip(r.top_logprobs, w.top_logprobs))
     res = {"label": label, "prompt_tokens": len(toks), "route_tokens": r.tokens, "whole_tokens": w.tokens,
-           "identical": r.tokens == w.tokens and len(r.tokens) == n and ids,
+           "identical": r.tokens == w.tokens and len(r.tokens) == n and ids
+                        and len(r.top_logprobs) == len(w.top_logprobs) > 0,   # else the logprob diff is vacuous
            "max_abs_logprob_diff_top5": max(diffs or [0.0]), "errors": [str(x.error) for x in (r, w) if x.error]}
     return res
 
@@ -143,7 +144,8 @@ def run(ctx: StoryContext) -> None:
               "vulkan+cpu": _served_fingerprints(syn, [(0, 2), (2, 4)], ("vulkan", "cpu"), threads)}
     ctx.results["fingerprints"] = {"expected": want, "served": served}
     ctx.check("the recipe fingerprint distinguishes backend plans; both Shards of a mixed route serve the plan's",
-              len(set(want.values())) == 4 and all(fp == want[plan] for plan, fps in served.items() for fp in fps),
+              len(set(want.values())) == 4 and all(len(fps) == 2 for fps in served.values())
+              and all(fp == want[plan] for plan, fps in served.items() for fp in fps),
               ", ".join(f"{k} {v[:12]}…" for k, v in want.items()))
 
     # -- 4. mixed routes: drift against the CPU whole model, the registry's tolerance ---------------
@@ -188,5 +190,10 @@ def run(ctx: StoryContext) -> None:
     ctx.check("admission refuses a mixed-plan Shard while the mixed recipe is not certified",
               not refused.admitted and bool(refused.reasons & {Reason.RECIPE_DARK, Reason.BACKEND_NOT_CERTIFIED}),
               refused.summary())
+    ctx.limitation("The mixed-route checks hold only the bounds the registry entry states (at this run: "
+                   f"{sorted({k for d in ctx.results.get('drift', []) for k in d['tolerance']})}). Greedy agreement is "
+                   "reported, not bounded (free-running greedy decoding departs at the first near-tie), and the "
+                   "|Δ logprob| bound is on the reference's token in the teacher-forced run, not on the shared top-5 "
+                   "(reported beside it).")
     ctx.limitation(f"The packaged registry admits the mixed plans only while the entry of cli/dgr/gguf/recipes.toml for "
                    f"them is certified with this evidence; at this run: {now.summary()}.")

@@ -195,7 +195,8 @@ def run(ctx: StoryContext) -> None:
                             "weights": "SYNTHETIC (random, seeded): measures memory and speed, certifies nothing"}
     ctx.check("the model is a realistic-size synthetic: an 8B-class shape of at least 4 GiB, labelled synthetic in "
               "its own metadata",
-              model.stat().st_size >= 4 << 30 and "synthetic" in desc.lower() and shape["vocab_size"] >= 32000,
+              model.stat().st_size >= 4 << 30 and "synthetic" in desc.lower() and shape["vocab_size"] >= 32000
+              and n_layer >= 32 and (shape["embedding_length"] or 0) >= 4096,
               f"{model.name}: {model.stat().st_size / 2**30:.2f} GiB, {n_layer} layers, n_embd "
               f"{shape['embedding_length']}, {shape['attention.head_count']}/{shape['attention.head_count_kv']} "
               f"heads, vocabulary {shape['vocab_size']}; description: {desc[:90]}")
@@ -290,7 +291,8 @@ def run(ctx: StoryContext) -> None:
                       f"tokens identical")
             ctx.check(f"{SESSIONS} concurrent sessions over the 2-host route: every session completes and passes "
                       "isolation; each session alone is identical to the whole model alone",
-                      rep["ok"] and par.ok and iso.ok,
+                      rep["ok"] and par.ok and iso.ok
+                      and len(rep["sessions"]) == len(seq.sessions) == len(wseq.sessions) == SESSIONS,
                       f"alone: {par.matched_sessions}/{SESSIONS} identical to the whole model; concurrent: "
                       f"{iso.identical}/{SESSIONS} identical to alone, {iso.near_tie_divergences} near-tie "
                       f"{iso.violations or ''}; aggregate decode "
@@ -323,7 +325,7 @@ def run(ctx: StoryContext) -> None:
             ctx.results["route3"] = {"split": [f"{a}:{b}" for a, b in split3], "mode": mode3, "tokens": r3.tokens,
                                      "placement": ws3}
             ctx.check("3 hosts (h3 shares a core with h1): greedy tokens identical to the whole model",
-                      r3.error is None and r3.tokens == r_whole.tokens,
+                      r3.error is None and r3.tokens == r_whole.tokens and len(r3.tokens) == N_PREDICT,
                       f"{mode3} route {split3}; {sum(a == b for a, b in zip(r3.tokens, r_whole.tokens))}/"
                       f"{N_PREDICT} tokens identical")
 
@@ -341,6 +343,11 @@ def run(ctx: StoryContext) -> None:
                    "vocabulary of the same size instead of its BPE tokenizer). Memory, speed and parity between the "
                    "route and the whole model are real; nothing here says anything about answer quality, and no "
                    "recipe is certified by it.")
+    from ...route.parity import NEAR_TIE_NATS
+
+    ctx.limitation("Isolation of the concurrent sessions tolerates a session that departs from its own run alone at "
+                   f"a near-tie (top-1/top-2 gap <= {NEAR_TIE_NATS} nats); such a session is counted in the detail, "
+                   "not failed. The parity checks compare greedy tokens only, not log-probabilities.")
     ctx.limitation("Simulated hosts share one machine's memory bus, caches and disk; each has one core (h3 shares "
                    "h1's). Speed figures are for that setting; `dgr bench route --hosts` judges throughput.")
 
@@ -377,7 +384,7 @@ def _split_set_lane(ctx: StoryContext, lab, model: Path, artifact_id: str, split
         io = {p.host.name: _files_and_io(p.worker.pid, names) for p in lr.placed}
     ctx.results["split_set"].update({"route_tokens": r.tokens, "mode": mode, "io": io})
     ctx.check("a 2-host route loading its ranges from the split set reproduces the whole model's greedy tokens",
-              r.error is None and r.tokens == whole_tokens,
+              r.error is None and r.tokens == whole_tokens and len(r.tokens) == N_PREDICT,
               f"{mode}; {sum(a == b for a, b in zip(r.tokens, whole_tokens))}/{N_PREDICT} identical")
     # after the run: a part that holds none of a host's tensors keeps at most the one partial page
     # llama_mmap::unmap_fragment rounds away, never touched; a part it needs is resident
@@ -393,7 +400,7 @@ def _split_set_lane(ctx: StoryContext, lab, model: Path, artifact_id: str, split
     ctx.results["split_set"]["parts_per_host"] = verdict
     order = {p.name: i + 1 for i, p in enumerate(parts)}
     ctx.check("each host of the split-set route maps and touches only the parts that hold its range's tensors",
-              all(x["ok"] for x in verdict.values()),
+              len(verdict) == len(split) and all(x["ok"] for x in verdict.values()),
               "; ".join(f"{h} [{x['range']}) needs parts {[order[n] for n in x['needs']]}: resident "
                         f"{ {order[n]: round(b / 2**20, 1) for n, b in io[h].get('mapped_model_files', {}).items()} } MiB"
                         for h, x in verdict.items()))
