@@ -1,7 +1,7 @@
 // The queue of steps on its own (worker/work_queue.h): the batching policy (DECODE first, room
-// for a prefill chunk, PREFILL oldest first while it fits), pipeline groups of chained rows,
-// split PREFILL steps (one piece per batch, the last piece carries the frame), and the frame
-// tickets going back exactly once whichever way a step leaves.
+// for a prefill chunk, PREFILL oldest first while it fits, decode's turn after a prefill batch),
+// pipeline groups of chained rows, split PREFILL steps (one piece per batch, the last piece
+// carries the frame), and the frame tickets going back exactly once whichever way a step leaves.
 #include "worker/work_queue.h"
 
 #include <atomic>
@@ -169,6 +169,28 @@ void test_upstream_batch_hint() {
     CHECK(!q.upstream_batch_incomplete(), "a single-row hint waits for nothing");
 }
 
+void test_decode_turn_after_a_batch_with_prefill() {
+    // a decode row waits for at most the one batch in flight, and is then not computed inside a
+    // batch of prefill rows again: after a batch that carried PREFILL, waiting DECODE rows go alone
+    WorkQueue q;
+    q.push_prefill(step("p1", false, 6));
+    q.push_prefill(step("p2", false, 6));
+    q.push_prefill(step("p3", false, 6));
+    WorkQueue::Batch b = q.take(12, 6, 0, kNotChained);
+    CHECK(ids(b) == "p1,p2" && b.prefill_steps == 2, "prefill batch %s", ids(b).c_str());
+    q.push_decode(step("d1", true, 1));  // arrived while that batch was in flight
+    b = q.take(12, 6, 0, kNotChained);
+    CHECK(ids(b) == "d1" && b.prefill_steps == 0, "decode's turn: %s", ids(b).c_str());
+    q.push_decode(step("d1", true, 1));
+    b = q.take(12, 6, 0, kNotChained);   // prefill's turn again: decode rows first, then the chunk
+    CHECK(ids(b) == "d1,p3", "prefill is not starved: %s", ids(b).c_str());
+    b = q.take(12, 6, 0, kNotChained);   // nothing waits: an empty batch changes no turn
+    CHECK(b.items.empty(), "empty %s", ids(b).c_str());
+    q.push_prefill(step("p4", false, 6));
+    b = q.take(12, 6, 0, kNotChained);   // no decode row waits: prefill goes on
+    CHECK(ids(b) == "p4", "prefill without decode: %s", ids(b).c_str());
+}
+
 }  // namespace
 
 int main() {
@@ -179,6 +201,7 @@ int main() {
     test_boundary_rows_split_by_n_embd();
     test_tickets_go_back_once_whichever_way_a_step_leaves();
     test_upstream_batch_hint();
+    test_decode_turn_after_a_batch_with_prefill();
     if (g_failures) {
         std::fprintf(stderr, "work_queue_test: %d failure(s)\n", g_failures);
         return 1;

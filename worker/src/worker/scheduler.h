@@ -8,9 +8,10 @@
 //
 // Batching policy (docs/worker.md): a batch holds at most max_batch_tokens rows. Every pending
 // DECODE step (one row per session) goes first; PREFILL chunks follow oldest-first while they
-// fit. Because max_sessions + max_prefill_chunk_tokens <= max_batch_tokens is enforced at
-// startup, the oldest pending prefill chunk always fits next to all decode rows: decode is never
-// delayed by prefill for more than the one batch in flight, and prefill never starves.
+// fit; after a batch that carried prefill rows, pending DECODE steps go alone (decode's turn).
+// Because max_sessions + max_prefill_chunk_tokens <= max_batch_tokens is enforced at startup,
+// the oldest pending prefill chunk always fits next to all decode rows: decode is never delayed
+// by prefill for more than the one batch in flight, and prefill never starves.
 #pragma once
 
 #include "worker/events.h"

@@ -46,7 +46,12 @@ uint32_t WorkQueue::push_prefill_pieces(WorkPtr w, uint32_t piece, uint32_t n_em
 
 WorkQueue::Batch WorkQueue::take(uint32_t max_rows, uint32_t prefill_chunk, uint32_t group, const BlockOf & block_of) {
     Batch b;
-    const uint32_t decode_cap = prefill_.empty() ? max_rows : max_rows - std::min(max_rows, prefill_chunk);
+    // decode's turn: the last batch carried PREFILL rows and DECODE rows wait, so this batch
+    // takes DECODE rows only (a decode row then waits for at most the one batch in flight and
+    // is not computed inside a batch of prefill rows as well); the next batch is PREFILL's again
+    const bool decode_turn = last_had_prefill_ && !decode_.empty();
+    const uint32_t decode_cap =
+        prefill_.empty() || decode_turn ? max_rows : max_rows - std::min(max_rows, prefill_chunk);
     int64_t block = -1;
     uint32_t chained = 0;
     std::deque<WorkPtr> later;
@@ -71,7 +76,7 @@ WorkQueue::Batch WorkQueue::take(uint32_t max_rows, uint32_t prefill_chunk, uint
         decode_.push_front(std::move(later.back()));
         later.pop_back();
     }
-    for (auto it = prefill_.begin(); it != prefill_.end();) {
+    for (auto it = prefill_.begin(); !decode_turn && it != prefill_.end();) {
         Work & w = **it;
         if (w.piece() && std::any_of(b.items.begin(), b.items.end(),
                                      [&](const WorkPtr & x) { return x->piece() && x->session_id == w.session_id; })) {
@@ -82,7 +87,9 @@ WorkQueue::Batch WorkQueue::take(uint32_t max_rows, uint32_t prefill_chunk, uint
         b.rows += w.n;
         b.items.push_back(std::move(*it));
         it = prefill_.erase(it);
+        b.prefill_steps++;
     }
+    if (!b.items.empty()) last_had_prefill_ = b.prefill_steps > 0;
     return b;
 }
 

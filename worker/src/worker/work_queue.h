@@ -4,11 +4,14 @@
 //
 // Policy: every pending DECODE row first (one row per session), then PREFILL steps oldest first
 // while they fit. While PREFILL waits, DECODE rows leave room for one prefill chunk, so prefill
-// never starves. On a pipelined route (pipeline.h) the chained DECODE rows of one batch are one
-// group: the block of sequence ids of the oldest queued chained row, at most `group` rows; the
-// others stay queued, in order, and are computed while this group is downstream. Of a PREFILL
-// step split into pieces only one piece goes per batch, so that the next piece is computed
-// while this one is downstream.
+// never starves. After a batch that carried PREFILL rows, a batch with DECODE rows waiting takes
+// those rows only (decode's turn): a DECODE row waits for at most the one batch in flight and is
+// then computed without prefill rows, or it rides in the batch after a decode turn; and PREFILL
+// still gets every second batch at least. On a pipelined route (pipeline.h) the chained DECODE
+// rows of one batch are one group: the block of sequence ids of the oldest queued chained row, at
+// most `group` rows; the others stay queued, in order, and are computed while this group is
+// downstream. Of a PREFILL step split into pieces only one piece goes per batch, so that the next
+// piece is computed while this one is downstream.
 #pragma once
 
 #include "dgr/shard/v1/shard_runtime.pb.h"
@@ -90,6 +93,7 @@ public:
         std::vector<WorkPtr> items;  // in queue order: DECODE rows, then PREFILL steps
         uint32_t rows = 0;
         uint32_t held_rows = 0;      // chained DECODE rows left queued for a later group
+        uint32_t prefill_steps = 0;  // PREFILL steps (or pieces) taken
     };
 
     void push_decode(WorkPtr w) { decode_.push_back(std::move(w)); }
@@ -126,6 +130,7 @@ public:
 private:
     std::deque<WorkPtr> decode_;
     std::deque<WorkPtr> prefill_;
+    bool last_had_prefill_ = false;  // the last batch taken carried PREFILL rows (decode's turn next)
 };
 
 }  // namespace dgr::worker
