@@ -168,9 +168,17 @@ class HfShardService(pbg.ShardRuntimeServiceServicer):
 
     # -- the session stream --
     async def Session(self, request_iterator, context):
+        """One session stream. The client's half-close ends the sessions it carried, as on the
+        native worker (a normal finish sends no ReleaseSession: one round)."""
         loop = asyncio.get_running_loop()
+        carried: dict[str, int] = {}
         async for req in request_iterator:
             t0 = time.perf_counter()
+            kind = req.WhichOneof("frame")
+            if kind == "fast_decode":
+                carried[req.fast_decode.session_id] = req.fast_decode.route_epoch
+            elif kind == "step":
+                carried[req.step.header.session_id] = req.step.header.route_epoch
             with self.lock:
                 self.queued += 1
             try:
@@ -179,6 +187,15 @@ class HfShardService(pbg.ShardRuntimeServiceServicer):
                 with self.lock:
                     self.queued -= 1
             yield resp
+        # grpc.aio ends the request iterator the same way on a half-close and on the client's
+        # cancel; a cancel then cancels this handler at its next await. An aborted stream keeps
+        # its sessions, as on the native worker (released or reaped later); should a cancel come
+        # later than this, its sessions are dropped as on a half-close (no harm: nothing uses them).
+        await asyncio.sleep(0.01)
+        if context.cancelled():
+            return
+        for sid, epoch in carried.items():    # half-closed: the stream's sessions end with it
+            self._drop(sid, epoch, "dgr_sessions_released_total")
 
     def _step(self, req: pb.SessionRequest, t0: float) -> pb.SessionResponse:
         waited = time.perf_counter() - t0
