@@ -2,7 +2,7 @@
 # dgr quick start: all set-up on a fresh Debian/Ubuntu machine, then the main job or the tests.
 #   ./quickstart.sh demo   # build what is missing and run the main job
 #   ./quickstart.sh test   # build what is missing and run the full test suite
-#   ./quickstart.sh release  # (outside CI, ~1.5 h on 2 cores) every acceptance story at one commit
+#   ./quickstart.sh release  # (outside CI, ~40 min on 2 cores once built) every story at one commit
 # Idempotent: the second run skips what is already installed/fetched/built.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -102,7 +102,7 @@ ensure_release_extras() {
 
 release() {
   local dirty
-  dirty=$(git status --porcelain --untracked-files=normal -- . ':(exclude)evidence')
+  dirty=$(git status --porcelain --untracked-files=normal -- . ':(exclude)evidence' ':(exclude)upstream/outreach/rendered')
   if [ -n "$dirty" ]; then
     echo "dgr: the release lane runs on a clean tree; commit or stash first:" >&2
     echo "$dirty" | head -20 >&2
@@ -119,6 +119,7 @@ release() {
   echo "dgr: dgr accept --all took $((SECONDS - t0)) s (exit $rc)" >&2
   step "freshness at this commit"
   .venv/bin/dgr accept --stale || true
+  echo "dgr: commit the evidence with the outreach render it feeds: git add evidence upstream/outreach/rendered" >&2
   exit "$rc"
 }
 

@@ -186,3 +186,42 @@ def test_a_story_runs_on_its_own_backend_unless_one_is_named(stories, tmp_path, 
     assert seen[2:] == ["cpu", "cpu"]
     r = CliRunner().invoke(app, ["accept", "--list"])
     assert "T-007  [synthetic] (runs on vulkan)  vulkan story" in r.output
+
+
+def test_the_derived_render_neither_stales_nor_dirties_and_all_renders_it_first(stories, tmp_path, monkeypatch):
+    """upstream/outreach/rendered is written from the evidence (`dgr upstream render`): a change there
+    is neither a covered change nor a dirty tree, and `--all` runs a story's prep step before it."""
+    repo = tmp_path / "r"
+    derived = repo / "upstream" / "outreach" / "rendered"
+    derived.mkdir(parents=True)
+    (derived / "proposal.md").write_text("RSS 86.3 MiB\n")
+    (repo / "upstream" / "patch.txt").write_text("p1\n")
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "base")
+    base = git(repo, "rev-parse", "HEAD")
+    (derived / "proposal.md").write_text("RSS 85.9 MiB\n")                 # re-rendered, not committed
+    assert evidence.git_state(repo)["git_dirty"] is False
+    stories.clear()
+    stories["T-001"] = evidence.Story("T-001", "t", "synthetic", lambda ctx: None, False, covers=("upstream",))
+    out = repo / "evidence"
+    (out / "T-001").mkdir(parents=True)
+    (out / "T-001" / "results.json").write_text(json.dumps({"story": "T-001", "verdict": "pass"}))
+    (out / "T-001" / "environment.json").write_text(json.dumps({"git_commit": base, "git_dirty": False}))
+    git(repo, "commit", "-qam", "render")
+    assert [f.state for f in evidence.freshness(out, repo)] == ["fresh"]
+    (repo / "upstream" / "patch.txt").write_text("p2\n")                   # the rest of upstream/ is covered
+    git(repo, "commit", "-qam", "patch")
+    assert [f.state for f in evidence.freshness(out, repo)] == ["stale"]
+
+    order = []
+    stories.clear()
+    stories["T-001"] = evidence.Story("T-001", "a", "synthetic", lambda ctx: order.append("T-001") or ctx.check("x", True),
+                                      False)
+    stories["T-002"] = evidence.Story("T-002", "b", "synthetic", lambda ctx: order.append("T-002") or ctx.check("x", True),
+                                      False, all_prep=lambda: order.append("prep") or "prepared")
+    assert [ok for _, ok, _ in evidence.run_all(tmp_path / "ev")] == [True, True]
+    assert order == ["T-001", "prep", "T-002"]
+    order.clear()
+    evidence.run_story("T-002", tmp_path / "ev")                           # a named run checks as committed
+    assert order == ["T-002"]

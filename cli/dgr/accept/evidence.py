@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 from .. import __version__, paths
 from ..errors import DgrError
+from .readme import story_readme, verdict_of
 
 _log = logging.getLogger(__name__)
 
@@ -55,7 +56,10 @@ PRODUCT_PATHS = ("cli/dgr", "worker", "upstream", "proto", "meshnet_adapter", "t
                  "quickstart.sh")
 # Always covered: the runner and the shared story helpers (besides the story's own module). Other
 # stories' modules never make a story stale.
-RUNNER_PATHS = ("cli/dgr/accept/evidence.py", "cli/dgr/accept/stories/_common.py")
+RUNNER_PATHS = ("cli/dgr/accept/evidence.py", "cli/dgr/accept/readme.py", "cli/dgr/accept/stories/_common.py")
+# Written from the evidence itself (`dgr upstream render` quotes DGR-005/006/010): neither a change
+# that can alter a measurement nor a dirty tree. `--all` re-renders it before the story that checks it.
+DERIVED_PATHS = ("upstream/outreach/rendered",)
 STORIES_DIR = "cli/dgr/accept/stories/"
 
 
@@ -145,6 +149,7 @@ class Story:
     all_note: str = ""
     covers: tuple[str, ...] = ()  # git pathspecs whose change makes its evidence stale (): PRODUCT_PATHS
     backend: str | None = None    # the backend it runs on when none is named (None: cpu)
+    all_prep: Callable[[], str] | None = None  # run before it under `--all` only; returns what it did
 
     def covered_paths(self, root: Path | None = None) -> tuple[str, ...]:
         """Pathspecs (relative to the repo) whose change since a run makes its evidence stale."""
@@ -156,7 +161,8 @@ class Story:
                 own = (Path(src).resolve().relative_to(root).as_posix(),)
             except ValueError:   # a story defined outside the repo (tests)
                 pass
-        return tuple(dict.fromkeys((*(self.covers or PRODUCT_PATHS), *RUNNER_PATHS, *own)))
+        derived = tuple(f":(exclude){p}" for p in DERIVED_PATHS)
+        return tuple(dict.fromkeys((*(self.covers or PRODUCT_PATHS), *RUNNER_PATHS, *own, *derived)))
 
 
 _REGISTRY: dict[str, Story] = {}
@@ -164,18 +170,20 @@ _REGISTRY: dict[str, Story] = {}
 
 def story(story_id: str, title: str, *, lane: str = "local-real", needs_model: bool = False,
           default_model: str | None = None, in_all: bool = True, all_note: str = "",
-          covers: tuple[str, ...] = (), backend: str | None = None):
+          covers: tuple[str, ...] = (), backend: str | None = None,
+          all_prep: Callable[[], str] | None = None):
     """Register an acceptance scenario (``default_model``: the packaged model it runs without --model).
     ``in_all=False`` keeps it out of `dgr accept --all` (``all_note`` says why; e.g. a story whose
     evidence is a locked contract). ``covers``: the pathspecs whose change makes its evidence
     stale (default: all product code). ``backend``: the backend it runs on when `dgr accept` names
-    none (a Vulkan story runs on Vulkan under `--all` too)."""
+    none (a Vulkan story runs on Vulkan under `--all` too). ``all_prep``: a step `--all` runs just
+    before it (e.g. re-deriving a file from the evidence the run has just rewritten)."""
     if lane not in LANES:
         raise ValueError(f"lane must be one of {LANES}")
 
     def deco(fn: Callable[[StoryContext], None]):
         _REGISTRY[story_id.upper()] = Story(story_id.upper(), title, lane, fn, needs_model, default_model,
-                                            in_all, all_note, tuple(covers), backend)
+                                            in_all, all_note, tuple(covers), backend, all_prep)
         return fn
 
     return deco
@@ -213,9 +221,9 @@ def _cmd_out(cmd: list[str]) -> str:
         return ""
 
 
-def git_state(root: Path | None = None, *, ignore: tuple[str, ...] = ("evidence",)) -> dict[str, Any]:
+def git_state(root: Path | None = None, *, ignore: tuple[str, ...] = ("evidence", *DERIVED_PATHS)) -> dict[str, Any]:
     """The commit the tree is at and whether it has changes (tracked or untracked, not ignored)
-    outside ``ignore`` (evidence folders are written by the run itself)."""
+    outside ``ignore`` (evidence folders are written by the run itself, derived files from them)."""
     root = root or paths.repo_root()
     commit = _cmd_out(["git", "-C", str(root), "rev-parse", "HEAD"])
     if not commit:
@@ -327,17 +335,9 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str | Non
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
     for name, text in ctx.attachments.items():
         (out_dir / name).write_text(text)
-    (out_dir / "README.md").write_text(_readme(st, ctx, ok, env, elapsed, error))
+    (out_dir / "README.md").write_text(story_readme(st, ctx, ok, env, elapsed, error))
     write_index(out_root)
     return ok, out_dir
-
-
-def verdict_of(criteria_met: bool, decision: str | None) -> str:
-    """PASS/FAIL against the criteria; a story that ended in a decision has the decision as its
-    verdict, but only when its run held (a run with a failed criterion is a FAIL whatever it decided)."""
-    if not criteria_met:
-        return "FAIL"
-    return decision or "PASS"
 
 
 def run_all(out_root: Path | None = None, *, backend: str | None = None,
@@ -351,6 +351,8 @@ def run_all(out_root: Path | None = None, *, backend: str | None = None,
             _log.info(f"skipping {st.story_id}: {st.all_note or 'named runs only'}")
     for i, st in enumerate(stories, 1):
         _log.info(f"[{i}/{len(stories)}] {st.story_id}: {st.title}")
+        if st.all_prep is not None:
+            _log.info(f"{st.story_id}: before it: {st.all_prep()}")
         ok, d = run_story(st.story_id, out_root, backend=backend, model=model)
         out.append((st.story_id, ok, d))
     return out
@@ -468,48 +470,3 @@ def write_index(out_root: Path) -> Path:
     fresh = {f.story: f for f in freshness(out_root)} if head else {}
     path.write_text(render_index(index_rows(out_root), fresh, head))
     return path
-
-
-def _readme(st: Story, ctx: StoryContext, ok: bool, env: dict, elapsed: float, error: str | None) -> str:
-    lines = [
-        f"# {st.story_id}: {st.title}",
-        "",
-        f"Written by `dgr accept {st.story_id}` — do not edit by hand; re-run the command instead.",
-        "",
-    ]
-    if env.get("git_dirty"):
-        lines += [f"> **Dirty tree**: this run's tree at {env.get('git_commit')} had uncommitted changes "
-                  f"({', '.join(env.get('git_dirty_paths') or [])}); these results are not tied to a commit.", ""]
-    lines += [
-        f"- **Verdict: {verdict_of(ok, ctx.decision)}**"
-        + (f" (the decision this story ends in; {ctx.decision_text})" if ctx.decision and ok else ""),
-    ]
-    if ctx.decision:
-        met = sum(c.passed for c in ctx.checks)
-        lines.append(f"- The run held: {'yes' if ok else 'no'}, {met} of {len(ctx.checks)} criteria met "
-                     + ("(the decision above is the story's verdict)" if ok else
-                        f"(a run that did not hold decides nothing; it had reached {ctx.decision})"))
-    lines += [
-        f"- Lane: {st.lane}",
-        f"- Ran: {env['timestamp_utc']} on {env['host']} ({env['cpu']}, {env['cpu_count']} CPUs), "
-        f"backend {env['backend']}" + (f" (device {env['device']})" if env.get("device") else "") + f", {elapsed:.0f}s",
-        f"- llama.cpp pin {env['pin_commit']}, patch series {env['patch_series_digest']}, dgr {env['dgr_version']}",
-        f"- dgr commit {env.get('git_commit') or 'not recorded'}" + (" (dirty tree)" if env.get("git_dirty") else ""),
-    ]
-    if env.get("model_artifact_id"):
-        lines.append(f"- Model: {env.get('model_file')} (artifact {env['model_artifact_id']})")
-    lines += ["", "## Criteria", "", "| verdict | criterion | detail |", "| --- | --- | --- |"]
-    for c in ctx.checks:
-        detail = c.detail.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {'PASS' if c.passed else 'FAIL'} | {c.criterion} | {detail} |")
-    lines += ["", "## Files", "",
-              "- `commands.txt`: every command the run executed, with exit codes and times",
-              "- `results.json`: raw metrics and per-criterion results",
-              "- `environment.json`: host, CPU, OS, compiler, backend, pin, patch digest, package versions"]
-    lines += [f"- `{name}`: written by this run" for name in sorted(ctx.attachments)]
-    if ctx.limitations or error:
-        lines += ["", "## Limitations", ""]
-        lines += [f"- {t}" for t in ctx.limitations]
-        if error:
-            lines.append(f"- The scenario stopped early: {error.strip().splitlines()[-1]}")
-    return "\n".join(lines) + "\n"

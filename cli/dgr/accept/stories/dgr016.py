@@ -180,6 +180,11 @@ def _outreach(ctx: StoryContext, patches: list) -> None:
                                                                            "human action")
     command_criterion(ctx, "the committed render (upstream/outreach/rendered/) is up to date with the sources",
                       dgr("upstream", "render", "--check"), needle="up to date")
+    st = ctx.command(["git", "-C", str(paths.repo_root()), "status", "--porcelain", "--", "upstream/outreach/rendered"])
+    if st.returncode == 0 and st.stdout.strip():
+        ctx.limitation("The render checked above is not committed yet: `dgr accept --all` renders it from the evidence "
+                       "it has just rewritten (the proposal quotes DGR-005, DGR-006 and DGR-010); commit it with the "
+                       "evidence.")
     proposal = (out / "proposal.md").read_text() if (out / "proposal.md").is_file() else ""
     pin = pin_mod.load_pin()
     prs = sorted(p.name for p in (out / "pull-requests").glob("*.md")) if (out / "pull-requests").is_dir() else []
@@ -213,7 +218,19 @@ def _outreach(ctx: StoryContext, patches: list) -> None:
                      T + "test_upstream_outreach.py::test_one_pull_request_per_patch_scoped_to_it"])
 
 
-@story("DGR-016", "Upstream llama.cpp collaboration package", lane="local-real", needs_model=True)
+def _render_for_release() -> str:
+    """Under `--all`, DGR-005/006/010 have just rewritten the evidence the proposal quotes: render the
+    committed package again so the release commit carries evidence and render together (a named run
+    checks the render as committed)."""
+    from ...upstream import outreach
+
+    target = outreach.default_out_dir()
+    written = outreach.render(target)
+    return f"rendered the outreach package from the evidence just written ({len(written)} file(s) in {target})"
+
+
+@story("DGR-016", "Upstream llama.cpp collaboration package", lane="local-real", needs_model=True,
+       all_prep=_render_for_release)
 def run(ctx: StoryContext) -> None:
     from ...upstream import patchstack
     from ...upstream import pin as pin_mod
