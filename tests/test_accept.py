@@ -177,7 +177,7 @@ def test_a_story_runs_on_its_own_backend_unless_one_is_named(stories, tmp_path, 
                                       backend="vulkan")
     stories["T-008"] = evidence.Story("T-008", "cpu story", "synthetic",
                                       lambda ctx: (seen.append(ctx.backend), ctx.check("ran", True)), False)
-    monkeypatch.setattr(evidence, "environment_manifest", lambda backend, model, git: {
+    monkeypatch.setattr(evidence, "environment_manifest", lambda backend, model, git, **_: {
         "timestamp_utc": "t", "host": "h", "cpu": "c", "cpu_count": 1, "backend": backend, "pin_commit": "p",
         "patch_series_digest": "d", "dgr_version": "0", **git})
     evidence.run_all(tmp_path)
@@ -222,6 +222,35 @@ def test_the_derived_render_neither_stales_nor_dirties_and_all_renders_it_first(
                                       False, all_prep=lambda: order.append("prep") or "prepared")
     assert [ok for _, ok, _ in evidence.run_all(tmp_path / "ev")] == [True, True]
     assert order == ["T-001", "prep", "T-002"]
+
+    def broken_prep():
+        raise OSError("disk full")
+    stories["T-002"] = evidence.Story("T-002", "b", "synthetic", lambda ctx: order.append("T-002") or ctx.check("x", True),
+                                      False, all_prep=broken_prep)
+    order.clear()                                                          # a failed prep does not stop --all
+    assert [ok for _, ok, _ in evidence.run_all(tmp_path / "ev")] == [True, True] and order == ["T-001", "T-002"]
     order.clear()
     evidence.run_story("T-002", tmp_path / "ev")                           # a named run checks as committed
     assert order == ["T-002"]
+
+
+def test_all_lets_the_host_settle_before_a_timing_story_and_every_run_states_its_load(stories, tmp_path, monkeypatch):
+    loads = iter([2.0, 1.2, 0.4] + [0.3] * 50)
+    monkeypatch.setattr(evidence.os, "getloadavg", lambda: (next(loads), 0.9, 0.8))
+    slept = []
+    monkeypatch.setattr(evidence.time, "sleep", slept.append)
+    assert evidence.settle(limit_s=60)[0] == 0.4 and len(slept) == 2          # waits until quiet
+    monkeypatch.setattr(evidence.os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    load, _ = evidence.settle(limit_s=0.05, poll_s=0.01)                       # bounded: gives up, says the load
+    assert load == 3.0
+
+    settled = []
+    monkeypatch.setattr(evidence, "settle", lambda: settled.append(1) or (0.3, 12.0))
+    stories.clear()
+    stories["T-001"] = evidence.Story("T-001", "a", "synthetic", lambda ctx: ctx.check("x", True), False)
+    stories["T-002"] = evidence.Story("T-002", "b", "synthetic", lambda ctx: ctx.check("x", True), False, measures=True)
+    evidence.run_all(tmp_path)
+    assert settled == [1]                                                      # only before the timing story
+    env = json.loads((tmp_path / "T-001" / "environment.json").read_text())
+    assert env["load_average_at_start"] == [3.0, 3.0, 3.0]
+    assert "load average at start 3.00/3.00/3.00" in (tmp_path / "T-001" / "README.md").read_text()

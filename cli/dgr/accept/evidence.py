@@ -150,6 +150,7 @@ class Story:
     covers: tuple[str, ...] = ()  # git pathspecs whose change makes its evidence stale (): PRODUCT_PATHS
     backend: str | None = None    # the backend it runs on when none is named (None: cpu)
     all_prep: Callable[[], str] | None = None  # run before it under `--all` only; returns what it did
+    measures: bool = False        # its criteria judge timings: `--all` lets the host settle before it
 
     def covered_paths(self, root: Path | None = None) -> tuple[str, ...]:
         """Pathspecs (relative to the repo) whose change since a run makes its evidence stale."""
@@ -171,19 +172,21 @@ _REGISTRY: dict[str, Story] = {}
 def story(story_id: str, title: str, *, lane: str = "local-real", needs_model: bool = False,
           default_model: str | None = None, in_all: bool = True, all_note: str = "",
           covers: tuple[str, ...] = (), backend: str | None = None,
-          all_prep: Callable[[], str] | None = None):
+          all_prep: Callable[[], str] | None = None, measures: bool = False):
     """Register an acceptance scenario (``default_model``: the packaged model it runs without --model).
     ``in_all=False`` keeps it out of `dgr accept --all` (``all_note`` says why; e.g. a story whose
     evidence is a locked contract). ``covers``: the pathspecs whose change makes its evidence
     stale (default: all product code). ``backend``: the backend it runs on when `dgr accept` names
     none (a Vulkan story runs on Vulkan under `--all` too). ``all_prep``: a step `--all` runs just
-    before it (e.g. re-deriving a file from the evidence the run has just rewritten)."""
+    before it (e.g. re-deriving a file from the evidence the run has just rewritten). ``measures``:
+    its criteria judge timings, so `--all` waits (bounded) for the previous story's load to fade."""
     if lane not in LANES:
         raise ValueError(f"lane must be one of {LANES}")
 
     def deco(fn: Callable[[StoryContext], None]):
         _REGISTRY[story_id.upper()] = Story(story_id.upper(), title, lane, fn, needs_model, default_model,
-                                            in_all, all_note, tuple(covers), backend, all_prep)
+                                            in_all, all_note, tuple(covers), backend, all_prep,
+                                            measures)
         return fn
 
     return deco
@@ -238,8 +241,8 @@ def git_state(root: Path | None = None, *, ignore: tuple[str, ...] = ("evidence"
     return {"git_commit": commit, "git_dirty": bool(changed), "git_dirty_paths": changed[:20]}
 
 
-def environment_manifest(backend: str = "cpu", model: Path | None = None,
-                         git: dict[str, Any] | None = None) -> dict[str, Any]:
+def environment_manifest(backend: str = "cpu", model: Path | None = None, git: dict[str, Any] | None = None,
+                         *, load_at_start: list[float] | None = None) -> dict[str, Any]:
     from ..upstream import patchstack
     from ..upstream import pin as pin_mod
 
@@ -264,6 +267,7 @@ def environment_manifest(backend: str = "cpu", model: Path | None = None,
         "patch_series_digest": patchstack.default_stack().series_digest(),
         "packages": _pkg_versions(),
         "ci": os.environ.get("CI") == "true",
+        "load_average_at_start": load_at_start if load_at_start is not None else [round(x, 2) for x in os.getloadavg()],
         **(git if git is not None else git_state()),
     }
     worker = paths.backend_build_dir(backend) / "bin" / "dgr-worker"
@@ -305,6 +309,7 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str | Non
 
         model = resolve_model(st.default_model) if st.default_model else default_model_path()
     git = git_state()   # the commit the run starts at (and whether the tree is dirty then)
+    load = [round(x, 2) for x in os.getloadavg()]   # what else ran on the host when it started: stated
     with tempfile.TemporaryDirectory(prefix=f"dgr-{key}-") as tmp:
         ctx = StoryContext(key, out_dir, Path(tmp), st.lane, backend=backend, model=model)
         t0 = time.monotonic()
@@ -322,7 +327,7 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str | Non
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    env = environment_manifest(backend, model, git)
+    env = environment_manifest(backend, model, git, load_at_start=load)
     (out_dir / "environment.json").write_text(json.dumps(env, indent=2, sort_keys=True) + "\n")
     (out_dir / "commands.txt").write_text("\n".join(ctx.commands) + "\n")
     results = {
@@ -340,10 +345,24 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str | Non
     return ok, out_dir
 
 
+QUIET_LOAD = 0.5        # 1-minute load average below which a timing story starts under --all
+SETTLE_LIMIT_S = 180.0  # the longest --all waits for it (the 1-min average decays with a 60 s constant)
+
+
+def settle(below: float = QUIET_LOAD, limit_s: float = SETTLE_LIMIT_S, *, poll_s: float = 5.0) -> tuple[float, float]:
+    """Waits until the 1-minute load average is below ``below`` or ``limit_s`` passed; returns the
+    load then and the seconds waited (the story records its load at start either way)."""
+    t0 = time.monotonic()
+    while (load := os.getloadavg()[0]) >= below and time.monotonic() - t0 < limit_s:
+        time.sleep(min(poll_s, max(0.0, limit_s - (time.monotonic() - t0))))
+    return load, time.monotonic() - t0
+
+
 def run_all(out_root: Path | None = None, *, backend: str | None = None,
             model: Path | None = None) -> list[tuple[str, bool, Path]]:
     """Every registered story (except those registered with ``in_all=False``), in id order; one
-    story's failure does not stop the others."""
+    story's failure does not stop the others. Before a story that judges timings, the host may
+    settle (:func:`settle`): the stories before it leave their load behind."""
     out = []
     stories = [s for s in registered() if s.in_all]
     for st in registered():
@@ -352,7 +371,15 @@ def run_all(out_root: Path | None = None, *, backend: str | None = None,
     for i, st in enumerate(stories, 1):
         _log.info(f"[{i}/{len(stories)}] {st.story_id}: {st.title}")
         if st.all_prep is not None:
-            _log.info(f"{st.story_id}: before it: {st.all_prep()}")
+            try:
+                _log.info(f"{st.story_id}: before it: {st.all_prep()}")
+            except Exception as exc:  # the story still runs: its own checks say what is wrong
+                _log.warning(f"{st.story_id}: its preparation failed ({type(exc).__name__}: {exc}); running it anyway")
+        if st.measures:
+            load, waited = settle()
+            _log.info(f"{st.story_id} judges timings: waited {waited:.0f} s for the host to settle; "
+                      f"1-minute load average {load:.2f}" + ("" if load < QUIET_LOAD else
+                                                             f" (still above {QUIET_LOAD}: stated in its evidence)"))
         ok, d = run_story(st.story_id, out_root, backend=backend, model=model)
         out.append((st.story_id, ok, d))
     return out

@@ -36,7 +36,9 @@ def story_readme(st: Any, ctx: Any, ok: bool, env: dict, elapsed: float, error: 
     lines += [
         f"- Lane: {st.lane}",
         f"- Ran: {env['timestamp_utc']} on {env['host']} ({env['cpu']}, {env['cpu_count']} CPUs), "
-        f"backend {env['backend']}" + (f" (device {env['device']})" if env.get("device") else "") + f", {elapsed:.0f}s",
+        f"backend {env['backend']}" + (f" (device {env['device']})" if env.get("device") else "") + f", {elapsed:.0f}s"
+        + (f"; load average at start {'/'.join(f'{x:.2f}' for x in env['load_average_at_start'])} (1/5/15 min)"
+           if env.get("load_average_at_start") else ""),
         f"- llama.cpp pin {env['pin_commit']}, patch series {env['patch_series_digest']}, dgr {env['dgr_version']}",
         f"- dgr commit {env.get('git_commit') or 'not recorded'}" + (" (dirty tree)" if env.get("git_dirty") else ""),
     ]

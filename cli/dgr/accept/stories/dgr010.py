@@ -106,7 +106,7 @@ async def _kill_during(endpoints, prompts_tokens, victim, *, after_tokens=8, bou
 
 
 @story("DGR-010", "Local real-model two-process acceptance (route 0:15 | 15:30)", lane="local-real",
-       needs_model=True)
+       needs_model=True, measures=True)
 def run(ctx: StoryContext) -> None:
     from ...protocol.client import WorkerClient
 

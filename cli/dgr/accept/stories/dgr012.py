@@ -213,7 +213,8 @@ def _levels(ctx: StoryContext, r, eps, pids) -> dict[int, dict[str, Any]]:
     return levels
 
 
-@story("DGR-012", "Continuous batching and bounded admission", lane="local-real", needs_model=True)
+@story("DGR-012", "Continuous batching and bounded admission", lane="local-real", needs_model=True,
+       measures=True)
 def run(ctx: StoryContext) -> None:
     from ...protocol.client import WorkerClient
     from ...route.local import LocalRoute, ensure_worker

@@ -200,7 +200,7 @@ def _state_errors(ctx: StoryContext) -> dict[str, Any]:
 
 
 @story("DGR-013", "Sessions survive a lost Shard: detection bounds, restart on a new route, work records, fault drill",
-       lane="multi-host-simulated", needs_model=True)
+       lane="multi-host-simulated", needs_model=True, measures=True)
 def run(ctx: StoryContext) -> None:
     assert ctx.model is not None
     syn = dict(sessions=8, max_tokens=160, after_tokens=8, timeout_s=180)

@@ -36,7 +36,7 @@ def _gain_line(g: dict) -> str:
 
 
 @story("DGR-014", "GGUF-versus-safetensors release gate against the DGR-001 contract", lane="local-real",
-       needs_model=True)
+       needs_model=True, measures=True)
 def run(ctx: StoryContext) -> None:
     from ...bench import gate, gate_judge
     from ...bench.contract import load_contract

@@ -211,7 +211,6 @@ def run(ctx: StoryContext) -> None:
     lab = Lab.up(cfg)
     try:
         with lab:
-            h = lab.hosts
             ctx.results["lab"] = {"hosts": lab.state["hosts"], "cgroup_mode": lab.state["cgroup_mode"]}
 
             # -- the whole model is refused on any one host ----------------------------------------
