@@ -98,3 +98,23 @@ def test_pinned_llama_cpp_runs_other_architectures(tmp_path: Path, arch: str) ->
     r = subprocess.run([str(exe), "-m", str(p), "-n", "6", "hello world"], capture_output=True, timeout=120)
     assert r.returncode == 0, r.stderr.decode("utf-8", "replace")[-2000:]
     assert r.stdout.decode("utf-8", "replace").startswith("<s> hello world")
+
+
+def test_a_synthesized_model_says_so_and_other_models_do_not(tmp_path: Path) -> None:
+    """Evidence built on a synthetic file labels it: the mark is in the file, not in its name."""
+    from dgr.gguf.synth import synthetic_description
+
+    p = synthesize(SynthSpec(n_layer=1, seed=3), tmp_path / "renamed-to-look-real.gguf")
+    desc = synthetic_description(p)
+    assert desc is not None and "random weights" in desc and "seed 3" in desc
+    import gguf
+
+    w = gguf.GGUFWriter(tmp_path / "plain.gguf", "llama")
+    w.add_string("general.description", "a model someone trained")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert synthetic_description(tmp_path / "plain.gguf") is None
+    with pytest.raises(DgrError):
+        synthetic_description(tmp_path / "missing.gguf")

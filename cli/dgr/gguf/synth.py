@@ -371,6 +371,19 @@ def _tensor_info(ggml_type: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M"}
 
 
+SYNTHETIC_MARK = "dgr synthetic model"   # how general.description of every synthesized model begins
+
+
+def synthetic_description(path: str | Path) -> str | None:
+    """The description a synthesized GGUF carries (random weights, which preset), or None for any
+    other model. Evidence built on such a file says so: it never certifies a recipe."""
+    from .inspect import open_gguf
+
+    with open_gguf(path) as g:
+        desc = g.get("general.description")
+    return desc if isinstance(desc, str) and desc.startswith(SYNTHETIC_MARK) else None
+
+
 def synthesize(spec: SynthSpec, out: str | Path, *, progress: bool = False) -> Path:
     """Write the synthetic model to ``out`` (atomically) and return its path.
 
@@ -394,7 +407,7 @@ def synthesize(spec: SynthSpec, out: str | Path, *, progress: bool = False) -> P
     w.add_name(spec.name or f"dgr-synth-{spec.arch}-{spec.n_layer}L-{spec.dtype}{'-tied' if spec.tied else ''}")
     shape_note = f"; shapes of the {spec.preset} preset" if spec.preset else ""
     w.add_string("general.description",
-                 f"dgr synthetic model, seed {spec.seed}; random weights, not a language model{shape_note}")
+                 f"{SYNTHETIC_MARK}, seed {spec.seed}; random weights, not a language model{shape_note}")
     w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[spec.dtype]]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, (kind, val) in arch.hparams(spec).items():

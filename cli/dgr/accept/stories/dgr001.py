@@ -149,8 +149,19 @@ def run(ctx: StoryContext) -> None:
                    "are noisy; read the ratios, which were measured side by side in one run. Every recipe ran with "
                    f"{threads} thread(s) (DGR_BENCH_THREADS overrides; default CPU count - 1, because 2-thread GGML "
                    "runs collapse when another process takes a core).")
-    ctx.limitation("The transformers reference uses the embedded GGUF's weights dequantized to fp32 (the original "
-                   "release is not on this machine), so Q4_1/Q8_0 drift is measured against already-Q4_1 weights.")
+    src = doc["model"]["source"]["file"]
+    ctx.limitation(f"The transformers reference uses the source GGUF's weights ({src}) dequantized to fp32 (the "
+                   "original release is not on this machine), so Q4_1/Q8_0 drift is measured against weights that "
+                   "were quantized already.")
+    from ...gguf.synth import synthetic_description
+
+    synthetic = synthetic_description(ctx.model) if ctx.model is not None else None
+    ctx.results["synthetic_weights"] = synthetic
+    if synthetic:
+        ctx.limitation(f"SYNTHETIC weights ({synthetic}). This contract is for the model's shape: its speed, memory "
+                       "and split-cost thresholds hold at this size, and its quality figures compare outputs of "
+                       "random weights (a random-weight model repeats a few tokens, so greedy agreement is near-"
+                       "trivially high and only the logits comparison is informative). It certifies no recipe.")
     ctx.limitation("transformers-bf16 loads the same fp32 safetensors cast to bf16; its artifact size is the fp32 file.")
     ctx.limitation("CPU only here: VRAM is not measured; `--device cuda` runs the same lanes on a GPU host "
                    "(docs/bench-baseline.md says how to rerun this story on other hardware).")
