@@ -102,6 +102,7 @@ ensure_release_extras() {
 
 release() {
   local dirty
+  # the evidence and the derived paths (dgr.accept.evidence.DERIVED_PATHS; tests/test_accept.py keeps them equal)
   dirty=$(git status --porcelain --untracked-files=normal -- . ':(exclude)evidence' ':(exclude)upstream/outreach/rendered')
   if [ -n "$dirty" ]; then
     echo "dgr: the release lane runs on a clean tree; commit or stash first:" >&2

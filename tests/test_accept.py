@@ -254,3 +254,18 @@ def test_all_lets_the_host_settle_before_a_timing_story_and_every_run_states_its
     env = json.loads((tmp_path / "T-001" / "environment.json").read_text())
     assert env["load_average_at_start"] == [3.0, 3.0, 3.0]
     assert "load average at start 3.00/3.00/3.00" in (tmp_path / "T-001" / "README.md").read_text()
+
+
+def test_the_derived_path_is_written_once_and_the_release_lane_agrees():
+    """The render's default folder is the one derived path; quickstart.sh's clean-tree check (a
+    shell copy, it runs before any venv exists) excludes exactly that path and the evidence."""
+    import re
+
+    from dgr import paths
+    from dgr.upstream import outreach
+
+    root = paths.repo_root()
+    assert evidence.DERIVED_PATHS == (outreach.default_out_dir().relative_to(root).as_posix(),)
+    script = (root / "quickstart.sh").read_text()
+    line = next(x for x in script.splitlines() if x.strip().startswith("dirty=$(git status"))
+    assert sorted(re.findall(r":\(exclude\)([^'\"]+)", line)) == sorted(["evidence", *evidence.DERIVED_PATHS])

@@ -85,6 +85,7 @@ class StoryContext:
     attachments: dict[str, str] = field(default_factory=dict)
     decision: str | None = None      # set by decide(): the verdict of a story that ends in a decision
     decision_text: str = ""
+    load_at_start: tuple[float, ...] = ()   # the host's 1/5/15-minute load when the run started
 
     @property
     def build_bin(self) -> Path:
@@ -311,7 +312,7 @@ def run_story(story_id: str, out_root: Path | None = None, *, backend: str | Non
     git = git_state()   # the commit the run starts at (and whether the tree is dirty then)
     load = [round(x, 2) for x in os.getloadavg()]   # what else ran on the host when it started: stated
     with tempfile.TemporaryDirectory(prefix=f"dgr-{key}-") as tmp:
-        ctx = StoryContext(key, out_dir, Path(tmp), st.lane, backend=backend, model=model)
+        ctx = StoryContext(key, out_dir, Path(tmp), st.lane, backend=backend, model=model, load_at_start=tuple(load))
         t0 = time.monotonic()
         error = None
         try:

@@ -22,11 +22,8 @@ the same definition the gate computes for its routes, so the two can be compared
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 
@@ -113,14 +110,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print("usage: python -m dgr.bench.hf_batched CONFIG.json RESULT.json", file=sys.stderr)
-        return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cfg = json.loads(Path(argv[0]).read_text())
-    Path(argv[1]).write_text(json.dumps(run(cfg)) + "\n")
-    return 0
+    from .hf_lane import child_main
+
+    return child_main("dgr.bench.hf_batched", run, argv)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def _setup(cfg: dict[str, Any]):
@@ -143,15 +142,21 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
+def child_main(module: str, run_fn: Callable[[dict[str, Any]], Any], argv: list[str] | None = None) -> int:
+    """The entry of a measuring child process (``python -m MODULE CONFIG.json RESULT.json``): reads
+    the config, runs offline, writes the result as JSON. Shared by the Transformers lanes."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m dgr.bench.hf_lane CONFIG.json RESULT.json", file=sys.stderr)
+        print(f"usage: python -m {module} CONFIG.json RESULT.json", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = json.loads(Path(argv[0]).read_text())
-    Path(argv[1]).write_text(json.dumps(run(cfg)) + "\n")
+    Path(argv[1]).write_text(json.dumps(run_fn(cfg)) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child_main("dgr.bench.hf_lane", run, argv)
 
 
 if __name__ == "__main__":

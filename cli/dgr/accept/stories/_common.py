@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 import sys
+import time
+from typing import Any, Sequence
 
 from ... import paths
 from ..evidence import StoryContext
@@ -52,3 +54,19 @@ def command_criterion(ctx: StoryContext, criterion: str, cmd: list[str], *, expe
 
 def dgr(*args: str) -> list[str]:
     return [sys.executable, "-m", "dgr.main", *args]
+
+
+def left_on_workers(endpoints: Sequence[str], credentials: Any = None, wait_s: float = 10.0) -> list[tuple[int, int]]:
+    """(sessions, KV cells) still held per worker, after a bounded wait for releases to land."""
+    from ...protocol.client import WorkerClient
+
+    out = []
+    for ep in endpoints:
+        with WorkerClient(ep, timeout=10, credentials=credentials) as c:
+            end = time.monotonic() + wait_s
+            ld = c.load()
+            while (ld.active_sessions or ld.kv_cells_used) and time.monotonic() < end:
+                time.sleep(0.05)
+                ld = c.load()
+            out.append((ld.active_sessions, ld.kv_cells_used))
+    return out

@@ -21,12 +21,11 @@ import asyncio
 import json
 import re
 import sys
-import time
 import tomllib
 
 from ... import paths
 from ..evidence import StoryContext, story
-from ._common import tests_criterion
+from ._common import left_on_workers, tests_criterion
 
 T = "tests/"
 MAX_SESSIONS = 4
@@ -186,21 +185,6 @@ async def _drive(direct: list[str], bridges_for: list[str], prompt: str) -> dict
     return out
 
 
-def _left(eps: list[str]) -> list[tuple[int, int]]:
-    from ...protocol.client import WorkerClient
-
-    out = []
-    for ep in eps:
-        with WorkerClient(ep, timeout=10) as c:
-            end = time.monotonic() + 10
-            ld = c.load()
-            while (ld.active_sessions or ld.kv_cells_used) and time.monotonic() < end:
-                time.sleep(0.05)
-                ld = c.load()
-            out.append((ld.active_sessions, ld.kv_cells_used))
-    return out
-
-
 def _live(ctx: StoryContext) -> None:
     from ...gguf.recipe import load_registry, recipe_for
     from ...route.local import ensure_worker
@@ -270,7 +254,7 @@ def _live(ctx: StoryContext) -> None:
         prompt = "Relays move bytes, not meaning."
         ctx.record_command(f"RouteDriver({eps}) direct, cancelled, and via RelayBridge + LoopbackRelay (stand-in relay)")
         out = asyncio.run(_drive(eps, eps, prompt))
-        left = _left(eps)
+        left = left_on_workers(eps)
     d, rl, c = out["direct"], out["relayed"], out["cancelled"]
     ctx.results["live"] = {"mode": out["mode"], "relay_mode": out["relay_mode"], "tokens": d.tokens,
                            "relayed_tokens": rl.tokens, "relay_bytes": out["relay_bytes"],

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..evidence import StoryContext, story
-from ._common import tests_criterion
+from ._common import left_on_workers, tests_criterion
 
 SPLIT2 = [(0, 15), (15, 30)]
 SPLIT3 = [(0, 10), (10, 20), (20, 30)]
@@ -89,22 +89,6 @@ async def _cancel(endpoints, toks, tls, *, tag, after=4, bound_s=60.0):
         return a, b, held, time.monotonic() - t
     finally:
         await d.close()
-
-
-def _left(direct, creds) -> list[tuple[int, int]]:
-    """(sessions, KV cells) still held per worker, after a bounded wait for releases."""
-    from ...protocol.client import WorkerClient
-
-    out = []
-    for ep in direct:
-        with WorkerClient(ep, timeout=10, credentials=creds) as c:
-            end = time.monotonic() + 10
-            ld = c.load()
-            while (ld.active_sessions or ld.kv_cells_used) and time.monotonic() < end:
-                time.sleep(0.05)
-                ld = c.load()
-            out.append((ld.active_sessions, ld.kv_cells_used))
-    return out
 
 
 def _plain_refused(ep: str, creds_no_cert) -> dict:
@@ -268,7 +252,7 @@ def run(ctx: StoryContext) -> None:
                     conc = asyncio.run(run_sessions(path, prompts, token_prompts=chat, stats=lr.stats(),
                                                     pids=[w.pid for w in lr.workers], label=f"route {label}", **kw))
                     iso = isolation(conc, seq)
-                    left = _left(direct, creds)
+                    left = left_on_workers(direct, creds)
                     out[label] = {"report": conc.to_json(), "isolation": iso.to_json(), "left": left}
                 par = compare(seq, wseq)
                 ctx.results["concurrent"] = {**out, "parity_sequential": par.to_json()}
@@ -314,7 +298,7 @@ def run(ctx: StoryContext) -> None:
                     a, b, held, dt = asyncio.run(_cancel(path, chat[:2], tls, tag=label))
                     canc[label] = {"cancelled_status": a.telemetry.status, "cancelled_tokens": len(a.tokens),
                                    "other_status": b.telemetry.status, "other_tokens": len(b.tokens),
-                                   "held_per_shard": held, "ended_in_s": dt, "left": _left(direct, creds)}
+                                   "held_per_shard": held, "ended_in_s": dt, "left": left_on_workers(direct, creds)}
                 ctx.results["cancellation"] = canc
                 ctx.check("cancelling one session mid-generation ends it (status cancelled) while the other completes, "
                           "over TCP+mTLS and over the relay; nothing is left on the workers",

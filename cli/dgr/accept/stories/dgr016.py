@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from ... import paths
-from ..evidence import StoryContext, story
+from ..evidence import DERIVED_PATHS, StoryContext, story
 from ._common import command_criterion, dgr, tests_criterion
 
 T = "tests/"
@@ -180,7 +180,7 @@ def _outreach(ctx: StoryContext, patches: list) -> None:
                                                                            "human action")
     command_criterion(ctx, "the committed render (upstream/outreach/rendered/) is up to date with the sources",
                       dgr("upstream", "render", "--check"), needle="up to date")
-    st = ctx.command(["git", "-C", str(paths.repo_root()), "status", "--porcelain", "--", "upstream/outreach/rendered"])
+    st = ctx.command(["git", "-C", str(paths.repo_root()), "status", "--porcelain", "--", *DERIVED_PATHS])
     if st.returncode == 0 and st.stdout.strip():
         ctx.limitation("The render checked above is not committed yet: `dgr accept --all` renders it from the evidence "
                        "it has just rewritten (the proposal quotes DGR-005, DGR-006 and DGR-010); commit it with the "
