@@ -134,3 +134,111 @@ def test_contract_lock_refuses_a_changed_contract(tmp_path):
     git(repo, "commit", "-q", "-am", "loosen a threshold")
     later = gj.contract_lock(repo, moved, BASELINE)
     assert not later["ok"] and "changed at" in later["reasons"][0]
+
+
+# ---- repeats: medians judged, every repeat kept ------------------------------------------------------
+
+def test_combine_takes_medians_worst_cases_and_every_failure():
+    from dgr.bench.gate import combine
+
+    runs = [_timing(10.0, 50.0, 0.1, 0.02, 4, failures=()), _timing(14.0, 40.0, 0.3, 0.01, 4, failures=("x",)),
+            _timing(11.0, 45.0, 0.2, 0.05, 4, failures=())]
+    runs[1]["workers"][0]["sessions_left"] = 2
+    runs[2]["token_latency_p95_s"] = None                  # a repeat without the figure is left out
+    runs[2]["hop_decode_rtt_s"] = [0.04, 0.03]
+    c = combine(runs)
+    assert c["decode_tok_s"] == 11.0 and c["prefill_tok_s"] == 45.0 and c["ttft_s"] == 0.2
+    assert c["token_latency_p95_s"] == pytest.approx(0.015)
+    assert c["hop_decode_rtt_s"] == [0.02, 0.01]
+    assert c["failures"] == ["x"] and c["mode"] == "chained" and c["sessions"] == 4
+    w = c["workers"][0]
+    assert w["sessions_left"] == 2 and w["kv_cells_peak"] == 40 and w["range"] == "0:15"
+    assert combine([]) is None
+
+
+def test_make_refuses_repeats_out_of_range():
+    from dgr.bench.gate import GateConfig
+    from dgr.errors import DgrError
+
+    assert GateConfig.make(threads=1).repeats == 3 and GateConfig.make(threads=1, quick=True).repeats == 1
+    assert GateConfig.make(threads=1, repeats=5).repeats == 5
+    for bad in (0, -1, 10):
+        with pytest.raises(DgrError):
+            GateConfig.make(threads=1, repeats=bad)
+
+
+def _with_repeats(d, q4_factors):
+    """Repeats in which the q4_1 route ran at ``factor`` x its whole model; the top level holds
+    the medians, as run_gate leaves it."""
+    from dgr.bench.gate import combine
+
+    reps = []
+    for f in q4_factors:
+        r = doc(q4_speed_vs_whole=f)
+        reps.append({"order": [], "routes": {n: {"timing": v["timing"]} for n, v in r["routes"].items()},
+                     "whole": {n: {k: v[k] for k in ("worker_timing", "llama_bench", "llama_batched_bench")}
+                               for n, v in r["whole"].items()}})
+    d["repeats"] = reps
+    for n in d["routes"]:
+        d["routes"][n]["timing"] = combine([r["routes"][n]["timing"] for r in reps])
+    return d
+
+
+def test_paired_repeats_report_every_repeat_beside_the_judged_median():
+    d = _with_repeats(doc(), [0.8, 1.0, 0.85])
+    p = gj.paired_repeats(CONTRACT, d)
+    dec = p["gguf-q4_1"]["route_decode_vs_whole_model"]
+    assert dec["repeats"] == pytest.approx([0.8, 1.0, 0.85]) and dec["repeats_met"] == 1
+    assert dec["judged"] == pytest.approx(0.85) and dec["median_of_repeats"] == pytest.approx(0.85)
+    assert "route_p95_token_latency_vs_whole_model" in p["gguf-q4_1"]
+    # memory and quality thresholds are measured once: not among the paired ratios
+    assert "route_max_shard_rss_vs_whole_model" not in p["gguf-q4_1"]
+    assert "route_perplexity_vs_whole_model" not in p["gguf-q4_1"]
+    # the judged route is the median one: one slow repeat of three does not make a miss
+    verdicts = {v.id: v.status for v in check(CONTRACT, gj.results_for(_with_repeats(doc(), [0.5, 1.0, 0.95]),
+                                                                       "gguf-q4_1"))}
+    assert verdicts["route_decode_vs_whole_model"] == "pass"
+    assert gj.repeat_doc(d, 0)["routes"]["gguf-q4_1"]["timing"]["1"]["decode_tok_s"] == pytest.approx(24.0)
+
+
+def test_the_gate_reads_another_models_contract_only_from_a_folder_in_the_repository(tmp_path, monkeypatch):
+    from dgr.accept.stories.dgr014 import _contract_paths
+    from dgr.errors import DgrError
+
+    repo = tmp_path / "r"
+    (repo / "evidence" / "other" / "DGR-001").mkdir(parents=True)
+    monkeypatch.delenv("DGR_GATE_CONTRACT_DIR", raising=False)
+    assert _contract_paths(repo) == (gj.CONTRACT, gj.BASELINE)
+    monkeypatch.setenv("DGR_GATE_CONTRACT_DIR", "evidence/other/DGR-001")
+    with pytest.raises(DgrError, match="no performance-contract.json"):
+        _contract_paths(repo)
+    for name in ("performance-contract.json", "baseline.json"):
+        (repo / "evidence" / "other" / "DGR-001" / name).write_text("{}")
+    assert _contract_paths(repo) == ("evidence/other/DGR-001/performance-contract.json",
+                                     "evidence/other/DGR-001/baseline.json")
+    monkeypatch.setenv("DGR_GATE_CONTRACT_DIR", str(tmp_path))
+    with pytest.raises(DgrError, match="outside the repository"):
+        _contract_paths(repo)
+    monkeypatch.setenv("DGR_GATE_CONTRACT_DIR", "../")
+    with pytest.raises(DgrError, match="outside the repository"):
+        _contract_paths(repo)
+
+
+def test_contract_lock_follows_the_folder_it_is_given(tmp_path):
+    repo = tmp_path / "r"
+    d = repo / "evidence" / "m1b" / "DGR-001"
+    d.mkdir(parents=True)
+    for name in ("performance-contract.json", "baseline.json"):
+        shutil.copy(REPO / "evidence" / "DGR-001" / name, d / name)
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "a contract for another model")
+    kw = {"contract_path": "evidence/m1b/DGR-001/performance-contract.json",
+          "baseline_path": "evidence/m1b/DGR-001/baseline.json"}
+    assert gj.contract_lock(repo, CONTRACT, BASELINE, **kw)["ok"]
+    assert not gj.contract_lock(repo, CONTRACT, BASELINE)["ok"]          # DGR-001's own folder is not there
+    moved = json.loads(json.dumps(CONTRACT))
+    moved["thresholds"][0]["value"] = 0.5
+    (d / "performance-contract.json").write_text(json.dumps(moved))
+    git(repo, "commit", "-qam", "loosen")
+    assert not gj.contract_lock(repo, moved, BASELINE, **kw)["ok"]

@@ -9,6 +9,8 @@
 - :func:`gains`: runtime/transport (GGUF F32 route vs safetensors fp32 route: same precision)
   apart from quantization (GGUF Q8_0/Q4_1 route vs GGUF F32 route), and the cost of the split
   (each route vs its whole model);
+- :func:`paired_repeats`: each timed ratio threshold's value in every repeat of the speed section
+  (route and whole model from the same repeat) beside the value judged (from the medians);
 - :func:`recommend`: exactly one of promote GGUF / optimize a named measured bottleneck / stop.
 """
 
@@ -34,11 +36,14 @@ def _git(repo: Path, *args: str) -> str:
     return p.stdout.strip() if p.returncode == 0 else ""
 
 
-def contract_lock(repo: Path, contract: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
-    """Is the committed contract the one DGR-001 wrote? ``ok`` with the commits and the reasons."""
-    base_commit = _git(repo, "log", "-1", "--format=%H", "--", BASELINE)
-    contract_commits = _git(repo, "log", "--format=%H", "--", CONTRACT).splitlines()
-    dirty = bool(_git(repo, "status", "--porcelain", "--", CONTRACT))
+def contract_lock(repo: Path, contract: dict[str, Any], baseline: dict[str, Any], *, contract_path: str = CONTRACT,
+                  baseline_path: str = BASELINE) -> dict[str, Any]:
+    """Is the committed contract the one DGR-001 wrote? ``ok`` with the commits and the reasons.
+    The paths are relative to ``repo``: DGR-001's own folder, or the folder of a contract DGR-001
+    wrote for another model (``dgr accept DGR-001 --model M --out DIR``)."""
+    base_commit = _git(repo, "log", "-1", "--format=%H", "--", baseline_path)
+    contract_commits = _git(repo, "log", "--format=%H", "--", contract_path).splitlines()
+    dirty = bool(_git(repo, "status", "--porcelain", "--", contract_path))
     expected = build_contract(baseline)["thresholds"]
     same = contract.get("thresholds") == expected
     reasons = []
@@ -176,6 +181,42 @@ def vs_batched(doc: dict[str, Any], name: str) -> dict[str, Any]:
             "route_end_to_end_tok_s": t.get("end_to_end_tok_s"), "static_end_to_end_tok_s": st.get("end_to_end_tok_s"),
             "continuous_end_to_end_tok_s": cb.get("end_to_end_tok_s"),
         }
+    return out
+
+
+# ---- repeats ----------------------------------------------------------------------------------------
+
+_TIMED = ("decode_tokens_per_second", "prefill_tokens_per_second", "ttft_seconds", "token_latency_")
+
+
+def repeat_doc(doc: dict[str, Any], k: int) -> dict[str, Any]:
+    """The gate document with the speed figures of repeat ``k`` alone (quality and memory figures,
+    measured once, are shared)."""
+    rep = doc["repeats"][k]
+    out = dict(doc)
+    out["routes"] = {n: {**r, "timing": rep["routes"][n]["timing"]} for n, r in doc["routes"].items()}
+    out["whole"] = {n: {**w, **rep["whole"][n]} for n, w in doc["whole"].items()}
+    return out
+
+
+def paired_repeats(contract: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
+    """Per GGUF route, per timed threshold measured against the whole model: the ratio in every
+    repeat (both sides from that repeat), its median, and the ratio judged (of the medians)."""
+    timed = [Threshold(**t) for t in contract.get("thresholds", [])
+             if t.get("baseline") and any(t["metric"].split(".")[-1].startswith(m) or "throughput_c" in t["metric"]
+                                          for m in _TIMED)]
+    reps = [repeat_doc(doc, k) for k in range(len(doc.get("repeats") or []))]
+    out: dict[str, Any] = {}
+    for name in GGUF_ROUTES:
+        judged = results_for(doc, name)
+        per = [results_for(r, name) for r in reps]
+        out[name] = {}
+        for t in timed:
+            vals = [_margin(t, r)[0] for r in per]
+            known = [v for v in vals if v is not None]
+            out[name][t.id] = {"op": t.op, "bound": t.value, "judged": _margin(t, judged)[0], "repeats": vals,
+                               "median_of_repeats": statistics.median(known) if known else None,
+                               "repeats_met": sum(1 for v in known if (v >= t.value if t.op == ">=" else v <= t.value))}
     return out
 
 

@@ -279,6 +279,9 @@ def gate(
     model: Optional[Path] = typer.Option(None, "--model", help="Source GGUF (default: embedded SmolLM2-135M Q4_1)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads per shard (default: CPU count - 1)."),
     quick: bool = typer.Option(False, "--quick", help="Short prompts and outputs: a smoke run."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", min=1, max=9,
+                                          help="Repeats of the speed section, judged on each metric's median "
+                                               "(default 3; 1 with --quick)."),
     contract: Path = typer.Option(Path("evidence/DGR-001/performance-contract.json"), "--contract",
                                   help="The locked DGR-001 contract the GGUF routes are judged against."),
     out: Path = typer.Option(Path("gate.json"), "--out", help="Where to write the measurements JSON."),
@@ -291,13 +294,18 @@ def gate(
     from ..gguf.models import resolve_model
 
     c = bc.load_contract(contract)
-    doc = g.run_gate(resolve_model(model), g.GateConfig.make(threads=threads, quick=quick))
+    doc = g.run_gate(resolve_model(model), g.GateConfig.make(threads=threads, quick=quick, repeats=repeats))
     out.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
     judged = gj.judge(c, {n: gj.results_for(doc, n) for n in g.GGUF_ROUTES})
+    paired = gj.paired_repeats(c, doc)
     for n, j in judged.items():
         fails = [v["id"] for v in j["verdicts"] if v["status"] == "fail"]
         typer.echo(f"{n}: stop condition {j['stop_condition']['status']}; "
                    + ("every threshold met" if not fails else "missed " + ", ".join(fails)))
+        for tid, v in paired[n].items():
+            reps = "/".join("n/a" if x is None else f"{x:.3f}" for x in v["repeats"])
+            judged_v = "n/a" if v["judged"] is None else f"{v['judged']:.3f}"
+            typer.echo(f"  {tid}: {judged_v} (medians; repeats {reps}; {v['op']} {v['bound']:g})")
     rec = gj.recommend(judged, doc)
     typer.echo(f"recommendation: {rec['decision'].upper()}: {rec['text']}")
     typer.echo(f"measurements written to {out}")
