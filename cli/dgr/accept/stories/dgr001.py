@@ -160,8 +160,9 @@ def run(ctx: StoryContext) -> None:
     if synthetic:
         ctx.limitation(f"SYNTHETIC weights ({synthetic}). This contract is for the model's shape: its speed, memory "
                        "and split-cost thresholds hold at this size, and its quality figures compare outputs of "
-                       "random weights (a random-weight model repeats a few tokens, so greedy agreement is near-"
-                       "trivially high and only the logits comparison is informative). It certifies no recipe.")
+                       "random weights. Their logits lie close together, so top-1 and greedy agreement flip on "
+                       "small numeric differences and say little about a trained model; the logits comparison is "
+                       "the informative one. It certifies no recipe.")
     ctx.limitation("transformers-bf16 loads the same fp32 safetensors cast to bf16; its artifact size is the fp32 file.")
     ctx.limitation("CPU only here: VRAM is not measured; `--device cuda` runs the same lanes on a GPU host "
                    "(docs/bench-baseline.md says how to rerun this story on other hardware).")
