@@ -269,3 +269,19 @@ def test_the_derived_path_is_written_once_and_the_release_lane_agrees():
     script = (root / "quickstart.sh").read_text()
     line = next(x for x in script.splitlines() if x.strip().startswith("dirty=$(git status"))
     assert sorted(re.findall(r":\(exclude\)([^'\"]+)", line)) == sorted(["evidence", *evidence.DERIVED_PATHS])
+
+
+def test_story_counts_from_the_environment_are_checked(monkeypatch):
+    """DGR_GATE_REPEATS and DGR_BENCH_THREADS: unset means the default; anything but a whole number
+    in range is refused by name, never read as the default."""
+    from dgr.accept.stories._common import env_count
+    from dgr.errors import DgrError
+
+    monkeypatch.delenv("DGR_GATE_REPEATS", raising=False)
+    assert env_count("DGR_GATE_REPEATS", 1, 9) is None
+    monkeypatch.setenv("DGR_GATE_REPEATS", " 3 ")
+    assert env_count("DGR_GATE_REPEATS", 1, 9) == 3
+    for bad in ("three", "2.5", "0", "10", "-1"):
+        monkeypatch.setenv("DGR_GATE_REPEATS", bad)
+        with pytest.raises(DgrError, match="DGR_GATE_REPEATS"):
+            env_count("DGR_GATE_REPEATS", 1, 9)

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from dgr.protocol.channel import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, channel_options
+from dgr.protocol.channel import open_channel
 from dgr.protocol.client import AsyncWorkerClient, StepTimeout, WorkerClient
+from dgr.protocol.keepalive import server_options
 from dgr.protocol.stream import AsyncSessionStream, sampled
 from dgr.route.supervisor import WorkerProcess
 from dgr.shard.v1 import shard_runtime_pb2 as pb
@@ -38,6 +40,63 @@ def test_the_worker_accepts_our_ping_rate():
     serve = (REPO / "worker" / "src" / "worker" / "serve.cpp").read_text()
     m = re.search(r"GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,\s*(\d+)", serve)
     assert m and KEEPALIVE_TIME_MS >= int(m.group(1))
+
+
+async def _idle_call_survives(server_opts, hold_s: float) -> str:
+    """One unary call that the server answers after ``hold_s`` of silence, on a channel with
+    the route's keepalive: "ok", or the gRPC error the call ended with."""
+    import grpc
+
+    async def wait(request, context):
+        await asyncio.sleep(hold_s)
+        return request
+
+    ident = lambda b: b  # noqa: E731
+    server = grpc.aio.server(options=server_opts)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "t.Idle", {"Wait": grpc.unary_unary_rpc_method_handler(wait, ident, ident)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with open_channel(f"127.0.0.1:{port}", aio=True) as ch:
+            try:
+                await ch.unary_unary("/t.Idle/Wait", request_serializer=ident, response_deserializer=ident)(
+                    b"x", timeout=hold_s + 10)
+                return "ok"
+            except grpc.aio.AioRpcError as e:
+                return f"{e.code().name}: {e.details()}"
+    finally:
+        await server.stop(None)
+
+
+def test_python_servers_accept_the_route_ping_rate():
+    """A call that stays silent for several keepalive intervals survives on a server built with
+    server_options(); at gRPC's default policy the same call ends in GOAWAY too_many_pings (the
+    Transformers shard worker's defect at the 1B preset), so the check can fail."""
+    hold = 5 * KEEPALIVE_TIME_MS / 1000 + 1.0   # at the defaults the GOAWAY comes after 4-5 pings
+    assert asyncio.run(_idle_call_survives(server_options(), hold)) == "ok"
+    failed = asyncio.run(_idle_call_survives([], hold))
+    assert failed != "ok" and "too_many_pings" in failed.lower().replace(" ", "_"), failed
+
+
+def test_server_options_refuse_a_negative_interval():
+    with pytest.raises(ValueError):
+        server_options(-1)
+
+
+def test_every_python_grpc_server_takes_the_ping_policy():
+    """Each gRPC server the package starts passes server_options() (a route dials all of them
+    with keepalive pings)."""
+    servers, offenders = 0, []
+    for path in (REPO / "cli" / "dgr").rglob("*.py"):
+        text = path.read_text()
+        for m in re.finditer(r"grpc(?:\.aio)?\.server\(", text):
+            servers += 1
+            call = text[m.start():m.start() + 600]
+            opts_name = re.search(r"options=(\w+)", call)
+            if "server_options(" not in call and not (opts_name and "server_options(" in text):
+                offenders.append(str(path.relative_to(REPO)))
+    assert servers >= 2 and not offenders, offenders
 
 
 def test_channels_are_opened_in_one_place():

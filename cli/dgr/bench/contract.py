@@ -79,7 +79,8 @@ def _num(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def _cmp(x: float, op: str, bound: float) -> bool:
+def meets(x: float, op: str, bound: float) -> bool:
+    """Whether ``x`` meets a threshold's bound under its operator (``>=`` or ``<=``)."""
     if op == ">=":
         return x >= bound
     if op == "<=":
@@ -266,7 +267,7 @@ def check(contract: dict[str, Any], results: dict[str, Any]) -> list[Verdict]:
         else:
             x = value
             shown = f"{t.metric} = {value:.6g} {t.op} {t.value:g}"
-        out.append(Verdict(t.id, "pass" if _cmp(x, t.op, t.value) else "fail", shown))
+        out.append(Verdict(t.id, "pass" if meets(x, t.op, t.value) else "fail", shown))
     cond = contract.get("stop_condition") or {}
     ref = results.get("transformers_fp32")
     cand = results.get((cond.get("later_results") or {}).get("candidate", "route"))

@@ -328,7 +328,7 @@ def run_gate(source: Path, cfg: GateConfig) -> dict[str, Any]:
         # every repeat); the batched Transformers lanes (reported, not judged) run in the first repeat
         reps: list[dict[str, Any]] = []
         for k in range(cfg.repeats):
-            rep: dict[str, Any] = {"order": [], "routes": {n: {"timing": {}} for n in routes},
+            rep: dict[str, Any] = {"routes": {n: {"timing": {}} for n in routes},
                                    "whole": {n: {"worker_timing": {}, "llama_bench": {}, "llama_batched_bench": {}}
                                              for n in wholes}}
             lanes = [("route", n) for n in routes] + [("whole", n) for n in wholes]

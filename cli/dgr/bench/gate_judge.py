@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from .contract import RESULTS_SCHEMA, Threshold, _get, _num, build_contract, check
+from .contract import RESULTS_SCHEMA, Threshold, _get, _num, build_contract, check, meets
 from .gate import GGUF_ROUTES, SAFETENSORS
 from .stats import positional_agreement, prefix_agreement
 
@@ -186,7 +186,8 @@ def vs_batched(doc: dict[str, Any], name: str) -> dict[str, Any]:
 
 # ---- repeats ----------------------------------------------------------------------------------------
 
-_TIMED = ("decode_tokens_per_second", "prefill_tokens_per_second", "ttft_seconds", "token_latency_")
+# the last part of a timed metric's name starts with one of these
+_TIMED = ("decode_tokens_per_second", "prefill_tokens_per_second", "ttft_seconds", "token_latency_", "throughput_c")
 
 
 def repeat_doc(doc: dict[str, Any], k: int) -> dict[str, Any]:
@@ -203,8 +204,7 @@ def paired_repeats(contract: dict[str, Any], doc: dict[str, Any]) -> dict[str, A
     """Per GGUF route, per timed threshold measured against the whole model: the ratio in every
     repeat (both sides from that repeat), its median, and the ratio judged (of the medians)."""
     timed = [Threshold(**t) for t in contract.get("thresholds", [])
-             if t.get("baseline") and any(t["metric"].split(".")[-1].startswith(m) or "throughput_c" in t["metric"]
-                                          for m in _TIMED)]
+             if t.get("baseline") and t["metric"].split(".")[-1].startswith(_TIMED)]
     reps = [repeat_doc(doc, k) for k in range(len(doc.get("repeats") or []))]
     out: dict[str, Any] = {}
     for name in GGUF_ROUTES:
@@ -216,7 +216,7 @@ def paired_repeats(contract: dict[str, Any], doc: dict[str, Any]) -> dict[str, A
             known = [v for v in vals if v is not None]
             out[name][t.id] = {"op": t.op, "bound": t.value, "judged": _margin(t, judged)[0], "repeats": vals,
                                "median_of_repeats": statistics.median(known) if known else None,
-                               "repeats_met": sum(1 for v in known if (v >= t.value if t.op == ">=" else v <= t.value))}
+                               "repeats_met": sum(1 for v in known if meets(v, t.op, t.value))}
     return out
 
 

@@ -47,6 +47,7 @@ import numpy as np
 from .. import __version__
 from ..protocol.bundle import ShardProtocolError, boundary_bundle, frame_payload_checksum, read_boundary
 from ..protocol.frame_checks import check_request
+from ..protocol.keepalive import server_options
 from ..shard.v1 import shard_runtime_pb2 as pb
 from ..shard.v1 import shard_runtime_pb2_grpc as pbg
 from .hf_model import BACKEND, RangeModel, artifact_id_of, fingerprint_of, recipe_json, sample  # noqa: F401
@@ -352,8 +353,11 @@ async def serve(args: argparse.Namespace) -> None:
     rm = RangeModel(model_dir, a, b, dtype=args.dtype, threads=args.threads)
     svc = HfShardService(rm, model_dir, artifact_id=artifact, dtype=args.dtype, max_sessions=args.max_sessions,
                          ctx_per_session=args.ctx_per_session, max_chunk=args.max_prefill_chunk)
+    # the route's channels ping every second (keepalive_options); without this policy the server
+    # answers the third ping with GOAWAY too_many_pings and fails the call in flight
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+                                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      *server_options()])
     pbg.add_ShardRuntimeServiceServicer_to_server(svc, server)
     port = server.add_insecure_port(args.listen)
     if not port:

@@ -15,7 +15,11 @@ A peer can fail in two ways:
 The same values are used by the route driver's channels (driver -> head, stepwise: driver ->
 every shard) and by the worker's chained hop (``worker/src/worker/downstream.cpp``: worker ->
 next worker); the worker's server accepts pings this often (``serve.cpp``:
-``GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS`` 1000, unlimited ping strikes).
+``GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS`` 1000, unlimited ping strikes). Every
+Python server a route dials (the Transformers shard worker, the relay's egress) takes the same
+policy from ``server_options()``: a server left at gRPC's defaults accepts one ping per 5 minutes
+without data and, after two strikes, closes the connection with GOAWAY ``too_many_pings``, which
+fails the call in flight.
 ``max_pings_without_data`` 0 keeps pinging while a stopped peer sends nothing back.
 
 A link whose round trip rises above ``KEEPALIVE_TIMEOUT_MS`` is treated as failed: latency
@@ -41,4 +45,20 @@ def keepalive_options() -> list[tuple[str, int]]:
         # every ping (also gRPC's own flow-control pings) times out like a keepalive ping: a
         # keepalive waits behind a ping in flight, whose default timeout is 60 s
         ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ]
+
+
+def server_options(min_ping_interval_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, int]]:
+    """gRPC server arguments that accept the pings of ``keepalive_options()`` channels.
+
+    ``min_ping_interval_ms`` is the shortest gap between pings without data the server accepts;
+    it must not exceed the interval its clients ping at. Ping strikes are unlimited, so a client
+    pinging a little early is never sent away.
+    """
+    if min_ping_interval_ms < 0:
+        raise ValueError(f"min_ping_interval_ms must be >= 0, got {min_ping_interval_ms}")
+    return [
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
+        ("grpc.http2.max_ping_strikes", 0),
     ]

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
+from .keepalive import server_options
 from .relay import (_CODES, _UNARY, DEFAULT_MAX_FRAME, HALF_CLOSE, MSG, RELAY_SCHEME, SERVICE, STATUS, RelayRpcError,
                     _open, _record)
 
@@ -64,8 +65,7 @@ class RelayEgress:
     async def start(self) -> "RelayEgress":
         opts = [("grpc.max_receive_message_length", self.max_frame), ("grpc.max_send_message_length", self.max_frame),
                 # the dialling worker pings every 500 ms (its failure detection on the hop)
-                ("grpc.http2.min_ping_interval_without_data_ms", 200),
-                ("grpc.http2.max_ping_strikes", 0)]
+                *server_options(min_ping_interval_ms=200)]
         self._server = grpc.aio.server(options=opts)
         self._server.add_generic_rpc_handlers((_Handler(self),))
         addr = f"{self.host}:{self.port}"

@@ -70,3 +70,22 @@ def left_on_workers(endpoints: Sequence[str], credentials: Any = None, wait_s: f
                 ld = c.load()
             out.append((ld.active_sessions, ld.kv_cells_used))
     return out
+
+
+def env_count(name: str, lo: int, hi: int) -> int | None:
+    """A whole number from the environment variable ``name`` within ``lo..hi``; None when it is
+    unset or empty. Anything else is refused, naming the variable (never silently the default)."""
+    import os
+
+    from ...errors import DgrError
+
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise DgrError(f"{name}={raw!r} is not a whole number (want {lo}..{hi}, or unset for the default)") from None
+    if not lo <= n <= hi:
+        raise DgrError(f"{name}={n} is out of range (want {lo}..{hi}, or unset for the default)")
+    return n

@@ -16,6 +16,7 @@ import sys
 
 from ... import paths
 from ..evidence import StoryContext, story
+from ._common import env_count
 
 REQUIRED_METRICS = ("ttft_seconds", "prefill_tokens_per_second", "decode_tokens_per_second",
                     "token_latency_p50_seconds", "token_latency_p95_seconds",
@@ -64,7 +65,7 @@ def run(ctx: StoryContext) -> None:
     raw = ctx.tmp / "baseline.json"
     # Leave one core to everything else on the machine: on a shared 2-core host, 2-thread GGML runs
     # collapse whenever another process takes a core (spinning barriers), 1-thread runs do not.
-    threads = int(os.environ.get("DGR_BENCH_THREADS") or max(1, (os.cpu_count() or 2) - 1))
+    threads = env_count("DGR_BENCH_THREADS", 1, 256) or max(1, (os.cpu_count() or 2) - 1)
     args = ["bench", "baseline", "--out", str(raw), "--device", "cpu", "--threads", str(threads)]
     if ctx.model is not None:
         args += ["--model", str(ctx.model)]

@@ -100,8 +100,10 @@ def run(ctx: StoryContext) -> None:
                        "quality figures compare outputs of random weights, so they certify no recipe.")
 
     quick = os.environ.get("DGR_GATE_QUICK") == "1"
-    cfg = gate.GateConfig.make(threads=int(os.environ.get("DGR_BENCH_THREADS") or 0) or None, quick=quick,
-                               repeats=int(os.environ.get("DGR_GATE_REPEATS") or 0) or None)
+    from ._common import env_count
+
+    cfg = gate.GateConfig.make(threads=env_count("DGR_BENCH_THREADS", 1, 256), quick=quick,
+                               repeats=env_count("DGR_GATE_REPEATS", 1, gate.MAX_REPEATS))
     if quick:
         ctx.limitation("DGR_GATE_QUICK=1: a smoke run with short prompts and outputs, not the gate's scenario.")
     ctx.record_command(f"dgr.bench.gate.run_gate({ctx.model}, {cfg})")

@@ -181,6 +181,8 @@ def run(ctx: StoryContext) -> None:
         ctx.check("simulated hosts can be created on this machine", False, reason)
         return
     ensure_worker(ctx.backend)
+    from ...gguf.synth import synthetic_description
+
     t0 = time.monotonic()
     ident = identify(model, progress=True)
     with open_gguf(model) as gf:
@@ -195,7 +197,8 @@ def run(ctx: StoryContext) -> None:
                             "weights": "SYNTHETIC (random, seeded): measures memory and speed, certifies nothing"}
     ctx.check("the model is a realistic-size synthetic: an 8B-class shape of at least 4 GiB, labelled synthetic in "
               "its own metadata",
-              model.stat().st_size >= 4 << 30 and "synthetic" in desc.lower() and shape["vocab_size"] >= 32000
+              model.stat().st_size >= 4 << 30 and synthetic_description(model) is not None
+              and shape["vocab_size"] >= 32000
               and n_layer >= 32 and (shape["embedding_length"] or 0) >= 4096,
               f"{model.name}: {model.stat().st_size / 2**30:.2f} GiB, {n_layer} layers, n_embd "
               f"{shape['embedding_length']}, {shape['attention.head_count']}/{shape['attention.head_count_kv']} "
