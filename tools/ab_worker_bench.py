@@ -81,7 +81,11 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=2, choices=range(1, 6))
     ap.add_argument("--route-repeats", type=int, default=3, choices=range(1, 11))
     ap.add_argument("--worker-repeats", type=int, default=3, choices=range(1, 11))
+    ap.add_argument("--benches", default="worker,route", help="which benches, comma-separated: worker, route")
     a = ap.parse_args()
+    benches = [b for b in a.benches.split(",") if b]
+    if not benches or set(benches) - {"worker", "route"}:
+        sys.exit(f"--benches wants worker and/or route, got {a.benches!r}")
     if sh(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"]):
         sys.exit("the checkout has changes: the head side must be a recorded commit")
     head_sha = sh(["git", "-C", str(REPO), "rev-parse", "HEAD"])
@@ -99,6 +103,8 @@ def main() -> int:
         for kind, args in (("worker", ["bench", "worker", "--repeats", str(a.worker_repeats)]),
                            ("route", ["bench", "route", "--repeats", str(a.route_repeats), "--no-rpc",
                                       "--no-llama-server"])):
+            if kind not in benches:
+                continue
             load = settle()
             path = a.out / f"{i + 1:02d}-{side}-{kind}.json"
             print(f"run {i + 1}/{len(order)}: {side} ({sha[:12]}) dgr {' '.join(args)}, load {load[0]:.2f}",
@@ -111,6 +117,7 @@ def main() -> int:
                          "file": path.name, "loadavg_before": load, "wall_s": round(time.monotonic() - t0, 1),
                          "ratios": judged(kind, doc)})
     summary: dict = {"schema": "dgr.ab-worker/1", "head": head_sha, "base": base_sha, "order": order,
+                     "benches": benches,
                      "host": {"cpus": os.cpu_count()}, "runs": runs, "medians": {}, "head_minus_base": {}}
     for kind in ("worker", "route"):
         keys = sorted({k for r in runs if r["kind"] == kind for k in r["ratios"]})
