@@ -91,6 +91,9 @@ def main() -> int:
     head_sha = sh(["git", "-C", str(REPO), "rev-parse", "HEAD"])
     base_bin, base_sha = build_base(a.base)
     head_bin = REPO / "build" / "cpu" / "bin" / "dgr-worker"
+    # the head side is this checkout's worker: bring build/cpu up to date first (a no-op when it is)
+    subprocess.run(["ninja", "-C", str(REPO / "build" / "cpu"), "-j2", "dgr-worker"], check=True,
+                   stdout=subprocess.DEVNULL)
     sides = {"head": (head_bin, head_sha), "base": (base_bin, base_sha)}
     a.out.mkdir(parents=True, exist_ok=True)
     order = []
