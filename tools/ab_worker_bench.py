@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from dgr.accept.evidence import settle
+
 REPO = Path(__file__).resolve().parents[1]
 DGR = REPO / ".venv" / "bin" / "dgr"
 WORKER_KEYS = ("server_generation", "stepwise")
@@ -57,13 +59,6 @@ def build_base(commit: str) -> tuple[Path, str]:
     print(f"building the worker of {sha[:12]} in {bdir}", flush=True)
     subprocess.run(["ninja", "-C", str(bdir), "-j2", "dgr-worker"], check=True, stdout=subprocess.DEVNULL)
     return bdir / "bin" / "dgr-worker", sha
-
-
-def settle(limit: float = 0.5, wait_s: float = 300.0) -> list[float]:
-    t0 = time.monotonic()
-    while os.getloadavg()[0] >= limit and time.monotonic() - t0 < wait_s:
-        time.sleep(5)
-    return list(os.getloadavg())
 
 
 def judged(kind: str, doc: dict) -> dict[str, float]:
@@ -108,7 +103,8 @@ def main() -> int:
                                       "--no-llama-server"])):
             if kind not in benches:
                 continue
-            load = settle()
+            settle(limit_s=300.0)   # the release lane's wait for a quiet host (dgr.accept.evidence)
+            load = list(os.getloadavg())
             path = a.out / f"{i + 1:02d}-{side}-{kind}.json"
             print(f"run {i + 1}/{len(order)}: {side} ({sha[:12]}) dgr {' '.join(args)}, load {load[0]:.2f}",
                   flush=True)
